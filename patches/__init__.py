@@ -1,0 +1,25 @@
+"""One patch per diffusers model family; each says where that model's tokens are sharded and which attention
+modules see the whole sequence. Installed as `xstage_dit.patches`."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..sp.plan import SequenceParallelPlan
+from . import flux, wan
+
+_PLANS: dict[type, SequenceParallelPlan] = {**flux.PLANS, **wan.PLANS}
+
+
+def supported_families() -> list[str]:
+    return sorted({f"{plan.family} ({cls.__name__})" for cls, plan in _PLANS.items()})
+
+
+def plan_for(model: nn.Module) -> SequenceParallelPlan:
+    """The plan for `model`'s class; a clear error naming what is supported otherwise."""
+    plan = _PLANS.get(type(model))
+    if plan is None:
+        raise TypeError(
+            f"xstage_dit has no sequence-parallel patch for {type(model).__name__}; "
+            f"supported: {', '.join(supported_families())}"
+        )
+    return plan

@@ -1,0 +1,38 @@
+"""FLUX.1: joint [text, image] attention in dual- and single-stream blocks.
+
+Image tokens and their position ids are split on entry; text tokens stay whole on every rank, so the rotary
+table the model builds from [txt_ids, local img_ids] follows each local token's true position."""
+from __future__ import annotations
+
+from typing import Any
+
+from diffusers import FluxTransformer2DModel
+from torch import nn
+
+from ..sp.plan import SequenceParallelPlan
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [block.attn for block in (*model.transformer_blocks, *model.single_transformer_blocks)]
+
+
+def _check_inputs(arguments: dict[str, Any]) -> None:
+    for name in ("controlnet_block_samples", "controlnet_single_block_samples"):
+        if arguments.get(name) is not None:
+            raise NotImplementedError(f"xstage_dit: Flux with ControlNet residuals ({name}) is not supported yet")
+    if "ip_adapter_image_embeds" in (arguments.get("joint_attention_kwargs") or {}):
+        raise NotImplementedError("xstage_dit: Flux with IP-Adapter is not supported yet")
+
+
+PLANS = {
+    FluxTransformer2DModel: SequenceParallelPlan(
+        family="Flux",
+        dispatch_module="diffusers.models.transformers.transformer_flux",
+        attention_modules=_attention_modules,
+        num_heads=lambda model: model.config.num_attention_heads,
+        # img_ids is (S, 3), or the deprecated (1, S, 3): the sequence is the second-to-last dim either way
+        shard_inputs={"": {"hidden_states": -2, "img_ids": -2}},
+        gather_outputs={"proj_out": -2},
+        check_inputs=_check_inputs,
+    )
+}

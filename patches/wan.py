@@ -1,0 +1,32 @@
+"""Wan 2.1 / 2.2: self-attention over video tokens, cross-attention to text.
+
+Video tokens are split after patch embedding (entry of the first block) together with the rotary table;
+cross-attention then runs locally on each rank's token shard, since every rank holds all text tokens."""
+from __future__ import annotations
+
+from typing import Any
+
+from diffusers import WanTransformer3DModel
+from torch import nn
+
+from ..sp.plan import SequenceParallelPlan
+
+
+def _check_inputs(arguments: dict[str, Any]) -> None:
+    timestep = arguments.get("timestep")
+    if timestep is not None and timestep.ndim == 2:
+        raise NotImplementedError("xstage_dit: Wan 2.2 TI2V per-token timesteps are not supported yet")
+
+
+PLANS = {
+    WanTransformer3DModel: SequenceParallelPlan(
+        family="Wan",
+        dispatch_module="diffusers.models.transformers.transformer_wan",
+        attention_modules=lambda model: [block.attn1 for block in model.blocks],
+        num_heads=lambda model: model.config.num_attention_heads,
+        shard_inputs={"blocks.0": {"hidden_states": 1}},
+        shard_outputs={"rope": {0: 1, 1: 1}},
+        gather_outputs={"proj_out": 1},
+        check_inputs=_check_inputs,
+    )
+}

@@ -1,0 +1,47 @@
+"""Install xstage_dit. The pure-Python package installs anywhere; the CUDA extension in csrc/ is built only
+where torch with CUDA and nvcc are available at build time (``pip install --no-build-isolation -e .``)."""
+import glob
+import os
+
+from setuptools import setup
+
+PACKAGES = ["xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.patches"]
+PACKAGE_DIR = {"xstage_dit.patches": "patches"}
+
+
+def cuda_extensions() -> tuple[list, dict]:
+    """Return (ext_modules, cmdclass) for csrc/, or nothing, with one line saying why, without CUDA."""
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    if not sources:
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        print("xstage_dit: torch is not importable at build time; skipping the optional CUDA extension (csrc/)")
+        return [], {}
+    if torch.version.cuda is None or CUDA_HOME is None:
+        print("xstage_dit: no CUDA toolkit for this torch build; skipping the optional CUDA extension (csrc/)")
+        return [], {}
+    ext = CUDAExtension(
+        "xstage_dit._C",
+        sources,
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]},
+    )
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = cuda_extensions()
+
+setup(
+    name="xstage_dit",
+    version="0.1.0",
+    description="Ulysses sequence-parallel inference for diffusers DiTs with X-Stage-aware fused kernels",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    python_requires=">=3.10",
+    install_requires=["torch>=2.5", "diffusers==0.42.1", "transformers", "accelerate", "tqdm", "pillow"],
+    extras_require={"test": ["pytest"], "bench": ["matplotlib"], "nvshmem": ["nvidia-nvshmem-cu13"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,46 @@
+"""Run a function on N real processes joined by a gloo group started from launcher-style environment
+variables, the way torchrun starts them; fail the calling test with the workers' error or on a deadline."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        fn(*args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 300.0) -> None:
+    """Call fn(*args) on `world_size` spawned processes; re-raise the first worker failure."""
+    context = mp.start_processes(
+        _worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    end = time.monotonic() + deadline_s
+    while not context.join(timeout=1.0):
+        if time.monotonic() > end:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in {deadline_s:.0f}s")

@@ -1,0 +1,95 @@
+"""The parallel pipeline equals the single-process pipeline (float32, CPU, real gloo processes).
+
+Every rank runs the stock pipeline first (its own single-process reference), then the same calls with
+xstage_dit enabled, for batch 1 and 2 and for token counts that do and do not divide by the degree."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import xstage_dit
+from dist_harness import run_on_ranks
+from xstage_dit import zoo
+
+# token counts: "even" divides by 2, 3 and 4; "uneven" (35 = 5 x 7) by none of them
+SIZES = {
+    "tiny-flux": {"even": {"height": 24, "width": 32, "num_frames": 1},   # 6 x 8 = 48 image tokens
+                  "uneven": {"height": 20, "width": 28, "num_frames": 1}},  # 5 x 7
+    "tiny-wan": {"even": {"height": 32, "width": 32, "num_frames": 9},    # 3 frames x 2 x 2 = 12 tokens
+                 "uneven": {"height": 16, "width": 112, "num_frames": 17}},  # 5 frames x 1 x 7
+}
+TOLERANCE = 1e-4
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _last_block(pipe) -> torch.nn.Module:
+    model = pipe.transformer
+    return model.single_transformer_blocks[-1] if hasattr(model, "single_transformer_blocks") else model.blocks[-1]
+
+
+def _pipeline_worker(name: str) -> None:
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    tokens_seen: list[int] = []
+    _last_block(pipe).register_forward_pre_hook(
+        lambda module, args, kwargs: tokens_seen.append((kwargs.get("hidden_states", args[0] if args else None)).shape[1]),
+        with_kwargs=True,
+    )
+
+    def generate(batch: int, size: str) -> tuple[torch.Tensor, int]:
+        tokens_seen.clear()
+        kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=2, guidance=3.0)
+        out = pipe(**kwargs, **zoo.text_embeddings(name, batch, seed=batch), output_type="latent",
+                   generator=torch.Generator().manual_seed(7), return_dict=False)[0]
+        return out, tokens_seen[0]
+
+    cases = [(batch, size) for batch in (1, 2) for size in ("even", "uneven")]
+    stock = {case: generate(*case) for case in cases}
+
+    xstage_dit.enable(pipe, timeout_s=120)
+    degree = torch.distributed.get_world_size()
+    for case in cases:
+        out, tokens = generate(*case)
+        ref, full_tokens = stock[case]
+        error = _relative_error(out, ref)
+        assert error < TOLERANCE, f"{name} N={degree} batch/size={case}: relative error {error:.2e}"
+        assert tokens == math.ceil(full_tokens / degree), f"{name}: a block saw {tokens} of {full_tokens} tokens"
+
+    xstage_dit.disable(pipe)
+    out, tokens = generate(*cases[0])
+    assert torch.equal(out, stock[cases[0]][0]) and tokens == stock[cases[0]][1], "disable did not restore the model"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan"])
+def test_parallel_pipeline_matches_single_process(name: str, world_size: int) -> None:
+    run_on_ranks(world_size, _pipeline_worker, name)
+
+
+def _bare_flux_transformer_worker() -> None:
+    model = zoo.build_pipeline("tiny-flux").transformer
+    generator = torch.Generator().manual_seed(3)
+    image_tokens, text_tokens = 37, 5
+    inputs = {
+        "hidden_states": torch.randn(2, image_tokens, 16, generator=generator),
+        "encoder_hidden_states": torch.randn(2, text_tokens, 32, generator=generator),
+        "pooled_projections": torch.randn(2, 32, generator=generator),
+        "timestep": torch.tensor([0.5, 0.5]),
+        "guidance": torch.tensor([3.5, 3.5]),
+        "img_ids": torch.randn(image_tokens, 3, generator=generator),
+        "txt_ids": torch.zeros(text_tokens, 3),
+    }
+    ref = model(**inputs).sample
+    assert xstage_dit.enable(model, timeout_s=120) is model
+    out = model(**inputs).sample
+    error = _relative_error(out, ref)
+    assert error < TOLERANCE, f"bare Flux transformer: relative error {error:.2e}"
+
+
+def test_bare_transformer_matches_single_process() -> None:
+    run_on_ranks(3, _bare_flux_transformer_worker)

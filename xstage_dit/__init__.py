@@ -1,0 +1,10 @@
+"""xstage_dit: Ulysses sequence-parallel inference for diffusers Diffusion Transformers.
+
+    pipe = xstage_dit.enable(pipe)   # under torchrun: every rank runs its share of the sequence
+"""
+from .api import disable, enable, is_main_process
+from .config import XStageConfig
+from .sp.backends import available_backends
+
+__all__ = ["enable", "disable", "is_main_process", "available_backends", "XStageConfig"]
+__version__ = "0.1.0"

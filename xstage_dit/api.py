@@ -1,0 +1,126 @@
+"""enable / disable / is_main_process: the public entry points."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import ModelMixin
+from torch import nn
+
+from . import patches
+from .config import XStageConfig
+from .logging_utils import logger
+from .runtime import build_groups, ensure_process_group, world_from_env
+from .sp import reference  # noqa: F401  (registers the reference backend)
+from .sp.attention import UlyssesAttention
+from .sp.backends import resolve_backend
+from .sp.plan import AppliedPlan
+from .sp.sharding import SequenceShard
+
+_STATE_ATTR = "_xstage_dit_applied"
+_TRANSFORMER_ATTRS = ("transformer", "transformer_2")
+
+
+def _transformers_of(target: Any) -> list[nn.Module]:
+    if isinstance(target, ModelMixin):
+        return [target]
+    found = [getattr(target, name, None) for name in _TRANSFORMER_ATTRS]
+    found = [model for model in found if model is not None]
+    if not found:
+        raise TypeError(
+            f"xstage_dit.enable expects a diffusers pipeline with a `transformer` or a diffusers transformer model, "
+            f"got {type(target).__name__}"
+        )
+    return found
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _resolve_config(
+    models: list[nn.Module], ulysses_degree: int | None, cfg_degree: int, backend: str, timeout_s: float
+) -> XStageConfig:
+    """Check every argument against the job and the models, before any collective."""
+    world_size, _ = world_from_env()
+    if cfg_degree < 1 or (ulysses_degree is not None and ulysses_degree < 1):
+        raise ValueError(f"degrees must be >= 1, got ulysses_degree={ulysses_degree}, cfg_degree={cfg_degree}")
+    if cfg_degree > world_size:
+        raise ValueError(f"cfg_degree={cfg_degree} is larger than the world size {world_size}")
+    if ulysses_degree is None:
+        ulysses_degree = world_size // cfg_degree
+    if ulysses_degree > world_size:
+        raise ValueError(f"ulysses_degree={ulysses_degree} is larger than the world size {world_size}")
+    if cfg_degree * ulysses_degree != world_size:
+        raise ValueError(
+            f"cfg_degree ({cfg_degree}) x ulysses_degree ({ulysses_degree}) must equal the world size ({world_size})"
+        )
+    if cfg_degree != 1:
+        raise NotImplementedError("xstage_dit: cfg_degree > 1 (CFG parallelism) is not implemented yet")
+    for model in models:
+        heads = patches.plan_for(model).num_heads(model)
+        if heads % ulysses_degree:
+            working = [d for d in _divisors(heads) if world_size % d == 0]
+            raise ValueError(
+                f"{type(model).__name__} has {heads} attention heads, which ulysses_degree={ulysses_degree} "
+                f"cannot split; degrees that divide {heads} and the world size {world_size}: {working}"
+            )
+    return XStageConfig(ulysses_degree, cfg_degree, resolve_backend(backend), timeout_s)
+
+
+def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.device) -> None:
+    """Under torchrun every rank must own its GPU; a pipeline put on "cuda" lands on cuda:0 on every rank."""
+    current = next(models[0].parameters()).device
+    if current.type == "cuda" and current != device:
+        logger.info("moving the pipeline from %s to this rank's %s", current, device)
+        target.to(device)
+
+
+def enable(
+    pipe: Any,
+    *,
+    ulysses_degree: int | None = None,
+    cfg_degree: int = 1,
+    backend: str = "auto",
+    timeout_s: float = 600.0,
+) -> Any:
+    """Run `pipe`'s transformer(s) with Ulysses sequence parallelism across the job's ranks; returns `pipe`.
+
+    `pipe` is a diffusers pipeline (its `transformer` and `transformer_2` are patched) or a bare diffusers
+    transformer. Under torchrun / accelerate the default process group is started if the caller has not;
+    in a single process the model runs unsplit with xstage_dit's attention. Every rank must make the same
+    calls with the same inputs; every rank gets the whole result."""
+    models = _transformers_of(pipe)
+    for model in models:
+        if hasattr(model, _STATE_ATTR):
+            raise RuntimeError(f"xstage_dit.enable was already called on this {type(model).__name__}")
+    config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s)
+    ensure_process_group(config.timeout_s)
+    groups = build_groups(config.ulysses_degree)
+    _move_to_rank_device(pipe, models, groups.device)
+    for model in models:
+        plan = patches.plan_for(model)
+        shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
+        setattr(model, _STATE_ATTR, AppliedPlan(model, plan, UlyssesAttention(shard, config.backend)))
+    if hasattr(pipe, "set_progress_bar_config") and not is_main_process():
+        pipe.set_progress_bar_config(disable=True)
+    logger.info(
+        "xstage_dit enabled on %s: ulysses_degree=%d, backend=%s",
+        ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.backend,
+    )
+    return pipe
+
+
+def disable(pipe: Any) -> Any:
+    """Undo `enable`: hooks, processors and attention routing are restored exactly. The process group stays."""
+    for model in _transformers_of(pipe):
+        applied = getattr(model, _STATE_ATTR, None)
+        if applied is not None:
+            applied.remove()
+            delattr(model, _STATE_ATTR)
+    return pipe
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 and in a single process: the rank that shows progress and writes files."""
+    return world_from_env()[1] == 0

@@ -1,0 +1,20 @@
+"""The one dataclass of user-facing knobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class XStageConfig:
+    """What `xstage_dit.enable` was asked for, after defaults are resolved.
+
+    ulysses_degree: ranks that split one sequence (Ulysses sequence parallelism).
+    cfg_degree: groups of ranks that split the classifier-free-guidance branches.
+    backend: how Ulysses moves data; see `xstage_dit.sp.backends.available_backends()`.
+    timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
+    """
+
+    ulysses_degree: int
+    cfg_degree: int = 1
+    backend: str = "auto"
+    timeout_s: float = 600.0

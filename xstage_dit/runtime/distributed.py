@@ -1,0 +1,65 @@
+"""torch.distributed set-up: start the default group from the launcher's environment when the user has not,
+and derive the Ulysses group for the requested degrees."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..logging_utils import logger
+
+# NVLink multicast (NVLS) can take shared hosts' GPUs out of service; keep it off in every process we start.
+_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The ranks this process works with. `ulysses_group` is None in a single process."""
+
+    world_size: int
+    rank: int
+    ulysses_degree: int
+    ulysses_rank: int
+    ulysses_group: dist.ProcessGroup | None
+    device: torch.device
+
+
+def world_from_env() -> tuple[int, int]:
+    """(world size, rank) of the running job: the live default group, else the launcher's variables, else (1, 0)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def local_device() -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def ensure_process_group(timeout_s: float) -> None:
+    """Start the default process group from the launcher's environment unless one is running or the job has one
+    process. NCCL on GPUs, gloo on CPU; every collective is bounded by `timeout_s`."""
+    for key, value in _SAFE_ENV.items():
+        os.environ.setdefault(key, value)
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    logger.info("started process group: %s, world size %d", backend, dist.get_world_size())
+
+
+def build_groups(ulysses_degree: int) -> ParallelGroups:
+    """The Ulysses group of this rank. Degrees were validated by the caller before any collective."""
+    world_size, rank = world_from_env()
+    device = local_device()
+    if world_size == 1:
+        return ParallelGroups(1, 0, 1, 0, None, device)
+    return ParallelGroups(world_size, rank, ulysses_degree, rank, dist.group.WORLD, device)

@@ -1,0 +1,1 @@
+"""Sequence-parallel core: token sharding, Ulysses attention and its backends, plans applied to models."""

@@ -1,0 +1,125 @@
+"""Sequence-parallel plans: a model family's patch says *where* tokens are split and gathered and *which*
+attention modules see the whole sequence; this module applies such a plan to a model with forward hooks
+and takes it off again."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import routing
+from .attention import UlyssesAttention
+from .sharding import SequenceShard
+
+
+@dataclass(frozen=True)
+class SequenceParallelPlan:
+    """A model family's sequence-parallel plan.
+
+    shard_inputs: module path ("" is the model) -> {forward argument name: sequence dim} to split on entry.
+    shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables).
+    gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence.
+    attention_modules: the attention modules whose processors must see the whole sequence.
+    num_heads: attention heads per layer, to check the Ulysses degree.
+    dispatch_module: the diffusers module whose `dispatch_attention_fn` the processors call.
+    check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
+    """
+
+    family: str
+    dispatch_module: str
+    attention_modules: Callable[[nn.Module], list[nn.Module]]
+    num_heads: Callable[[nn.Module], int]
+    shard_inputs: dict[str, dict[str, int]] = field(default_factory=dict)
+    shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
+    gather_outputs: dict[str, int] = field(default_factory=dict)
+    check_inputs: Callable[[dict[str, Any]], None] | None = None
+
+
+def _argument_positions(module: nn.Module) -> dict[str, int]:
+    return {name: i for i, name in enumerate(inspect.signature(module.forward).parameters)}
+
+
+def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, int]):
+    positions = _argument_positions(module)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        args = list(args)
+        for name, dim in dims.items():
+            # split the argument where the caller put it: by keyword or by position
+            if kwargs.get(name) is not None:
+                kwargs[name] = shard.shard(kwargs[name], dim)
+            elif positions[name] < len(args) and args[positions[name]] is not None:
+                args[positions[name]] = shard.shard(args[positions[name]], dim)
+        return tuple(args), kwargs
+
+    return hook
+
+
+def _check_inputs_hook(module: nn.Module, check: Callable[[dict[str, Any]], None]):
+    signature = inspect.signature(module.forward)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        check(dict(signature.bind_partial(*args, **kwargs).arguments))
+
+    return hook
+
+
+def _shard_outputs_hook(shard: SequenceShard, dims: dict[int, int]):
+    def hook(module: nn.Module, args: tuple, output: Any):
+        items = list(output)
+        for index, dim in dims.items():
+            items[index] = shard.shard(items[index], dim)
+        return type(output)(items)
+
+    return hook
+
+
+def _gather_output_hook(shard: SequenceShard, dim: int):
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return shard.gather(output, dim)
+
+    return hook
+
+
+class AppliedPlan:
+    """A plan applied to one model; `remove()` restores the model exactly."""
+
+    def __init__(self, model: nn.Module, plan: SequenceParallelPlan, attention: UlyssesAttention) -> None:
+        self.plan = plan
+        self.attention = attention
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._processors: list[tuple[Any, bool, Any]] = []
+
+        shard = attention.shard
+        if plan.check_inputs is not None:
+            self._hooks.append(model.register_forward_pre_hook(
+                _check_inputs_hook(model, plan.check_inputs), with_kwargs=True
+            ))
+        if shard.degree > 1:
+            for path, dims in plan.shard_inputs.items():
+                module = model.get_submodule(path)
+                hook = _shard_inputs_hook(module, shard, dims)
+                self._hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            for path, dims in plan.shard_outputs.items():
+                self._hooks.append(model.get_submodule(path).register_forward_hook(_shard_outputs_hook(shard, dims)))
+            for path, dim in plan.gather_outputs.items():
+                self._hooks.append(model.get_submodule(path).register_forward_hook(_gather_output_hook(shard, dim)))
+        for module in plan.attention_modules(model):
+            processor = module.processor
+            had_own = "_parallel_config" in vars(processor)
+            self._processors.append((processor, had_own, vars(processor).get("_parallel_config")))
+            processor._parallel_config = attention
+        routing.route(plan.dispatch_module)
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        for processor, had_own, previous in reversed(self._processors):
+            if had_own:
+                processor._parallel_config = previous
+            else:
+                vars(processor).pop("_parallel_config", None)
+        routing.unroute(self.plan.dispatch_module)

@@ -1,0 +1,55 @@
+"""Split a token sequence across the Ulysses group and put it back together.
+
+Lengths that do not divide by the degree are padded at the tail of the sequence: every rank holds
+ceil(S/N) tokens and the last ranks hold the padding. Lengths come from tensor shapes (Python ints), so
+sharding never synchronises the host with the device."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def _all_gather_into(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # torch >= 2.13 renamed all_gather_into_tensor to all_gather_single; the device image runs 2.11.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    with torch.no_grad():  # inference only: collectives are not differentiable
+        gather(output, local, group=group)
+
+
+class SequenceShard:
+    """The token split of the current forward pass, shared by every shard/gather point and every attention
+    layer of one model. `seq_len` is set by the first tensor sharded in a forward."""
+
+    def __init__(self, degree: int, rank: int, group: dist.ProcessGroup | None) -> None:
+        self.degree = degree
+        self.rank = rank
+        self.group = group
+        self.seq_len = 0
+
+    @property
+    def local_len(self) -> int:
+        """Tokens each rank holds, padding included."""
+        return -(-self.seq_len // self.degree)
+
+    @property
+    def padded_len(self) -> int:
+        return self.local_len * self.degree
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous chunk of `x` along `dim`, zero-padded at the sequence tail."""
+        dim = dim % x.dim()
+        self.seq_len = x.shape[dim]
+        pad = self.padded_len - self.seq_len
+        if pad:
+            widths = [0, 0] * (x.dim() - dim - 1) + [0, pad]
+            x = F.pad(x, widths)
+        return x.narrow(dim, self.rank * self.local_len, self.local_len).contiguous()
+
+    def gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole sequence along `dim` from every rank's chunk, padding removed."""
+        dim = dim % local.dim()
+        front = local.movedim(dim, 0).contiguous()
+        full = front.new_empty((self.degree * front.shape[0], *front.shape[1:]))
+        _all_gather_into(full, front, self.group)
+        return full[: self.seq_len].movedim(0, dim)
