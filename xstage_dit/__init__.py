@@ -4,7 +4,8 @@
 """
 from .api import disable, enable, is_main_process
 from .config import XStageConfig
+from .runtime.distributed import local_device
 from .sp.backends import available_backends
 
-__all__ = ["enable", "disable", "is_main_process", "available_backends", "XStageConfig"]
+__all__ = ["enable", "disable", "is_main_process", "local_device", "available_backends", "XStageConfig"]
 __version__ = "0.1.0"

@@ -172,6 +172,17 @@ def text_embeddings(name: str, batch: int, seed: int, device: torch.device | str
     return kwargs
 
 
+def image_tokens(name: str, *, height: int, width: int, num_frames: int) -> int:
+    """Image/video tokens the transformer sees for this output size."""
+    entry = ZOO[name]
+    if entry.family == "flux":
+        pixels_per_token = 2 * 2 ** (len(entry.vae["block_out_channels"]) - 1)  # VAE downsampling, 2x2 packing
+        return (height // pixels_per_token) * (width // pixels_per_token)
+    spatial = 2 ** len(entry.vae["temperal_downsample"]) * entry.transformer["patch_size"][1]
+    latent_frames = (num_frames - 1) // 2 ** sum(entry.vae["temperal_downsample"]) + 1
+    return latent_frames * (height // spatial) * (width // spatial)
+
+
 def call_kwargs(name: str, *, height: int, width: int, num_frames: int, steps: int, guidance: float
                 ) -> dict[str, Any]:
     """Pipeline kwargs for size, steps and classifier-free guidance (Flux: true CFG; Wan: CFG)."""

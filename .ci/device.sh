@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU checks of the project, for the device machine (one H200): install, GPU tests, end-to-end benchmark.
+# Run from the repository root with .whl carried (../shared/device/wheels.sh fetches it). Results go to $OUT.
+#   bash .ci/device.sh [bench_e2e args...]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+# offline: no build isolation (setuptools and torch come from the image); builds csrc/ where it has sources
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
+python3 examples/bench_e2e.py --out "$OUT/e2e-h200" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -20

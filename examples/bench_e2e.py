@@ -1,0 +1,177 @@
+"""End-to-end latency of diffusers pipelines, stock versus xstage_dit, measured side by side in one run.
+
+    python examples/bench_e2e.py --config flux-dev wan-1.3b --out docs/benchmarks/e2e-h200
+    torchrun --nproc_per_node 8 examples/bench_e2e.py --config wan-14b --out docs/benchmarks/e2e-h200x8
+
+Pipelines are built from the released models' configs with random weights and random text embeddings of the
+real shapes (no text encoders). Every variant runs the same calls on the same pipeline, interleaved
+(stock, xstage, stock, xstage, ...) so that drift of the machine hits both alike. Per step: median wall time
+between step-end callbacks; end to end: one pipeline call (denoising loop, and VAE decode with --decode).
+"stock" runs only in a one-process job: with several ranks it would just repeat the one-GPU work.
+Writes OUT.json (appending records), OUT.md (table) and OUT.png (plot) on the main rank."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import diffusers
+import torch
+
+import xstage_dit
+from xstage_dit import zoo
+from xstage_dit.runtime import world_from_env
+
+from step_timer import StepTimer
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", nargs="+", default=["flux-dev"], choices=sorted(zoo.ZOO))
+    parser.add_argument("--height", type=int, help="default: the config's native resolution")
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--num-frames", type=int)
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps per timed call")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per variant (after one warm-up)")
+    parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale; >1 doubles transformer calls")
+    parser.add_argument("--backend", nargs="+", default=["reference"], help="xstage_dit backends to time")
+    parser.add_argument("--decode", action="store_true", help="include the VAE decode in end-to-end time")
+    parser.add_argument("--out", default="bench-e2e", help="output path prefix (.json, .md, .png)")
+    return parser.parse_args()
+
+
+def environment() -> dict[str, str]:
+    device = xstage_dit.local_device()
+    return {
+        "card": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", *sys.argv]),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "diffusers": diffusers.__version__,
+        "xstage_dit": xstage_dit.__version__,
+    }
+
+
+def time_call(pipe, call: dict, device: torch.device) -> tuple[list[float], float]:
+    timer = StepTimer(device)
+    timer.start()
+    pipe(**call, callback_on_step_end=timer)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return timer.step_seconds, timer.total_seconds
+
+
+def bench_config(name: str, args: argparse.Namespace, world_size: int) -> list[dict]:
+    device = xstage_dit.local_device()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    entry = zoo.ZOO[name]
+    size = {"height": args.height or entry.height, "width": args.width or entry.width,
+            "num_frames": args.num_frames or entry.num_frames}
+    pipe = zoo.build_pipeline(name, device=device, dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    call = zoo.call_kwargs(name, **size, steps=args.steps, guidance=args.guidance)
+    call.update(zoo.text_embeddings(name, 1, seed=0, device=device, dtype=dtype))
+    call.update(generator=torch.Generator().manual_seed(0), output_type="pil" if args.decode else "latent")
+
+    variants = (["stock"] if world_size == 1 else []) + [f"xstage-{b}" for b in args.backend]
+    samples: dict[str, dict[str, list]] = {v: {"steps": [], "totals": [], "peak": []} for v in variants}
+    for repeat in range(args.repeats + 1):  # repeat 0 warms up every variant
+        for variant in variants:
+            if variant != "stock":
+                xstage_dit.enable(pipe, backend=variant.removeprefix("xstage-"))
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            steps, total = time_call(pipe, call, device)
+            if repeat:
+                samples[variant]["steps"] += steps
+                samples[variant]["totals"].append(total)
+                if device.type == "cuda":
+                    samples[variant]["peak"].append(torch.cuda.max_memory_allocated(device) / 2**30)
+            if variant != "stock":
+                xstage_dit.disable(pipe)
+    del pipe
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    tokens = zoo.image_tokens(name, **size)
+    records = []
+    baseline = statistics.median(samples[variants[0]]["steps"])
+    for variant in variants:
+        step = statistics.median(samples[variant]["steps"])
+        records.append({
+            "config": name, **size, "tokens": tokens, "world_size": world_size, "variant": variant,
+            "steps_per_call": args.steps, "guidance": args.guidance, "decode": args.decode,
+            "step_ms": step * 1e3, "step_ms_all": [s * 1e3 for s in samples[variant]["steps"]],
+            "e2e_s": statistics.median(samples[variant]["totals"]),
+            "peak_gib": max(samples[variant]["peak"], default=None),
+            "ratio_to_first_variant": step / baseline, "first_variant": variants[0],
+            **environment(),
+        })
+    return records
+
+
+def write_outputs(records: list[dict], prefix: Path) -> None:
+    json_path = prefix.with_suffix(".json")
+    previous = json.loads(json_path.read_text()) if json_path.exists() else []
+    json_path.write_text(json.dumps(previous + records, indent=1) + "\n")
+    rows = previous + records
+    env = records[0]
+    lines = [
+        f"# End-to-end latency: {env['card']}, {env['date']}",
+        "",
+        f"torch {env['torch']} (CUDA {env['cuda']}), diffusers {env['diffusers']}, xstage_dit {env['xstage_dit']}. "
+        "Random weights, real configs; medians over interleaved repeats.",
+        "",
+        "| config | size (h×w×frames) | tokens | ranks | variant | per step (ms) | ratio | end to end (s) | peak (GiB) | command |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        lines.append(
+            f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['tokens']} | {r['world_size']} | "
+            f"{r['variant']} | {r['step_ms']:.1f} | {r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
+            f"{r['e2e_s']:.2f} | {peak} | `{r['command']}` |"
+        )
+    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(rows, prefix.with_suffix(".png"))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['config']}\n{r['variant']}\n{r['world_size']} rank(s)" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+    ax.bar(range(len(rows)), [r["step_ms"] for r in rows], color="tab:blue")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("per-step latency (ms)")
+    ax.set_title(f"bench_e2e on {rows[-1]['card']} ({rows[-1]['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    args = parse_args()
+    device = xstage_dit.local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    world_size, _ = world_from_env()
+    records = [record for name in args.config for record in bench_config(name, args, world_size)]
+    if xstage_dit.is_main_process():
+        prefix = Path(args.out)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        write_outputs(records, prefix)
+        for r in records:
+            print(f"{r['config']:>9} {r['variant']:>18} ranks={r['world_size']} step {r['step_ms']:9.1f} ms "
+                  f"ratio {r['ratio_to_first_variant']:.3f} e2e {r['e2e_s']:.2f} s peak {r['peak_gib']} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The public API in one process: argument checks that must fail before any collective, and exact restore."""
+from __future__ import annotations
+
+import diffusers
+import pytest
+import torch
+from diffusers.models.transformers import transformer_flux
+
+import xstage_dit
+from xstage_dit import zoo
+from xstage_dit.sp.sharding import SequenceShard
+
+
+@pytest.fixture(scope="module")
+def flux_pipe():
+    return zoo.build_pipeline("tiny-flux")
+
+
+@pytest.fixture
+def world(monkeypatch):
+    """Pretend to be rank 0 of a launched job without starting a group: every check must fail before one."""
+    def set_world(size: int) -> None:
+        monkeypatch.setenv("WORLD_SIZE", str(size))
+        monkeypatch.setenv("RANK", "0")
+    return set_world
+
+
+def test_unsupported_pipeline_is_refused():
+    with pytest.raises(TypeError, match="expects a diffusers pipeline"):
+        xstage_dit.enable(object())
+
+
+def test_unsupported_transformer_names_supported_families():
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+    )
+    with pytest.raises(TypeError, match=r"no sequence-parallel patch for SD3Transformer2DModel; supported: Flux"):
+        xstage_dit.enable(model)
+
+
+def test_heads_that_cannot_be_split_name_working_degrees(flux_pipe, world):
+    world(8)  # tiny-flux has 12 heads
+    with pytest.raises(ValueError, match=r"12 attention heads.*ulysses_degree=8.*: \[1, 2, 4\]"):
+        xstage_dit.enable(flux_pipe)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"ulysses_degree": 8}, "larger than the world size 4"),
+        ({"ulysses_degree": 2}, r"cfg_degree \(1\) x ulysses_degree \(2\) must equal the world size \(4\)"),
+        ({"cfg_degree": 0}, "degrees must be >= 1"),
+        ({"backend": "nope"}, "unknown xstage_dit backend 'nope'"),
+    ],
+)
+def test_bad_degrees_and_backends(flux_pipe, world, kwargs, message):
+    world(4)
+    with pytest.raises(ValueError, match=message):
+        xstage_dit.enable(flux_pipe, **kwargs)
+    assert not torch.distributed.is_initialized()
+
+
+def test_enable_twice_is_refused_and_disable_restores_exactly(flux_pipe):
+    model = flux_pipe.transformer
+    original_dispatch = transformer_flux.dispatch_attention_fn
+    processors = [block.attn.processor for block in model.transformer_blocks]
+    xstage_dit.enable(flux_pipe)
+    try:
+        assert transformer_flux.dispatch_attention_fn is not original_dispatch
+        assert all(p._parallel_config is not None for p in processors)
+        with pytest.raises(RuntimeError, match="already called"):
+            xstage_dit.enable(flux_pipe)
+    finally:
+        xstage_dit.disable(flux_pipe)
+    assert transformer_flux.dispatch_attention_fn is original_dispatch
+    assert all("_parallel_config" not in vars(p) for p in processors)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_single_process_output_is_unchanged(flux_pipe):
+    kwargs = zoo.call_kwargs("tiny-flux", height=20, width=28, num_frames=1, steps=2, guidance=2.0)
+
+    def generate():
+        return flux_pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=0), output_type="latent",
+                         generator=torch.Generator().manual_seed(0), return_dict=False)[0]
+
+    stock = generate()
+    xstage_dit.enable(flux_pipe)
+    try:
+        assert xstage_dit.is_main_process()
+        torch.testing.assert_close(generate(), stock, rtol=1e-5, atol=1e-6)
+    finally:
+        xstage_dit.disable(flux_pipe)
+
+
+@pytest.mark.parametrize("length, degree", [(12, 4), (35, 4), (5, 3), (2, 4)])
+def test_shards_cover_the_sequence_in_order_with_tail_padding(length, degree):
+    x = torch.arange(length * 2.0).reshape(1, length, 2)
+    chunks = [SequenceShard(degree, rank, group=None).shard(x, dim=1) for rank in range(degree)]
+    local = -(-length // degree)
+    assert all(chunk.shape == (1, local, 2) for chunk in chunks)
+    joined = torch.cat(chunks, dim=1)
+    torch.testing.assert_close(joined[:, :length], x)
+    assert not joined[:, length:].any()
