@@ -4,12 +4,15 @@
 #   bash .ci/device.sh [bench_e2e args...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
+REPO=$PWD; OUT=${OUT:-$REPO/out}; mkdir -p "$OUT"
+# offline machine: wheels from .whl, and the project built without build isolation (setuptools and torch come
+# from the image; csrc/ is compiled here when it has sources)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \
+  || { tail -30 "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/site
-# offline: no build isolation (setuptools and torch come from the image); builds csrc/ where it has sources
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+cd /tmp  # import the installed package, not the checkout (which lacks xstage_dit.patches)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
-python3 examples/bench_e2e.py --out "$OUT/e2e-h200" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -20
+python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests" 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
+python3 "$REPO/examples/bench_e2e.py" --out "$OUT/e2e-h200" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -20
