@@ -11,9 +11,6 @@ PACKAGE_DIR = {"xstage_dit.patches": "patches"}
 
 def cuda_extensions() -> tuple[list, dict]:
     """Return (ext_modules, cmdclass) for csrc/, or nothing, with one line saying why, without CUDA."""
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    if not sources:
-        return [], {}
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
@@ -22,6 +19,9 @@ def cuda_extensions() -> tuple[list, dict]:
         return [], {}
     if torch.version.cuda is None or CUDA_HOME is None:
         print("xstage_dit: no CUDA toolkit for this torch build; skipping the optional CUDA extension (csrc/)")
+        return [], {}
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    if not sources:
         return [], {}
     ext = CUDAExtension(
         "xstage_dit._C",

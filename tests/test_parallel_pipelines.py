@@ -17,6 +17,8 @@ from xstage_dit import zoo
 SIZES = {
     "tiny-flux": {"even": {"height": 24, "width": 32, "num_frames": 1},   # 6 x 8 = 48 image tokens
                   "uneven": {"height": 20, "width": 28, "num_frames": 1}},  # 5 x 7
+    "tiny-wan2.2": {"even": {"height": 32, "width": 32, "num_frames": 9},
+                    "uneven": {"height": 16, "width": 112, "num_frames": 17}},
     "tiny-wan": {"even": {"height": 32, "width": 32, "num_frames": 9},    # 3 frames x 2 x 2 = 12 tokens
                  "uneven": {"height": 16, "width": 112, "num_frames": 17}},  # 5 frames x 1 x 7
 }
@@ -27,26 +29,31 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def _last_block(pipe) -> torch.nn.Module:
-    model = pipe.transformer
-    return model.single_transformer_blocks[-1] if hasattr(model, "single_transformer_blocks") else model.blocks[-1]
+def _last_blocks(pipe) -> list[torch.nn.Module]:
+    """The last transformer block of every transformer of the pipeline (Wan 2.2 has two)."""
+    models = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
+    return [m.single_transformer_blocks[-1] if hasattr(m, "single_transformer_blocks") else m.blocks[-1]
+            for m in models]
 
 
 def _pipeline_worker(name: str) -> None:
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
-    tokens_seen: list[int] = []
-    _last_block(pipe).register_forward_pre_hook(
-        lambda module, args, kwargs: tokens_seen.append((kwargs.get("hidden_states", args[0] if args else None)).shape[1]),
-        with_kwargs=True,
-    )
+    # tokens that reach each transformer's last block, per call: proves the sequence is really split
+    tokens_seen: dict[int, set[int]] = {}
+    for index, block in enumerate(_last_blocks(pipe)):
+        block.register_forward_pre_hook(
+            lambda module, args, kwargs, index=index: tokens_seen.setdefault(index, set()).add(
+                kwargs.get("hidden_states", args[0] if args else None).shape[1]),
+            with_kwargs=True,
+        )
 
-    def generate(batch: int, size: str) -> tuple[torch.Tensor, int]:
+    def generate(batch: int, size: str) -> tuple[torch.Tensor, dict[int, set[int]]]:
         tokens_seen.clear()
-        kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=2, guidance=3.0)
+        kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=3, guidance=3.0)
         out = pipe(**kwargs, **zoo.text_embeddings(name, batch, seed=batch), output_type="latent",
                    generator=torch.Generator().manual_seed(7), return_dict=False)[0]
-        return out, tokens_seen[0]
+        return out, dict(tokens_seen)
 
     cases = [(batch, size) for batch in (1, 2) for size in ("even", "uneven")]
     stock = {case: generate(*case) for case in cases}
@@ -58,15 +65,19 @@ def _pipeline_worker(name: str) -> None:
         ref, full_tokens = stock[case]
         error = _relative_error(out, ref)
         assert error < TOLERANCE, f"{name} N={degree} batch/size={case}: relative error {error:.2e}"
-        assert tokens == math.ceil(full_tokens / degree), f"{name}: a block saw {tokens} of {full_tokens} tokens"
+        (full,) = set.union(*full_tokens.values())
+        expected = {index: {math.ceil(full / degree)} for index in full_tokens}
+        assert tokens == expected, f"{name}: transformers' blocks saw {tokens} tokens of {full}"
 
     xstage_dit.disable(pipe)
     out, tokens = generate(*cases[0])
     assert torch.equal(out, stock[cases[0]][0]) and tokens == stock[cases[0]][1], "disable did not restore the model"
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan"])
+@pytest.mark.parametrize(
+    "name, world_size",
+    [(name, n) for name in ("tiny-flux", "tiny-wan") for n in (2, 3, 4)] + [("tiny-wan2.2", 2)],
+)
 def test_parallel_pipeline_matches_single_process(name: str, world_size: int) -> None:
     run_on_ranks(world_size, _pipeline_worker, name)
 

@@ -4,6 +4,7 @@ No weights or tokenizers are downloaded: text encoders are left out and text emb
 with the real shapes. "tiny-*" configs run in seconds on a CPU; the others are the released models' configs."""
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,6 +37,7 @@ class ZooEntry:
     width: int = 1024
     num_frames: int = 1
     scheduler: dict[str, Any] = field(default_factory=dict)
+    boundary_ratio: float | None = None  # Wan 2.2: a second transformer denoises below this noise level
 
     @property
     def is_video(self) -> bool:
@@ -107,6 +109,8 @@ ZOO: dict[str, ZooEntry] = {
     ),
 }
 
+ZOO["tiny-wan2.2"] = dataclasses.replace(ZOO["tiny-wan"], boundary_ratio=0.9)
+
 
 def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                    seed: int = 0) -> DiffusionPipeline:
@@ -116,23 +120,31 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
     torch.manual_seed(seed)
     with torch.device(device):
         transformer = _in_dtype(dtype, lambda: _TRANSFORMERS[entry.family](**entry.transformer))
+        transformer_2 = None
+        if entry.boundary_ratio is not None:
+            transformer_2 = _in_dtype(dtype, lambda: _TRANSFORMERS[entry.family](**entry.transformer))
         # the Wan VAE stays in float32, as diffusers' Wan examples keep it
         vae_dtype = dtype if entry.family == "flux" else torch.float32
         vae = _in_dtype(vae_dtype, lambda: _VAES[entry.family](**entry.vae))
-    # what diffusers' from_pretrained keeps in float32 whatever the dtype asked for
-    keep_fp32 = set(transformer._keep_in_fp32_modules or [])
-    for tensor_name, tensor in (*transformer.named_parameters(), *transformer.named_buffers()):
-        if keep_fp32 & set(tensor_name.split(".")) and tensor.is_floating_point():
-            tensor.data = tensor.data.float()
+    for model in filter(None, (transformer, transformer_2)):
+        _keep_fp32_modules(model)
     if entry.family == "flux":
         return FluxPipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(**entry.scheduler), vae=vae, transformer=transformer,
             text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
         )
     return WanPipeline(
-        tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
-        scheduler=UniPCMultistepScheduler(**entry.scheduler),
+        tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, transformer_2=transformer_2,
+        scheduler=UniPCMultistepScheduler(**entry.scheduler), boundary_ratio=entry.boundary_ratio,
     )
+
+
+def _keep_fp32_modules(model: torch.nn.Module) -> None:
+    """Keep in float32 what diffusers' from_pretrained keeps there whatever the dtype asked for."""
+    keep = set(model._keep_in_fp32_modules or [])
+    for tensor_name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if keep & set(tensor_name.split(".")) and tensor.is_floating_point():
+            tensor.data = tensor.data.float()
 
 
 _TRANSFORMERS = {"flux": FluxTransformer2DModel, "wan": WanTransformer3DModel}
