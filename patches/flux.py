@@ -9,7 +9,10 @@ from typing import Any
 from diffusers import FluxTransformer2DModel
 from torch import nn
 
+from ..cfg_parallel import PAIRS, CfgPlan
+from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
+from . import guidance
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -27,9 +30,14 @@ def _check_inputs(arguments: dict[str, Any]) -> None:
 PLANS = {
     FluxTransformer2DModel: SequenceParallelPlan(
         family="Flux",
-        dispatch_module="diffusers.models.transformers.transformer_flux",
+        call_site=("diffusers.models.transformers.transformer_flux", routing.DISPATCH),
         attention_modules=_attention_modules,
         num_heads=lambda model: model.config.num_attention_heads,
+        cfg=CfgPlan(
+            PAIRS,
+            output_shape=lambda model, shape: (*shape[:-1], model.proj_out.out_features),
+            pipeline_uses_cfg=guidance.true_cfg_with_pooled_negatives,
+        ),
         # img_ids is (S, 3), or the deprecated (1, S, 3): the sequence is the second-to-last dim either way
         shard_inputs={"": {"hidden_states": -2, "img_ids": -2}},
         gather_outputs={"proj_out": -2},

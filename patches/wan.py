@@ -9,7 +9,10 @@ from typing import Any
 from diffusers import WanTransformer3DModel
 from torch import nn
 
+from ..cfg_parallel import PAIRS, CfgPlan
+from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
+from . import guidance
 
 
 def _check_inputs(arguments: dict[str, Any]) -> None:
@@ -21,9 +24,14 @@ def _check_inputs(arguments: dict[str, Any]) -> None:
 PLANS = {
     WanTransformer3DModel: SequenceParallelPlan(
         family="Wan",
-        dispatch_module="diffusers.models.transformers.transformer_wan",
+        call_site=("diffusers.models.transformers.transformer_wan", routing.DISPATCH),
         attention_modules=lambda model: [block.attn1 for block in model.blocks],
         num_heads=lambda model: model.config.num_attention_heads,
+        cfg=CfgPlan(
+            PAIRS,
+            output_shape=lambda model, shape: (shape[0], model.config.out_channels, *shape[2:]),
+            pipeline_uses_cfg=guidance.guidance_above_one,
+        ),
         shard_inputs={"blocks.0": {"hidden_states": 1}},
         shard_outputs={"rope": {0: 1, 1: 1}},
         gather_outputs={"proj_out": 1},

@@ -64,18 +64,18 @@ def test_bad_degrees_and_backends(flux_pipe, world, kwargs, message):
 def test_enable_twice_is_refused_and_disable_restores_exactly(flux_pipe):
     model = flux_pipe.transformer
     original_dispatch = transformer_flux.dispatch_attention_fn
-    processors = [block.attn.processor for block in model.transformer_blocks]
+    attention = [block.attn for block in model.transformer_blocks]
     xstage_dit.enable(flux_pipe)
     try:
         assert transformer_flux.dispatch_attention_fn is not original_dispatch
-        assert all(p._parallel_config is not None for p in processors)
+        assert all(a._forward_pre_hooks for a in attention)
         with pytest.raises(RuntimeError, match="already called"):
             xstage_dit.enable(flux_pipe)
     finally:
         xstage_dit.disable(flux_pipe)
     assert transformer_flux.dispatch_attention_fn is original_dispatch
-    assert all("_parallel_config" not in vars(p) for p in processors)
     assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not any(a._forward_pre_hooks or a._forward_hooks for a in attention)
 
 
 def test_single_process_output_is_unchanged(flux_pipe):

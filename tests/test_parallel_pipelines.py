@@ -36,7 +36,7 @@ def _last_blocks(pipe) -> list[torch.nn.Module]:
             for m in models]
 
 
-def _pipeline_worker(name: str) -> None:
+def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0) -> None:
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     # tokens that reach each transformer's last block, per call: proves the sequence is really split
@@ -50,7 +50,7 @@ def _pipeline_worker(name: str) -> None:
 
     def generate(batch: int, size: str) -> tuple[torch.Tensor, dict[int, set[int]]]:
         tokens_seen.clear()
-        kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=3, guidance=3.0)
+        kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=3, guidance=guidance)
         out = pipe(**kwargs, **zoo.text_embeddings(name, batch, seed=batch), output_type="latent",
                    generator=torch.Generator().manual_seed(7), return_dict=False)[0]
         return out, dict(tokens_seen)
@@ -58,15 +58,16 @@ def _pipeline_worker(name: str) -> None:
     cases = [(batch, size) for batch in (1, 2) for size in ("even", "uneven")]
     stock = {case: generate(*case) for case in cases}
 
-    xstage_dit.enable(pipe, timeout_s=120)
-    degree = torch.distributed.get_world_size()
+    xstage_dit.enable(pipe, cfg_degree=cfg_degree, timeout_s=120)
+    degree = torch.distributed.get_world_size() // cfg_degree
     for case in cases:
         out, tokens = generate(*case)
         ref, full_tokens = stock[case]
         error = _relative_error(out, ref)
-        assert error < TOLERANCE, f"{name} N={degree} batch/size={case}: relative error {error:.2e}"
+        assert error < TOLERANCE, f"{name} {cfg_degree}x{degree} batch/size={case}: relative error {error:.2e}"
         (full,) = set.union(*full_tokens.values())
-        expected = {index: {math.ceil(full / degree)} for index in full_tokens}
+        # with the CFG split a rank may skip a transformer's calls entirely (the other branch's rank runs them)
+        expected = {index: {math.ceil(full / degree)} for index in tokens}
         assert tokens == expected, f"{name}: transformers' blocks saw {tokens} tokens of {full}"
 
     xstage_dit.disable(pipe)
@@ -80,6 +81,16 @@ def _pipeline_worker(name: str) -> None:
 )
 def test_parallel_pipeline_matches_single_process(name: str, world_size: int) -> None:
     run_on_ranks(world_size, _pipeline_worker, name)
+
+
+@pytest.mark.parametrize(
+    "name, world_size, guidance",
+    [("tiny-flux", 2, 3.0), ("tiny-flux", 4, 3.0), ("tiny-wan", 2, 3.0), ("tiny-wan2.2", 4, 3.0),
+     ("tiny-wan", 2, 1.0)],
+)
+def test_cfg_parallel_matches_single_process(name: str, world_size: int, guidance: float) -> None:
+    """cfg_degree=2: each CFG group runs one branch (guidance 1.0: no CFG, every group runs every call)."""
+    run_on_ranks(world_size, _pipeline_worker, name, 2, guidance)
 
 
 def _bare_flux_transformer_worker() -> None:

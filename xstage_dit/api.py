@@ -8,8 +8,9 @@ from diffusers import ModelMixin
 from torch import nn
 
 from . import patches
+from .cfg_parallel import PAIRS, CfgSplit, PairedCalls, unwrap_pipeline_call, wrap_pipeline_call
 from .config import XStageConfig
-from .logging_utils import logger
+from .logging_utils import logger, warn_once
 from .runtime import build_groups, ensure_process_group, world_from_env
 from .sp import reference  # noqa: F401  (registers the reference backend)
 from .sp.attention import UlyssesAttention
@@ -55,8 +56,8 @@ def _resolve_config(
         raise ValueError(
             f"cfg_degree ({cfg_degree}) x ulysses_degree ({ulysses_degree}) must equal the world size ({world_size})"
         )
-    if cfg_degree != 1:
-        raise NotImplementedError("xstage_dit: cfg_degree > 1 (CFG parallelism) is not implemented yet")
+    if cfg_degree > 2:
+        raise ValueError(f"cfg_degree must be 1 or 2 (guidance has two branches), got {cfg_degree}")
     for model in models:
         heads = patches.plan_for(model).num_heads(model)
         if heads % ulysses_degree:
@@ -96,17 +97,29 @@ def enable(
             raise RuntimeError(f"xstage_dit.enable was already called on this {type(model).__name__}")
     config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s)
     ensure_process_group(config.timeout_s)
-    groups = build_groups(config.ulysses_degree)
+    groups = build_groups(config.cfg_degree, config.ulysses_degree)
     _move_to_rank_device(pipe, models, groups.device)
+    pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)
         shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
-        setattr(model, _STATE_ATTR, AppliedPlan(model, plan, UlyssesAttention(shard, config.backend)))
+        attention = UlyssesAttention(shard, config.backend, plan.text_first)
+        parts: list[Any] = [AppliedPlan(model, plan, attention)]
+        if groups.cfg_degree > 1:
+            parts.append(CfgSplit(model, plan.cfg, groups, pairs))
+        setattr(model, _STATE_ATTR, parts)
+    cfg = patches.plan_for(models[0]).cfg
+    if groups.cfg_degree > 1 and cfg.mode == PAIRS:
+        if isinstance(pipe, ModelMixin):
+            warn_once("xstage_dit: cfg_degree=2 on a bare transformer whose pipelines call it once per branch: "
+                      "enable the pipeline to split the branches; until then every CFG group computes every call")
+        else:
+            wrap_pipeline_call(pipe, cfg.pipeline_uses_cfg, pairs)
     if hasattr(pipe, "set_progress_bar_config") and not is_main_process():
         pipe.set_progress_bar_config(disable=True)
     logger.info(
-        "xstage_dit enabled on %s: ulysses_degree=%d, backend=%s",
-        ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.backend,
+        "xstage_dit enabled on %s: ulysses_degree=%d, cfg_degree=%d, backend=%s",
+        ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.cfg_degree, config.backend,
     )
     return pipe
 
@@ -114,10 +127,12 @@ def enable(
 def disable(pipe: Any) -> Any:
     """Undo `enable`: hooks, processors and attention routing are restored exactly. The process group stays."""
     for model in _transformers_of(pipe):
-        applied = getattr(model, _STATE_ATTR, None)
-        if applied is not None:
-            applied.remove()
+        for part in reversed(getattr(model, _STATE_ATTR, [])):
+            part.remove()
+        if hasattr(model, _STATE_ATTR):
             delattr(model, _STATE_ATTR)
+    if hasattr(pipe, "_xstage_original_class"):
+        unwrap_pipeline_call(pipe)
     return pipe
 
 

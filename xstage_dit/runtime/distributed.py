@@ -17,13 +17,17 @@ _SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """The ranks this process works with. `ulysses_group` is None in a single process."""
+    """The ranks this process works with: world = cfg_degree x ulysses_degree, Ulysses groups of consecutive
+    ranks. Groups are None in a single process."""
 
     world_size: int
     rank: int
     ulysses_degree: int
     ulysses_rank: int
     ulysses_group: dist.ProcessGroup | None
+    cfg_degree: int
+    cfg_rank: int
+    cfg_group: dist.ProcessGroup | None
     device: torch.device
 
 
@@ -56,10 +60,30 @@ def ensure_process_group(timeout_s: float) -> None:
     logger.info("started process group: %s, world size %d", backend, dist.get_world_size())
 
 
-def build_groups(ulysses_degree: int) -> ParallelGroups:
-    """The Ulysses group of this rank. Degrees were validated by the caller before any collective."""
+_group_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _subgroup(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group of `ranks`, created once per job; the whole world if `ranks` is the world."""
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    key = tuple(ranks)
+    if key not in _group_cache:
+        _group_cache[key] = dist.new_group(ranks)
+    return _group_cache[key]
+
+
+def build_groups(cfg_degree: int, ulysses_degree: int) -> ParallelGroups:
+    """This rank's Ulysses and CFG groups. Degrees were validated by the caller before any collective; every
+    rank creates every group, in the same order, as torch.distributed requires."""
     world_size, rank = world_from_env()
     device = local_device()
     if world_size == 1:
-        return ParallelGroups(1, 0, 1, 0, None, device)
-    return ParallelGroups(world_size, rank, ulysses_degree, rank, dist.group.WORLD, device)
+        return ParallelGroups(1, 0, 1, 0, None, 1, 0, None, device)
+    ulysses_groups = [_subgroup(list(range(c * ulysses_degree, (c + 1) * ulysses_degree)))
+                      if ulysses_degree > 1 else None for c in range(cfg_degree)]
+    cfg_groups = [_subgroup(list(range(u, world_size, ulysses_degree)))
+                  if cfg_degree > 1 else None for u in range(ulysses_degree)]
+    cfg_rank, ulysses_rank = divmod(rank, ulysses_degree)
+    return ParallelGroups(world_size, rank, ulysses_degree, ulysses_rank, ulysses_groups[cfg_rank],
+                          cfg_degree, cfg_rank, cfg_groups[ulysses_rank], device)

@@ -11,8 +11,9 @@ from .sharding import SequenceShard
 class UlyssesAttention:
     """Ulysses attention for one model: knows the model's token split and the backend, not the model."""
 
-    def __init__(self, shard: SequenceShard, backend: str) -> None:
+    def __init__(self, shard: SequenceShard, backend: str, text_first: bool = True) -> None:
         self.shard = shard
+        self.text_first = text_first
         self.backend_name = backend
         self._backend = get_backend(backend)
 
@@ -31,15 +32,26 @@ class UlyssesAttention:
         shard = self.shard
         if shard.degree == 1:
             return sdpa_bshd(query, key, value, attn_mask=attn_mask, scale=scale)
-        if attn_mask is not None:
-            raise ValueError(
-                "xstage_dit: an attention mask on sequence-sharded attention is not supported for this model"
-            )
         layout = UlyssesLayout(
             text_len=query.shape[1] - shard.local_len,
             seq_len=shard.seq_len,
             local_len=shard.local_len,
             degree=shard.degree,
             rank=shard.rank,
+            text_first=self.text_first,
         )
-        return self._backend(query, key, value, layout, shard.group, scale)
+        return self._backend(query, key, value, layout, shard.group, scale, self._text_mask(attn_mask, layout))
+
+    @staticmethod
+    def _text_mask(attn_mask: torch.Tensor | None, layout: UlyssesLayout) -> torch.Tensor | None:
+        """The text-key part of a key-padding mask over this rank's [text, image] keys. Joint-attention models
+        mask padded prompt tokens this way; image keys are never masked by them, only by our tail padding."""
+        if attn_mask is None or layout.text_len == 0:
+            if attn_mask is not None:
+                raise ValueError("xstage_dit: attention masks on image-only sequence-sharded attention are not supported")
+            return None
+        if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[2] != 1:
+            raise ValueError(
+                f"xstage_dit: only key-padding masks of shape (B, 1, 1, keys) are supported, got {tuple(attn_mask.shape)}"
+            )
+        return layout.split(attn_mask.transpose(1, 3))[0].transpose(1, 3)

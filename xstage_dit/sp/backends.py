@@ -1,8 +1,9 @@
 """One registry of Ulysses attention backends, one function per backend.
 
-A backend receives one rank's q, k, v as diffusers builds them for joint attention, (B, T + L, H, D) with the T
-replicated text tokens first and this rank's L image/video tokens after, and returns the attention output in the
-same layout and shape. How the image tokens travel between ranks is the backend's business."""
+A backend receives one rank's q, k, v as diffusers builds them for joint attention, (B, T + L, H, D): T
+replicated text tokens and this rank's L image/video tokens, in the order `UlyssesLayout` gives, and returns the
+attention output in the same layout and shape. How the image tokens travel between ranks is the backend's business.
+`text_mask`, when given, masks text keys (padding of the prompt): (B, 1, 1, T), bool (True = attend) or additive."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ import torch.distributed as dist
 class UlyssesLayout:
     """Where the tokens of one attention call live.
 
-    text_len: replicated text tokens at the front of q/k/v (0 for models without joint attention).
+    text_len: replicated text tokens in q/k/v (0 for models without joint attention), before the image tokens
+        if `text_first`, else after them.
     seq_len: true image/video tokens of the whole sequence; local_len: tokens per rank, padding included.
     """
 
@@ -25,10 +27,21 @@ class UlyssesLayout:
     local_len: int
     degree: int
     rank: int
+    text_first: bool = True
 
     @property
     def padded_len(self) -> int:
         return self.local_len * self.degree
+
+    def split(self, joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(text, image) parts of a (B, T + L, ...) tensor."""
+        if self.text_first:
+            return joint[:, : self.text_len], joint[:, self.text_len :]
+        return joint[:, self.local_len :], joint[:, : self.local_len]
+
+    def join(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        """The inverse of `split`."""
+        return torch.cat([text, image] if self.text_first else [image, text], dim=1)
 
 
 class UlyssesBackend(Protocol):
@@ -40,7 +53,21 @@ class UlyssesBackend(Protocol):
         layout: UlyssesLayout,
         group: dist.ProcessGroup,
         scale: float | None,
+        text_mask: torch.Tensor | None,
     ) -> torch.Tensor: ...
+
+
+def key_mask(text_mask: torch.Tensor | None, image_len: int) -> torch.Tensor | None:
+    """The SDPA mask over [text, image] keys that applies `text_mask` to the text keys and lets every image key
+    through; None without a text mask."""
+    if text_mask is None:
+        return None
+    shape = (*text_mask.shape[:-1], image_len)
+    if text_mask.dtype == torch.bool:
+        image = torch.ones(shape, dtype=torch.bool, device=text_mask.device)
+    else:
+        image = torch.zeros(shape, dtype=text_mask.dtype, device=text_mask.device)
+    return torch.cat([text_mask, image], dim=-1)
 
 
 _BACKENDS: dict[str, UlyssesBackend] = {}

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..cfg_parallel import CfgPlan
 from . import routing
 from .attention import UlyssesAttention
 from .sharding import SequenceShard
@@ -20,21 +21,26 @@ class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
 
     shard_inputs: module path ("" is the model) -> {forward argument name: sequence dim} to split on entry.
-    shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables).
+    shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables); a module
+        returning one tensor uses index 0.
     gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence.
-    attention_modules: the attention modules whose processors must see the whole sequence.
+    attention_modules: the attention modules whose attention must see the whole sequence.
     num_heads: attention heads per layer, to check the Ulysses degree.
-    dispatch_module: the diffusers module whose `dispatch_attention_fn` the processors call.
+    cfg: how the family's pipelines run classifier-free guidance, for CFG parallelism.
+    call_site: (diffusers module, routing.DISPATCH or routing.SDPA): the name the processors call attention by.
+    text_first: joint attention puts the replicated text tokens before the image tokens (else after).
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
     """
 
     family: str
-    dispatch_module: str
+    call_site: tuple[str, str]
     attention_modules: Callable[[nn.Module], list[nn.Module]]
     num_heads: Callable[[nn.Module], int]
+    cfg: CfgPlan
     shard_inputs: dict[str, dict[str, int]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_outputs: dict[str, int] = field(default_factory=dict)
+    text_first: bool = True
     check_inputs: Callable[[dict[str, Any]], None] | None = None
 
 
@@ -69,6 +75,8 @@ def _check_inputs_hook(module: nn.Module, check: Callable[[dict[str, Any]], None
 
 def _shard_outputs_hook(shard: SequenceShard, dims: dict[int, int]):
     def hook(module: nn.Module, args: tuple, output: Any):
+        if isinstance(output, torch.Tensor):
+            return shard.shard(output, dims[0])
         items = list(output)
         for index, dim in dims.items():
             items[index] = shard.shard(items[index], dim)
@@ -91,7 +99,6 @@ class AppliedPlan:
         self.plan = plan
         self.attention = attention
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._processors: list[tuple[Any, bool, Any]] = []
 
         shard = attention.shard
         if plan.check_inputs is not None:
@@ -108,18 +115,10 @@ class AppliedPlan:
             for path, dim in plan.gather_outputs.items():
                 self._hooks.append(model.get_submodule(path).register_forward_hook(_gather_output_hook(shard, dim)))
         for module in plan.attention_modules(model):
-            processor = module.processor
-            had_own = "_parallel_config" in vars(processor)
-            self._processors.append((processor, had_own, vars(processor).get("_parallel_config")))
-            processor._parallel_config = attention
-        routing.route(plan.dispatch_module)
+            self._hooks += routing.mark_active(module, attention)
+        routing.route(*plan.call_site)
 
     def remove(self) -> None:
         for handle in self._hooks:
             handle.remove()
-        for processor, had_own, previous in reversed(self._processors):
-            if had_own:
-                processor._parallel_config = previous
-            else:
-                vars(processor).pop("_parallel_config", None)
-        routing.unroute(self.plan.dispatch_module)
+        routing.unroute(*self.plan.call_site)

@@ -1,50 +1,103 @@
-"""Send a patched model's attention calls to xstage_dit.
+"""Send the attention calls of a patched model's chosen attention modules to xstage_dit.
 
-diffusers' attention processors call `dispatch_attention_fn(..., parallel_config=self._parallel_config)` by
-its name in the model's module. We rebind that name to a router that hands calls whose `parallel_config` is an
-`UlyssesAttention` to it and every other call to diffusers unchanged, so no processor code is copied and models
-that are not enabled keep diffusers' behaviour. The binding is reference-counted per module."""
+diffusers' processors call either `dispatch_attention_fn` (Flux, Wan, HunyuanVideo, QwenImage, LTX) or
+`F.scaled_dot_product_attention` (SD3, CogVideoX, HiDream) by name in their module. We rebind that name to a
+router, and forward hooks on each routed attention module mark it active while it runs: calls made inside an
+active module go to its `UlyssesAttention`; every other call (text refiners, cross-attention, VAEs, models that
+are not enabled) goes to diffusers or torch unchanged. No processor code is copied. Bindings are
+reference-counted, so several enabled models share them and the last `unroute` restores the original."""
 from __future__ import annotations
 
 import functools
 import importlib
-from types import ModuleType
+import types
 from typing import Any, Callable
+
+import torch
+from torch import nn
 
 from .attention import UlyssesAttention
 
-_routed: dict[str, tuple[Callable[..., Any], int]] = {}
+_active: UlyssesAttention | None = None
+_routed: dict[tuple[str, str], tuple[Any, int]] = {}
+
+# the kinds of call sites, and the module attribute a processor looks them up by
+DISPATCH = "dispatch_attention_fn"
+SDPA = "F"
 
 
-def _router(original: Callable[..., Any]) -> Callable[..., Any]:
+def _dispatch_router(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        if isinstance(parallel_config, UlyssesAttention):
-            return parallel_config(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if _active is not None:
+            return _active(query, key, value, attn_mask, dropout_p, is_causal, scale)
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
                         backend=backend, parallel_config=parallel_config)
 
     return dispatch_attention_fn
 
 
-def route(module_name: str) -> None:
-    """Rebind `dispatch_attention_fn` in `module_name` to the router (idempotent, counted)."""
-    module: ModuleType = importlib.import_module(module_name)
-    if module_name in _routed:
-        original, count = _routed[module_name]
-        _routed[module_name] = (original, count + 1)
+def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
+    """torch.nn.functional with scaled_dot_product_attention routed; (B, H, S, D) layout like torch's."""
+
+    class RoutedFunctional(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            return getattr(original, name)
+
+        @staticmethod
+        def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                         scale=None, enable_gqa=False):
+            if _active is None:
+                return original.scaled_dot_product_attention(
+                    query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa,
+                )
+            out = _active(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
+                          dropout_p, is_causal, scale)
+            return out.transpose(1, 2)
+
+    return RoutedFunctional("torch.nn.functional (xstage_dit-routed)")
+
+
+_ROUTERS = {DISPATCH: _dispatch_router, SDPA: _sdpa_router}
+
+
+def route(module_name: str, kind: str) -> None:
+    """Rebind `kind` (DISPATCH or SDPA) in `module_name` to its router (idempotent, counted)."""
+    key = (module_name, kind)
+    if key in _routed:
+        original, count = _routed[key]
+        _routed[key] = (original, count + 1)
         return
-    original = module.dispatch_attention_fn
-    module.dispatch_attention_fn = _router(original)
-    _routed[module_name] = (original, 1)
+    module = importlib.import_module(module_name)
+    original = getattr(module, kind)
+    setattr(module, kind, _ROUTERS[kind](original))
+    _routed[key] = (original, 1)
 
 
-def unroute(module_name: str) -> None:
-    """Undo one `route`; the last one restores diffusers' function."""
-    original, count = _routed[module_name]
+def unroute(module_name: str, kind: str) -> None:
+    """Undo one `route`; the last one restores the original binding."""
+    key = (module_name, kind)
+    original, count = _routed[key]
     if count > 1:
-        _routed[module_name] = (original, count - 1)
+        _routed[key] = (original, count - 1)
         return
-    importlib.import_module(module_name).dispatch_attention_fn = original
-    del _routed[module_name]
+    setattr(importlib.import_module(module_name), kind, original)
+    del _routed[key]
+
+
+def mark_active(module: nn.Module, attention: UlyssesAttention) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks that make `attention` receive the routed calls made while `module` runs."""
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        global _active
+        _active = attention
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        global _active
+        _active = None
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+
+

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-def _all_gather_into(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
+def all_gather_into(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
     # torch >= 2.13 renamed all_gather_into_tensor to all_gather_single; the device image runs 2.11.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with torch.no_grad():  # inference only: collectives are not differentiable
@@ -51,5 +51,5 @@ class SequenceShard:
         dim = dim % local.dim()
         front = local.movedim(dim, 0).contiguous()
         full = front.new_empty((self.degree * front.shape[0], *front.shape[1:]))
-        _all_gather_into(full, front, self.group)
+        all_gather_into(full, front, self.group)
         return full[: self.seq_len].movedim(0, dim)

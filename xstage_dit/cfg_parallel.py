@@ -1,0 +1,162 @@
+"""Classifier-free-guidance parallelism: two groups of ranks compute the conditional and the unconditional
+branch at the same time, then swap results, so every rank still gets both.
+
+Pipelines do CFG in one of two ways, and a patch says which:
+- "batch": one transformer call with the branches stacked along the batch (SD3, CogVideoX, LTX, ...): each
+  CFG rank takes its slice of the batch and the outputs are gathered along the batch.
+- "pairs": two calls per step, conditional then unconditional (Flux true CFG, Wan, HunyuanVideo, ...). CFG rank 1
+  answers the first call at once with a tensor it fills later and computes the second call's branch while CFG
+  rank 0 computes the first; after the second call the ranks swap outputs. This relies on the pipeline reading
+  neither output before both calls returned (true of every supported pipeline) and on knowing, per pipeline call,
+  whether CFG is on: a patch tells it from the pipeline's arguments."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from torch import nn
+
+from .logging_utils import warn_once
+from .runtime import ParallelGroups
+from .sp.sharding import all_gather_into
+
+BATCH = "batch"
+PAIRS = "pairs"
+
+
+@dataclass(frozen=True)
+class CfgPlan:
+    """How a model family's pipelines do CFG.
+
+    mode: BATCH or PAIRS.
+    batch_inputs: forward arguments that carry the batch in dim 0 (BATCH).
+    output_shape: the forward output's shape from the model and the shape of its `hidden_states` input (PAIRS).
+    pipeline_uses_cfg: whether a pipeline call with these (bound, defaults applied) arguments runs CFG (PAIRS).
+    """
+
+    mode: str
+    batch_inputs: tuple[str, ...] = ()
+    output_shape: Callable[[nn.Module, torch.Size], tuple[int, ...]] | None = None
+    pipeline_uses_cfg: Callable[[dict[str, Any]], bool] | None = None
+
+
+def _sample(output: Any) -> torch.Tensor:
+    return output.sample if isinstance(output, Transformer2DModelOutput) else output[0]
+
+
+def _package(sample: torch.Tensor, return_dict: bool) -> Any:
+    return Transformer2DModelOutput(sample=sample) if return_dict else (sample,)
+
+
+def _gather_batch(local: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    full = local.new_empty((groups.cfg_degree * local.shape[0], *local.shape[1:]))
+    all_gather_into(full, local.contiguous(), groups.cfg_group)
+    return full
+
+
+class PairedCalls:
+    """State of the PAIRS schedule, shared by every transformer of one pipeline (Wan 2.2 switches models
+    between steps, never inside one)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.calls = 0
+        self.pending: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def pipeline_call(self, uses_cfg: bool) -> Iterator[None]:
+        self.active, self.calls, self.pending = uses_cfg, 0, None
+        try:
+            yield
+        finally:
+            self.active, self.pending = False, None
+
+
+class CfgSplit:
+    """Wraps one transformer's forward with the CFG split; `remove()` restores it."""
+
+    def __init__(self, model: nn.Module, plan: CfgPlan, groups: ParallelGroups, pairs: PairedCalls) -> None:
+        self.model = model
+        self.plan = plan
+        self.groups = groups
+        self.pairs = pairs
+        self._forward = model.forward
+        self._signature = inspect.signature(self._forward)
+        model.forward = self._batch_forward if plan.mode == BATCH else self._paired_forward
+        # the input shape before sequence sharding (whose hooks run after this one) sizes the output
+        self._input_shape = torch.Size()
+        self._hook = model.register_forward_pre_hook(self._record_input_shape, with_kwargs=True, prepend=True)
+
+    def remove(self) -> None:
+        self._hook.remove()
+        del self.model.forward
+
+    def _record_input_shape(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._input_shape = self._signature.bind_partial(*args, **kwargs).arguments["hidden_states"].shape
+
+    def _batch_forward(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        batch = arguments["hidden_states"].shape[0]
+        degree, rank = self.groups.cfg_degree, self.groups.cfg_rank
+        if batch % degree:
+            warn_once(f"xstage_dit: batch {batch} does not split over cfg_degree={degree}; every CFG group "
+                      "computes the whole batch")
+            return self._forward(*args, **kwargs)
+        for name in self.plan.batch_inputs:
+            value = arguments.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+                arguments[name] = value.chunk(degree)[rank]
+        out = self._forward(*bound.args, **bound.kwargs)
+        return _package(_gather_batch(_sample(out), self.groups), arguments.get("return_dict", True))
+
+    def _paired_forward(self, *args: Any, **kwargs: Any) -> Any:
+        pairs = self.pairs
+        if not pairs.active:
+            return self._forward(*args, **kwargs)
+        arguments = self._signature.bind(*args, **kwargs).arguments
+        return_dict = arguments.get("return_dict", True)
+        branch = pairs.calls % 2  # 0: conditional, 1: unconditional
+        pairs.calls += 1
+        mine = branch == self.groups.cfg_rank
+        if branch == 0:
+            if mine:
+                pairs.pending = _sample(self._forward(*args, **kwargs))
+            else:
+                hidden = arguments["hidden_states"]
+                shape = self.plan.output_shape(self.model, self._input_shape)
+                pairs.pending = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+            return _package(pairs.pending, return_dict)
+        # second call: the unconditional rank computes, then both swap what they computed
+        cond = pairs.pending
+        computed = _sample(self._forward(*args, **kwargs)) if mine else cond
+        both = _gather_batch(computed.unsqueeze(0), self.groups)
+        if self.groups.cfg_rank != 0:
+            cond.copy_(both[0])
+        return _package(both[1] if not mine else computed, return_dict)
+
+
+def wrap_pipeline_call(pipe: Any, uses_cfg: Callable[[dict[str, Any]], bool], pairs: PairedCalls) -> None:
+    """Make each call of `pipe` tell `pairs` whether it runs CFG. The pipeline's class is swapped for a
+    subclass whose __call__ wraps the original (Python looks special methods up on the class)."""
+    cls = type(pipe)
+    signature = inspect.signature(cls.__call__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        with pairs.pipeline_call(uses_cfg(bound.arguments)):
+            return cls.__call__(self, *args, **kwargs)
+
+    pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "_xstage_original_class": cls})
+
+
+def unwrap_pipeline_call(pipe: Any) -> None:
+    pipe.__class__ = pipe._xstage_original_class
+
+
