@@ -23,7 +23,7 @@ import diffusers
 import torch
 
 import xstage_dit
-from xstage_dit import zoo
+from xstage_dit import patches, zoo
 from xstage_dit.runtime import world_from_env
 
 from step_timer import StepTimer
@@ -57,6 +57,21 @@ def environment() -> dict[str, str]:
     }
 
 
+class CountTokens:
+    """Image/video tokens the transformer sees: the sequence length at the module its plan gathers."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        (path,) = patches.plan_for(model).gather_outputs
+        self.count = 0
+        self._handle = model.get_submodule(path).register_forward_hook(self._record)
+
+    def _record(self, module, args, output) -> None:
+        self.count = self.count or output.shape[1]
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
 def time_call(pipe, call: dict, device: torch.device) -> tuple[list[float], float]:
     timer = StepTimer(device)
     timer.start()
@@ -78,6 +93,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> list[d
     call.update(zoo.text_embeddings(name, 1, seed=0, device=device, dtype=dtype))
     call.update(generator=torch.Generator().manual_seed(0), output_type="pil" if args.decode else "latent")
 
+    tokens = CountTokens(pipe.transformer)
     variants = (["stock"] if world_size == 1 else []) + [f"xstage-{b}" for b in args.backend]
     samples: dict[str, dict[str, list]] = {v: {"steps": [], "totals": [], "peak": []} for v in variants}
     for repeat in range(args.repeats + 1):  # repeat 0 warms up every variant
@@ -94,17 +110,17 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> list[d
                     samples[variant]["peak"].append(torch.cuda.max_memory_allocated(device) / 2**30)
             if variant != "stock":
                 xstage_dit.disable(pipe)
+    tokens.remove()
     del pipe
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    tokens = zoo.image_tokens(name, **size)
     records = []
     baseline = statistics.median(samples[variants[0]]["steps"])
     for variant in variants:
         step = statistics.median(samples[variant]["steps"])
         records.append({
-            "config": name, **size, "tokens": tokens, "world_size": world_size, "variant": variant,
+            "config": name, **size, "tokens": tokens.count, "world_size": world_size, "variant": variant,
             "steps_per_call": args.steps, "guidance": args.guidance, "decode": args.decode,
             "step_ms": step * 1e3, "step_ms_all": [s * 1e3 for s in samples[variant]["steps"]],
             "e2e_s": statistics.median(samples[variant]["totals"]),

@@ -5,9 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from ..sp.plan import SequenceParallelPlan
-from . import flux, wan
+from . import cogvideox, flux, hidream, hunyuan_video, ltx, qwenimage, sd3, wan
 
-_PLANS: dict[type, SequenceParallelPlan] = {**flux.PLANS, **wan.PLANS}
+_PLANS: dict[type, SequenceParallelPlan] = {
+    **flux.PLANS, **wan.PLANS, **hunyuan_video.PLANS, **qwenimage.PLANS, **ltx.PLANS, **sd3.PLANS, **cogvideox.PLANS,
+    **hidream.PLANS,
+}
 
 
 def supported_families() -> list[str]:

@@ -12,7 +12,7 @@ from torch import nn
 from ..cfg_parallel import PAIRS, CfgPlan
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
-from . import guidance
+from . import cfg_rules
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -35,8 +35,8 @@ PLANS = {
         num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(
             PAIRS,
-            output_shape=lambda model, shape: (*shape[:-1], model.proj_out.out_features),
-            pipeline_uses_cfg=guidance.true_cfg_with_pooled_negatives,
+            output_shape=cfg_rules.token_output_shape,
+            pipeline_uses_cfg=cfg_rules.true_cfg_with_pooled_negatives,
         ),
         # img_ids is (S, 3), or the deprecated (1, S, 3): the sequence is the second-to-last dim either way
         shard_inputs={"": {"hidden_states": -2, "img_ids": -2}},

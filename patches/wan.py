@@ -12,7 +12,7 @@ from torch import nn
 from ..cfg_parallel import PAIRS, CfgPlan
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
-from . import guidance
+from . import cfg_rules
 
 
 def _check_inputs(arguments: dict[str, Any]) -> None:
@@ -29,8 +29,8 @@ PLANS = {
         num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(
             PAIRS,
-            output_shape=lambda model, shape: (shape[0], model.config.out_channels, *shape[2:]),
-            pipeline_uses_cfg=guidance.guidance_above_one,
+            output_shape=cfg_rules.video_output_shape,
+            pipeline_uses_cfg=cfg_rules.guidance_above_one,
         ),
         shard_inputs={"blocks.0": {"hidden_states": 1}},
         shard_outputs={"rope": {0: 1, 1: 1}},

@@ -11,16 +11,30 @@ import torch
 
 import xstage_dit
 from dist_harness import run_on_ranks
-from xstage_dit import zoo
+from xstage_dit import patches, zoo
 
-# token counts: "even" divides by 2, 3 and 4; "uneven" (35 = 5 x 7) by none of them
+# token counts: "even" divides by 2, 3 and 4; "uneven" (35 = 5 x 7) by none of them, except where a model's
+# geometry cannot make 35 tokens (noted)
+_VIDEO_SIZES = {"even": {"height": 32, "width": 32, "num_frames": 9},        # 3 frames x 2 x 2 = 12 tokens
+                "uneven": {"height": 16, "width": 112, "num_frames": 17}}   # 5 frames x 1 x 7
 SIZES = {
-    "tiny-flux": {"even": {"height": 24, "width": 32, "num_frames": 1},   # 6 x 8 = 48 image tokens
+    "tiny-flux": {"even": {"height": 24, "width": 32, "num_frames": 1},     # 6 x 8 = 48 image tokens
                   "uneven": {"height": 20, "width": 28, "num_frames": 1}},  # 5 x 7
-    "tiny-wan2.2": {"even": {"height": 32, "width": 32, "num_frames": 9},
-                    "uneven": {"height": 16, "width": 112, "num_frames": 17}},
-    "tiny-wan": {"even": {"height": 32, "width": 32, "num_frames": 9},    # 3 frames x 2 x 2 = 12 tokens
-                 "uneven": {"height": 16, "width": 112, "num_frames": 17}},  # 5 frames x 1 x 7
+    "tiny-wan": _VIDEO_SIZES,
+    "tiny-wan2.2": _VIDEO_SIZES,
+    "tiny-hunyuan-video": _VIDEO_SIZES,
+    "tiny-cogvideox": _VIDEO_SIZES,
+    "tiny-qwenimage": {"even": {"height": 48, "width": 64, "num_frames": 1},   # 6 x 8
+                       "uneven": {"height": 40, "width": 56, "num_frames": 1}},  # 5 x 7
+    "tiny-sd3.5": {"even": {"height": 24, "width": 32, "num_frames": 1},   # 6 x 8
+                   "uneven": {"height": 20, "width": 28, "num_frames": 1}},  # 5 x 7
+    # LTX: sizes are multiples of 32 px, so tokens are multiples of 64: "uneven" only for N = 3 (320 tokens)
+    "tiny-ltx": {"even": {"height": 32, "width": 32, "num_frames": 9},     # 3 x 8 x 8 = 192
+                 "uneven": {"height": 32, "width": 32, "num_frames": 17}},  # 5 x 8 x 8 = 320
+    # HiDream resizes every request to one area and pads non-square images to its max sequence (64 tokens here,
+    # 55 of them image): "uneven" only for N = 3
+    "tiny-hidream": {"even": {"height": 32, "width": 32, "num_frames": 1},
+                     "uneven": {"height": 32, "width": 64, "num_frames": 1}},
 }
 TOLERANCE = 1e-4
 
@@ -29,20 +43,19 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def _last_blocks(pipe) -> list[torch.nn.Module]:
-    """The last transformer block of every transformer of the pipeline (Wan 2.2 has two)."""
+def _first_attention(pipe) -> list[torch.nn.Module]:
+    """The first routed attention module (image-only queries) of every transformer (Wan 2.2 has two)."""
     models = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
-    return [m.single_transformer_blocks[-1] if hasattr(m, "single_transformer_blocks") else m.blocks[-1]
-            for m in models]
+    return [patches.plan_for(m).attention_modules(m)[0] for m in models]
 
 
 def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0) -> None:
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
-    # tokens that reach each transformer's last block, per call: proves the sequence is really split
+    # query rows that reach each transformer's first routed attention, per call: proves the sequence is split
     tokens_seen: dict[int, set[int]] = {}
-    for index, block in enumerate(_last_blocks(pipe)):
-        block.register_forward_pre_hook(
+    for index, attention in enumerate(_first_attention(pipe)):
+        attention.register_forward_pre_hook(
             lambda module, args, kwargs, index=index: tokens_seen.setdefault(index, set()).add(
                 kwargs.get("hidden_states", args[0] if args else None).shape[1]),
             with_kwargs=True,
@@ -77,7 +90,10 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0) -> N
 
 @pytest.mark.parametrize(
     "name, world_size",
-    [(name, n) for name in ("tiny-flux", "tiny-wan") for n in (2, 3, 4)] + [("tiny-wan2.2", 2)],
+    [(name, n) for name in ("tiny-flux", "tiny-wan") for n in (2, 3, 4)]
+    + [(name, n) for name in ("tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
+                              "tiny-hidream") for n in (2, 3)]
+    + [("tiny-wan2.2", 2)],
 )
 def test_parallel_pipeline_matches_single_process(name: str, world_size: int) -> None:
     run_on_ranks(world_size, _pipeline_worker, name)
@@ -85,8 +101,12 @@ def test_parallel_pipeline_matches_single_process(name: str, world_size: int) ->
 
 @pytest.mark.parametrize(
     "name, world_size, guidance",
+    # pipelines calling the transformer once per branch
     [("tiny-flux", 2, 3.0), ("tiny-flux", 4, 3.0), ("tiny-wan", 2, 3.0), ("tiny-wan2.2", 4, 3.0),
-     ("tiny-wan", 2, 1.0)],
+     ("tiny-hunyuan-video", 2, 3.0), ("tiny-qwenimage", 4, 3.0), ("tiny-wan", 2, 1.0)]
+    # pipelines batching the branches
+    + [("tiny-sd3.5", 2, 3.0), ("tiny-sd3.5", 4, 3.0), ("tiny-cogvideox", 2, 3.0), ("tiny-ltx", 4, 3.0),
+       ("tiny-hidream", 2, 3.0), ("tiny-hidream", 4, 3.0)],
 )
 def test_cfg_parallel_matches_single_process(name: str, world_size: int, guidance: float) -> None:
     """cfg_degree=2: each CFG group runs one branch (guidance 1.0: no CFG, every group runs every call)."""

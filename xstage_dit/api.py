@@ -59,7 +59,10 @@ def _resolve_config(
     if cfg_degree > 2:
         raise ValueError(f"cfg_degree must be 1 or 2 (guidance has two branches), got {cfg_degree}")
     for model in models:
-        heads = patches.plan_for(model).num_heads(model)
+        plan = patches.plan_for(model)
+        if plan.check_model is not None:
+            plan.check_model(model)
+        heads = plan.num_heads(model)
         if heads % ulysses_degree:
             working = [d for d in _divisors(heads) if world_size % d == 0]
             raise ValueError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,13 +34,14 @@ class CfgPlan:
     """How a model family's pipelines do CFG.
 
     mode: BATCH or PAIRS.
-    batch_inputs: forward arguments that carry the batch in dim 0 (BATCH).
+    batch_inputs: forward argument name -> its batch dim, for the arguments that carry the batch (BATCH); lists
+        (e.g. per-sample sizes) are split like dim 0.
     output_shape: the forward output's shape from the model and the shape of its `hidden_states` input (PAIRS).
     pipeline_uses_cfg: whether a pipeline call with these (bound, defaults applied) arguments runs CFG (PAIRS).
     """
 
     mode: str
-    batch_inputs: tuple[str, ...] = ()
+    batch_inputs: dict[str, int] = field(default_factory=dict)
     output_shape: Callable[[nn.Module, torch.Size], tuple[int, ...]] | None = None
     pipeline_uses_cfg: Callable[[dict[str, Any]], bool] | None = None
 
@@ -108,10 +109,12 @@ class CfgSplit:
             warn_once(f"xstage_dit: batch {batch} does not split over cfg_degree={degree}; every CFG group "
                       "computes the whole batch")
             return self._forward(*args, **kwargs)
-        for name in self.plan.batch_inputs:
+        for name, dim in self.plan.batch_inputs.items():
             value = arguments.get(name)
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-                arguments[name] = value.chunk(degree)[rank]
+            if isinstance(value, list) and len(value) == batch:
+                arguments[name] = value[rank * batch // degree : (rank + 1) * batch // degree]
+            elif isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] == batch:
+                arguments[name] = value.chunk(degree, dim=dim)[rank]
         out = self._forward(*bound.args, **bound.kwargs)
         return _package(_gather_batch(_sample(out), self.groups), arguments.get("return_dict", True))
 

@@ -1,48 +1,117 @@
 """Pipelines with random weights built from model configs, for the example, the tests and the benchmarks.
 
-No weights or tokenizers are downloaded: text encoders are left out and text embeddings are drawn at random
-with the real shapes. "tiny-*" configs run in seconds on a CPU; the others are the released models' configs."""
+No weights or tokenizers are downloaded: text encoders are left out and text embeddings (and prompt masks) are
+drawn at random with the real shapes. "tiny-*" configs run in well under a second per call on a CPU; the
+others are the released models' configs."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import diffusers
 import torch
-from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLWan,
-    DiffusionPipeline,
-    FlowMatchEulerDiscreteScheduler,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    UniPCMultistepScheduler,
-    WanPipeline,
-    WanTransformer3DModel,
-)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one diffusers model family's pipeline is made of and how it takes text and guidance."""
+
+    pipeline: str
+    transformer: str
+    vae: str
+    scheduler: str
+    text_inputs: Callable[["ZooEntry", int, Callable[..., torch.Tensor]], dict[str, torch.Tensor]]
+    guidance_kwarg: str = "guidance_scale"  # the kwarg that turns classifier-free guidance on
+    video: bool = False
+    vae_float32: bool = False  # diffusers' examples keep this family's VAE in float32
 
 
 @dataclass(frozen=True)
 class ZooEntry:
-    """How to build one pipeline and what its text inputs look like."""
+    """One buildable pipeline: configs, text shapes, default output size."""
 
-    family: str  # "flux" or "wan"
+    family: str
     transformer: dict[str, Any]
     vae: dict[str, Any]
     text_len: int
     text_dim: int
     pooled_dim: int = 0
+    text_padding: int = 0  # masked (padded) prompt tokens, for families that take a prompt mask
+    extra_text: dict[str, Any] = field(default_factory=dict)  # family-specific text shapes
     height: int = 1024
     width: int = 1024
     num_frames: int = 1
     scheduler: dict[str, Any] = field(default_factory=dict)
     boundary_ratio: float | None = None  # Wan 2.2: a second transformer denoises below this noise level
+    pipeline_attributes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_video(self) -> bool:
-        return self.family == "wan"
+        return FAMILIES[self.family].video
 
+
+def _prompt_mask(entry: ZooEntry, batch: int, padding: int) -> torch.Tensor:
+    mask = torch.ones(batch, entry.text_len, dtype=torch.long)
+    if padding:
+        mask[:, -padding:] = 0
+    return mask
+
+
+def _embeds_and_pooled(entry: ZooEntry, batch: int, draw) -> dict[str, torch.Tensor]:
+    out = {}
+    for prefix in ("", "negative_"):
+        out[f"{prefix}prompt_embeds"] = draw(batch, entry.text_len, entry.text_dim)
+        if entry.pooled_dim:
+            out[f"{prefix}pooled_prompt_embeds"] = draw(batch, entry.pooled_dim)
+    return out
+
+
+def _masked(mask_name: str, negative_mask_name: str):
+    def text_inputs(entry: ZooEntry, batch: int, draw) -> dict[str, torch.Tensor]:
+        out = _embeds_and_pooled(entry, batch, draw)
+        out[mask_name] = _prompt_mask(entry, batch, entry.text_padding)
+        out[negative_mask_name] = _prompt_mask(entry, batch, entry.text_padding // 2)
+        return out
+
+    return text_inputs
+
+
+def _hidream_text(entry: ZooEntry, batch: int, draw) -> dict[str, torch.Tensor]:
+    llama_states, llama_len, llama_dim = entry.extra_text["llama"]
+    out = {}
+    for prefix in ("", "negative_"):
+        out[f"{prefix}prompt_embeds_t5"] = draw(batch, entry.text_len, entry.text_dim)
+        out[f"{prefix}prompt_embeds_llama3"] = draw(llama_states, batch, llama_len, llama_dim)
+        out[f"{prefix}pooled_prompt_embeds"] = draw(batch, entry.pooled_dim)
+    return out
+
+
+FAMILIES: dict[str, Family] = {
+    "flux": Family("FluxPipeline", "FluxTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
+                   _embeds_and_pooled, guidance_kwarg="true_cfg_scale"),
+    "wan": Family("WanPipeline", "WanTransformer3DModel", "AutoencoderKLWan", "UniPCMultistepScheduler",
+                  _embeds_and_pooled, video=True, vae_float32=True),
+    "hunyuan-video": Family(
+        "HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel", "AutoencoderKLHunyuanVideo",
+        "FlowMatchEulerDiscreteScheduler", _masked("prompt_attention_mask", "negative_prompt_attention_mask"),
+        guidance_kwarg="true_cfg_scale", video=True),
+    "qwenimage": Family(
+        "QwenImagePipeline", "QwenImageTransformer2DModel", "AutoencoderKLQwenImage",
+        "FlowMatchEulerDiscreteScheduler", _masked("prompt_embeds_mask", "negative_prompt_embeds_mask"),
+        guidance_kwarg="true_cfg_scale"),
+    "ltx": Family(
+        "LTXPipeline", "LTXVideoTransformer3DModel", "AutoencoderKLLTXVideo", "FlowMatchEulerDiscreteScheduler",
+        _masked("prompt_attention_mask", "negative_prompt_attention_mask"), video=True),
+    "sd3": Family("StableDiffusion3Pipeline", "SD3Transformer2DModel", "AutoencoderKL",
+                  "FlowMatchEulerDiscreteScheduler", _embeds_and_pooled),
+    "cogvideox": Family("CogVideoXPipeline", "CogVideoXTransformer3DModel", "AutoencoderKLCogVideoX",
+                        "CogVideoXDDIMScheduler", _embeds_and_pooled, video=True),
+    "hidream": Family("HiDreamImagePipeline", "HiDreamImageTransformer2DModel", "AutoencoderKL",
+                      "FlowMatchEulerDiscreteScheduler", _hidream_text),
+}
 
 _FLUX_SCHEDULER = {
     "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
@@ -56,32 +125,112 @@ _WAN_1_3B = {
     "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
     "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
 }
+_TINY_KL_VAE = {
+    "block_out_channels": (8, 16), "latent_channels": 4, "norm_num_groups": 4, "layers_per_block": 1,
+    "down_block_types": ("DownEncoderBlock2D",) * 2, "up_block_types": ("UpDecoderBlock2D",) * 2,
+    "sample_size": 32, "scaling_factor": 1.5, "shift_factor": 0.06,
+}
+_FLUX_VAE = {
+    "block_out_channels": (128, 256, 512, 512), "latent_channels": 16, "layers_per_block": 2,
+    "down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
+    "use_quant_conv": False, "use_post_quant_conv": False,
+}
+_TINY_HEADS = 12  # divides by 2, 3 and 4
 
 ZOO: dict[str, ZooEntry] = {
     "tiny-flux": ZooEntry(
         family="flux",
         transformer={
             "patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
-            "num_attention_heads": 12, "joint_attention_dim": 32, "pooled_projection_dim": 32,
+            "num_attention_heads": _TINY_HEADS, "joint_attention_dim": 32, "pooled_projection_dim": 32,
             "guidance_embeds": True, "axes_dims_rope": (4, 6, 6),
         },
-        vae={
-            "block_out_channels": (8, 16), "latent_channels": 4, "norm_num_groups": 4, "layers_per_block": 1,
-            "down_block_types": ("DownEncoderBlock2D",) * 2, "up_block_types": ("UpDecoderBlock2D",) * 2,
-            "sample_size": 32, "scaling_factor": 1.5, "shift_factor": 0.06,
-        },
-        text_len=7, text_dim=32, pooled_dim=32, height=32, width=48, scheduler=_FLUX_SCHEDULER,
+        vae=_TINY_KL_VAE, text_len=7, text_dim=32, pooled_dim=32, height=32, width=48, scheduler=_FLUX_SCHEDULER,
     ),
     "tiny-wan": ZooEntry(
         family="wan",
         transformer={
-            "patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 12, "in_channels": 16,
-            "out_channels": 16, "text_dim": 32, "freq_dim": 32, "ffn_dim": 64, "num_layers": 2,
+            "patch_size": (1, 2, 2), "num_attention_heads": _TINY_HEADS, "attention_head_dim": 12,
+            "in_channels": 16, "out_channels": 16, "text_dim": 32, "freq_dim": 32, "ffn_dim": 64, "num_layers": 2,
             "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 32,
         },
         vae={"base_dim": 3, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1,
              "temperal_downsample": [False, True, True]},
         text_len=9, text_dim=32, height=32, width=48, num_frames=9, scheduler=_WAN_SCHEDULER,
+    ),
+    "tiny-hunyuan-video": ZooEntry(
+        family="hunyuan-video",
+        transformer={
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": _TINY_HEADS, "attention_head_dim": 16,
+            "num_layers": 1, "num_single_layers": 1, "num_refiner_layers": 1, "mlp_ratio": 2.0, "patch_size": 2,
+            "patch_size_t": 1, "qk_norm": "rms_norm", "guidance_embeds": True, "text_embed_dim": 32,
+            "pooled_projection_dim": 24, "rope_theta": 256.0, "rope_axes_dim": (4, 6, 6),
+        },
+        vae={"in_channels": 3, "out_channels": 3, "latent_channels": 4,
+             "down_block_types": ("HunyuanVideoDownBlock3D",) * 4, "up_block_types": ("HunyuanVideoUpBlock3D",) * 4,
+             "block_out_channels": (8, 8, 8, 8), "layers_per_block": 1, "norm_num_groups": 4,
+             "scaling_factor": 0.476986, "spatial_compression_ratio": 8, "temporal_compression_ratio": 4,
+             "mid_block_add_attention": True},
+        text_len=11, text_dim=32, pooled_dim=24, text_padding=4, height=32, width=48, num_frames=9,
+        scheduler={"shift": 7.0},
+    ),
+    "tiny-qwenimage": ZooEntry(
+        family="qwenimage",
+        transformer={"patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2,
+                     "attention_head_dim": 16, "num_attention_heads": _TINY_HEADS, "joint_attention_dim": 32,
+                     "guidance_embeds": False, "axes_dims_rope": (4, 6, 6)},
+        vae={"base_dim": 24, "z_dim": 4, "dim_mult": [1, 2, 4], "num_res_blocks": 1,
+             "temperal_downsample": [False, True], "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4},
+        text_len=11, text_dim=32, text_padding=4, height=32, width=48,
+        scheduler={"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192, "max_shift": 0.9,
+                   "shift": 1.0, "use_dynamic_shifting": True, "time_shift_type": "exponential"},
+    ),
+    "tiny-ltx": ZooEntry(
+        family="ltx",
+        transformer={"in_channels": 8, "out_channels": 8, "patch_size": 1, "patch_size_t": 1,
+                     "num_attention_heads": _TINY_HEADS, "attention_head_dim": 8, "cross_attention_dim": 96,
+                     "num_layers": 2, "caption_channels": 32},
+        vae={"in_channels": 3, "out_channels": 3, "latent_channels": 8, "block_out_channels": (8, 8, 8, 8),
+             "decoder_block_out_channels": (8, 8, 8, 8), "layers_per_block": (1, 1, 1, 1, 1),
+             "decoder_layers_per_block": (1, 1, 1, 1, 1),
+             "spatio_temporal_scaling": (True, True, False, False),
+             "decoder_spatio_temporal_scaling": (True, True, False, False),
+             "decoder_inject_noise": (False,) * 5, "upsample_residual": (False,) * 4, "upsample_factor": (1, 1, 1, 1),
+             "timestep_conditioning": False, "patch_size": 1, "patch_size_t": 1, "encoder_causal": True,
+             "decoder_causal": False},
+        text_len=16, text_dim=32, text_padding=6, height=32, width=64, num_frames=9,
+    ),
+    "tiny-sd3.5": ZooEntry(
+        family="sd3",
+        transformer={"sample_size": 32, "patch_size": 2, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8,
+                     "num_attention_heads": _TINY_HEADS, "joint_attention_dim": 32, "caption_projection_dim": 96,
+                     "pooled_projection_dim": 64, "out_channels": 4, "pos_embed_max_size": 32,
+                     "dual_attention_layers": (0,), "qk_norm": "rms_norm"},
+        vae={**_TINY_KL_VAE, "block_out_channels": (8, 8), "norm_num_groups": 8},
+        text_len=7, text_dim=32, pooled_dim=64, height=48, width=64,
+    ),
+    "tiny-cogvideox": ZooEntry(
+        family="cogvideox",
+        transformer={"num_attention_heads": _TINY_HEADS, "attention_head_dim": 16, "in_channels": 4,
+                     "out_channels": 4, "time_embed_dim": 32, "text_embed_dim": 32, "num_layers": 2,
+                     "sample_width": 8, "sample_height": 8, "sample_frames": 9, "patch_size": 2,
+                     "temporal_compression_ratio": 4, "max_text_seq_length": 7,
+                     "use_rotary_positional_embeddings": True},
+        vae={"in_channels": 3, "out_channels": 3, "down_block_types": ("CogVideoXDownBlock3D",) * 4,
+             "up_block_types": ("CogVideoXUpBlock3D",) * 4, "block_out_channels": (8, 8, 8, 8),
+             "latent_channels": 4, "layers_per_block": 1, "norm_num_groups": 2, "temporal_compression_ratio": 4},
+        text_len=7, text_dim=32, height=96, width=64, num_frames=9,
+    ),
+    "tiny-hidream": ZooEntry(
+        family="hidream",
+        transformer={"patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 1, "num_single_layers": 1,
+                     "attention_head_dim": 16, "num_attention_heads": _TINY_HEADS, "caption_channels": [32, 16],
+                     "text_emb_dim": 24, "num_routed_experts": 4, "num_activated_experts": 2,
+                     "axes_dims_rope": (8, 4, 4), "max_resolution": (16, 16), "llama_layers": [0, 1]},
+        vae={**_TINY_KL_VAE, "block_out_channels": (8, 8), "norm_num_groups": 8},
+        text_len=5, text_dim=32, pooled_dim=24, extra_text={"llama": (3, 6, 16)}, height=32, width=32,
+        pipeline_attributes={"default_sample_size": 16},
     ),
     "flux-dev": ZooEntry(
         family="flux",
@@ -90,13 +239,7 @@ ZOO: dict[str, ZooEntry] = {
             "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
             "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": (16, 56, 56),
         },
-        vae={
-            "block_out_channels": (128, 256, 512, 512), "latent_channels": 16, "layers_per_block": 2,
-            "down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4,
-            "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
-            "use_quant_conv": False, "use_post_quant_conv": False,
-        },
-        text_len=512, text_dim=4096, pooled_dim=768, scheduler=_FLUX_SCHEDULER,
+        vae=_FLUX_VAE, text_len=512, text_dim=4096, pooled_dim=768, scheduler=_FLUX_SCHEDULER,
     ),
     "wan-1.3b": ZooEntry(
         family="wan", transformer=_WAN_1_3B, vae=_WAN_VAE, text_len=512, text_dim=4096,
@@ -107,48 +250,69 @@ ZOO: dict[str, ZooEntry] = {
         vae=_WAN_VAE, text_len=512, text_dim=4096, height=720, width=1280, num_frames=81,
         scheduler=_WAN_SCHEDULER,
     ),
+    "hunyuan-video": ZooEntry(
+        family="hunyuan-video",
+        transformer={
+            "in_channels": 16, "out_channels": 16, "num_attention_heads": 24, "attention_head_dim": 128,
+            "num_layers": 20, "num_single_layers": 40, "num_refiner_layers": 2, "mlp_ratio": 4.0, "patch_size": 2,
+            "patch_size_t": 1, "qk_norm": "rms_norm", "guidance_embeds": True, "text_embed_dim": 4096,
+            "pooled_projection_dim": 768, "rope_theta": 256.0, "rope_axes_dim": (16, 56, 56),
+        },
+        vae={"latent_channels": 16, "scaling_factor": 0.476986},
+        text_len=256, text_dim=4096, pooled_dim=768, text_padding=200, height=720, width=1280, num_frames=129,
+        scheduler={"shift": 7.0},
+    ),
+    "hidream": ZooEntry(
+        family="hidream",
+        transformer={
+            "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 16, "num_single_layers": 32,
+            "attention_head_dim": 128, "num_attention_heads": 20, "caption_channels": [4096, 4096],
+            "text_emb_dim": 2048, "num_routed_experts": 4, "num_activated_experts": 2,
+            "axes_dims_rope": (64, 32, 32), "max_resolution": (128, 128),
+            "llama_layers": list(range(32)) + [31] * 16,
+        },
+        vae=_FLUX_VAE, text_len=128, text_dim=4096, pooled_dim=2048, extra_text={"llama": (32, 128, 4096)},
+        scheduler={"shift": 3.0},
+    ),
 }
-
 ZOO["tiny-wan2.2"] = dataclasses.replace(ZOO["tiny-wan"], boundary_ratio=0.9)
 
 
 def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                   seed: int = 0) -> DiffusionPipeline:
+                   seed: int = 0) -> diffusers.DiffusionPipeline:
     """The pipeline of ZOO[name] with random weights (seeded, so every rank builds the same model), built
     straight on `device` in `dtype`: a 14B model never exists in float32 on the host."""
     entry = ZOO[name]
+    family = FAMILIES[entry.family]
+    transformer_cls = getattr(diffusers, family.transformer)
     torch.manual_seed(seed)
     with torch.device(device):
-        transformer = _in_dtype(dtype, lambda: _TRANSFORMERS[entry.family](**entry.transformer))
-        transformer_2 = None
+        transformers = [_in_dtype(dtype, lambda: transformer_cls(**entry.transformer))]
         if entry.boundary_ratio is not None:
-            transformer_2 = _in_dtype(dtype, lambda: _TRANSFORMERS[entry.family](**entry.transformer))
-        # the Wan VAE stays in float32, as diffusers' Wan examples keep it
-        vae_dtype = dtype if entry.family == "flux" else torch.float32
-        vae = _in_dtype(vae_dtype, lambda: _VAES[entry.family](**entry.vae))
-    for model in filter(None, (transformer, transformer_2)):
+            transformers.append(_in_dtype(dtype, lambda: transformer_cls(**entry.transformer)))
+        vae = _in_dtype(torch.float32 if family.vae_float32 else dtype,
+                        lambda: getattr(diffusers, family.vae)(**entry.vae))
+    for model in (*transformers, vae):
+        model.eval()  # HiDream's MoE takes another path in training mode
+    for model in transformers:
         _keep_fp32_modules(model)
-    if entry.family == "flux":
-        return FluxPipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler(**entry.scheduler), vae=vae, transformer=transformer,
-            text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-        )
-    return WanPipeline(
-        tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, transformer_2=transformer_2,
-        scheduler=UniPCMultistepScheduler(**entry.scheduler), boundary_ratio=entry.boundary_ratio,
-    )
+    components = {"transformer": transformers[0], "vae": vae,
+                  "scheduler": getattr(diffusers, family.scheduler)(**entry.scheduler)}
+    pipeline_cls = getattr(diffusers, family.pipeline)
+    for component in _text_components(pipeline_cls):
+        components[component] = None
+    if entry.boundary_ratio is not None:
+        components.update(transformer_2=transformers[1], boundary_ratio=entry.boundary_ratio)
+    pipe = pipeline_cls(**components)
+    for attribute, value in entry.pipeline_attributes.items():
+        setattr(pipe, attribute, value)
+    return pipe
 
 
-def _keep_fp32_modules(model: torch.nn.Module) -> None:
-    """Keep in float32 what diffusers' from_pretrained keeps there whatever the dtype asked for."""
-    keep = set(model._keep_in_fp32_modules or [])
-    for tensor_name, tensor in (*model.named_parameters(), *model.named_buffers()):
-        if keep & set(tensor_name.split(".")) and tensor.is_floating_point():
-            tensor.data = tensor.data.float()
-
-
-_TRANSFORMERS = {"flux": FluxTransformer2DModel, "wan": WanTransformer3DModel}
-_VAES = {"flux": AutoencoderKL, "wan": AutoencoderKLWan}
+def _text_components(pipeline_cls: type) -> list[str]:
+    """The pipeline's text encoders and tokenizers (left out: embeddings are passed in)."""
+    return [name for name in inspect.signature(pipeline_cls.__init__).parameters
+            if name.startswith(("text_encoder", "tokenizer"))]
 
 
 def _in_dtype(dtype: torch.dtype, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -160,50 +324,38 @@ def _in_dtype(dtype: torch.dtype, build: Callable[[], torch.nn.Module]) -> torch
         torch.set_default_dtype(previous)
 
 
+def _keep_fp32_modules(model: torch.nn.Module) -> None:
+    """Keep in float32 what diffusers' from_pretrained keeps there whatever the dtype asked for."""
+    keep = set(model._keep_in_fp32_modules or [])
+    for tensor_name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if keep & set(tensor_name.split(".")) and tensor.is_floating_point():
+            tensor.data = tensor.data.float()
+
+
 def prompt_seed(prompt: str) -> int:
-    """A stable seed from a prompt, so a tiny model without a text encoder still maps prompts to embeddings."""
+    """A stable seed from a prompt, so a model without a text encoder still maps prompts to embeddings."""
     return zlib.crc32(prompt.encode())
 
 
 def text_embeddings(name: str, batch: int, seed: int, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Random positive and negative text embeddings with the model's real shapes, as pipeline kwargs."""
+    """Random positive and negative text inputs with the model's real shapes, as pipeline kwargs."""
     entry = ZOO[name]
     generator = torch.Generator().manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
-    kwargs = {
-        "prompt_embeds": draw(batch, entry.text_len, entry.text_dim),
-        "negative_prompt_embeds": draw(batch, entry.text_len, entry.text_dim),
-    }
-    if entry.pooled_dim:
-        kwargs["pooled_prompt_embeds"] = draw(batch, entry.pooled_dim)
-        kwargs["negative_pooled_prompt_embeds"] = draw(batch, entry.pooled_dim)
-    return kwargs
-
-
-def image_tokens(name: str, *, height: int, width: int, num_frames: int) -> int:
-    """Image/video tokens the transformer sees for this output size."""
-    entry = ZOO[name]
-    if entry.family == "flux":
-        pixels_per_token = 2 * 2 ** (len(entry.vae["block_out_channels"]) - 1)  # VAE downsampling, 2x2 packing
-        return (height // pixels_per_token) * (width // pixels_per_token)
-    spatial = 2 ** len(entry.vae["temperal_downsample"]) * entry.transformer["patch_size"][1]
-    latent_frames = (num_frames - 1) // 2 ** sum(entry.vae["temperal_downsample"]) + 1
-    return latent_frames * (height // spatial) * (width // spatial)
+    inputs = FAMILIES[entry.family].text_inputs(entry, batch, draw)
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
 def call_kwargs(name: str, *, height: int, width: int, num_frames: int, steps: int, guidance: float
                 ) -> dict[str, Any]:
-    """Pipeline kwargs for size, steps and classifier-free guidance (Flux: true CFG; Wan: CFG)."""
-    entry = ZOO[name]
-    kwargs: dict[str, Any] = {"height": height, "width": width, "num_inference_steps": steps}
-    if entry.family == "flux":
-        kwargs["true_cfg_scale"] = guidance
-    else:
-        kwargs.update(num_frames=num_frames, guidance_scale=guidance)
+    """Pipeline kwargs for size, steps and classifier-free guidance (> 1 turns it on)."""
+    family = FAMILIES[ZOO[name].family]
+    kwargs: dict[str, Any] = {"height": height, "width": width, "num_inference_steps": steps,
+                              family.guidance_kwarg: guidance}
+    if family.video:
+        kwargs["num_frames"] = num_frames
     return kwargs
-
-

@@ -29,7 +29,9 @@ class SequenceParallelPlan:
     cfg: how the family's pipelines run classifier-free guidance, for CFG parallelism.
     call_site: (diffusers module, routing.DISPATCH or routing.SDPA): the name the processors call attention by.
     text_first: joint attention puts the replicated text tokens before the image tokens (else after).
+    check_model: raises, at enable time, for a model configuration the plan cannot shard.
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
+    install: model-specific changes applied with the plan (e.g. a routed MoE), each undone by `.remove()`.
     """
 
     family: str
@@ -41,7 +43,9 @@ class SequenceParallelPlan:
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_outputs: dict[str, int] = field(default_factory=dict)
     text_first: bool = True
+    check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
+    install: Callable[[nn.Module], list[Any]] | None = None
 
 
 def _argument_positions(module: nn.Module) -> dict[str, int]:
@@ -56,12 +60,19 @@ def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, 
         for name, dim in dims.items():
             # split the argument where the caller put it: by keyword or by position
             if kwargs.get(name) is not None:
-                kwargs[name] = shard.shard(kwargs[name], dim)
+                kwargs[name] = _shard_value(shard, kwargs[name], dim)
             elif positions[name] < len(args) and args[positions[name]] is not None:
-                args[positions[name]] = shard.shard(args[positions[name]], dim)
+                args[positions[name]] = _shard_value(shard, args[positions[name]], dim)
         return tuple(args), kwargs
 
     return hook
+
+
+def _shard_value(shard: SequenceShard, value: Any, dim: int) -> Any:
+    """A tensor, or a tuple of tensors (rotary tables), split along `dim`."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(shard.shard(item, dim) for item in value)
+    return shard.shard(value, dim)
 
 
 def _check_inputs_hook(module: nn.Module, check: Callable[[dict[str, Any]], None]):
@@ -101,6 +112,7 @@ class AppliedPlan:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
         shard = attention.shard
+        self._installed = plan.install(model) if plan.install is not None else []
         if plan.check_inputs is not None:
             self._hooks.append(model.register_forward_pre_hook(
                 _check_inputs_hook(model, plan.check_inputs), with_kwargs=True
@@ -121,4 +133,6 @@ class AppliedPlan:
     def remove(self) -> None:
         for handle in self._hooks:
             handle.remove()
+        for change in reversed(self._installed):
+            change.remove()
         routing.unroute(*self.plan.call_site)

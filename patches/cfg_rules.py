@@ -1,8 +1,22 @@
-"""When a pipeline call runs classifier-free guidance, from its bound arguments (defaults applied): the rules
-the pipelines themselves apply, for the CFG split of pipelines that call the transformer once per branch."""
+"""Facts the CFG split needs about pipelines that call the transformer once per branch: whether a pipeline call
+runs classifier-free guidance (from its bound arguments, defaults applied; the rules the pipelines themselves
+apply), and the transformer output's shape."""
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+from torch import nn
+
+
+def video_output_shape(model: nn.Module, input_shape: torch.Size) -> tuple[int, ...]:
+    """(B, C_out, F, H, W) models: the output has the input's shape with the model's output channels."""
+    return (input_shape[0], model.config.out_channels or model.config.in_channels, *input_shape[2:])
+
+
+def token_output_shape(model: nn.Module, input_shape: torch.Size) -> tuple[int, ...]:
+    """(B, S, C) models ending in `proj_out`: the output has the input's tokens and proj_out's features."""
+    return (*input_shape[:-1], model.proj_out.out_features)
 
 
 def true_cfg_with_pooled_negatives(a: dict[str, Any]) -> bool:

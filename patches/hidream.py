@@ -1,0 +1,86 @@
+"""HiDream-I1: joint [image, text] attention (text last) in double- and single-stream blocks, with llama
+hidden states appended per block, and a mixture-of-experts feed-forward. Processors call
+F.scaled_dot_product_attention directly.
+
+The model patchifies its latents inside forward; we do that first (same function), so that image tokens,
+their position ids and HiDream's own padding mask are split on entry like Flux's, and `img_sizes` become
+Python ints (no host sync in unpatchify). The MoE runs sync-free and grouped (xstage_dit.moe)."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from diffusers import HiDreamImageTransformer2DModel
+from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
+from torch import nn
+
+from ..cfg_parallel import BATCH, CfgPlan
+from ..moe import GroupedSwiGLUExperts, dispatch
+from ..sp import routing
+from ..sp.plan import SequenceParallelPlan
+
+
+class _PatchifyFirst:
+    """A forward pre-hook that hands the model already-patchified inputs, as its forward accepts them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._signature = inspect.signature(model.forward)
+        self._handle = model.register_forward_pre_hook(self._patchify, with_kwargs=True)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def _patchify(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        arguments = dict(self._signature.bind_partial(*args, **kwargs).arguments)
+        latents = arguments["hidden_states"]
+        if latents.dim() == 4 and arguments.get("hidden_states_masks") is None:
+            patch = model.config.patch_size
+            tokens, masks, _, img_ids = model.patchify(latents)
+            if masks is None:  # square images carry no padding
+                masks = torch.ones(tokens.shape[:2], dtype=tokens.dtype, device=tokens.device)
+            sizes = [(latents.shape[-2] // patch, latents.shape[-1] // patch)] * latents.shape[0]
+            arguments.update(hidden_states=tokens, img_ids=img_ids, hidden_states_masks=masks, img_sizes=sizes)
+        return (), arguments
+
+
+class _GroupedMoE:
+    """Replaces one MoE layer's `moe_infer` (a Python loop sized by `.cpu()` counts) with the grouped one."""
+
+    def __init__(self, layer: MOEFeedForwardSwiGLU) -> None:
+        self.layer = layer
+        experts = GroupedSwiGLUExperts(layer.experts)
+        top_k = layer.num_activated_experts
+
+        def moe_infer(x: torch.Tensor, expert_index: torch.Tensor, expert_weight: torch.Tensor) -> torch.Tensor:
+            return experts(x, dispatch(expert_index, expert_weight.view(-1), top_k, experts.num_experts))
+
+        layer.moe_infer = moe_infer
+
+    def remove(self) -> None:
+        del self.layer.moe_infer
+
+
+def _install(model: nn.Module) -> list[Any]:
+    return [_PatchifyFirst(model)] + [_GroupedMoE(m) for m in model.modules() if isinstance(m, MOEFeedForwardSwiGLU)]
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [block.block.attn1 for block in (*model.double_stream_blocks, *model.single_stream_blocks)]
+
+
+PLANS = {
+    HiDreamImageTransformer2DModel: SequenceParallelPlan(
+        family="HiDream",
+        call_site=("diffusers.models.transformers.transformer_hidream_image", routing.SDPA),
+        attention_modules=_attention_modules,
+        num_heads=lambda model: model.config.num_attention_heads,
+        cfg=CfgPlan(BATCH, batch_inputs={
+            "hidden_states": 0, "timesteps": 0, "encoder_hidden_states_t5": 0, "encoder_hidden_states_llama3": 1,
+            "pooled_embeds": 0, "img_ids": 0, "img_sizes": 0, "hidden_states_masks": 0}),
+        shard_inputs={"": {"hidden_states": 1, "img_ids": 1, "hidden_states_masks": 1}},
+        gather_outputs={"final_layer": 1},
+        text_first=False,
+        install=_install,
+    )
+}
