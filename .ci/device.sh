@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks of the project, for the device machine (one H200): install, GPU tests, end-to-end benchmark.
+# The GPU checks of the project, for the device machine (one H200): install, GPU tests, end-to-end benchmarks.
 # Run from the repository root with .whl carried (../shared/device/wheels.sh fetches it). Results go to $OUT.
-#   bash .ci/device.sh [bench_e2e args...]
+#   bash .ci/device.sh ["BENCH_E2E ARGS" ...]      one bench_e2e.py run per quoted argument list
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 REPO=$PWD; OUT=${OUT:-$REPO/out}; mkdir -p "$OUT"
 # offline machine: wheels from .whl, and the project built without build isolation (setuptools and torch come
 # from the image; csrc/ is compiled here when it has sources)
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \
   || { tail -30 "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/site
@@ -15,4 +15,8 @@ cd /tmp  # import the installed package, not the checkout (which lacks xstage_di
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests" 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
-python3 "$REPO/examples/bench_e2e.py" --out "$OUT/e2e-h200" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -20
+for bench_args in "$@"; do
+  # shellcheck disable=SC2086  # each argument is a list of bench_e2e.py arguments
+  python3 "$REPO/examples/bench_e2e.py" --out "$OUT/e2e-h200" $bench_args 2>&1 | tee -a "$OUT/bench.log" \
+    | grep -v Warning | tail -8
+done

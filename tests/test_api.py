@@ -31,11 +31,10 @@ def test_unsupported_pipeline_is_refused():
 
 
 def test_unsupported_transformer_names_supported_families():
-    model = diffusers.SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
-    )
-    with pytest.raises(TypeError, match=r"no sequence-parallel patch for SD3Transformer2DModel; supported: Flux"):
+    model = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
+                                            sample_size=8, norm_num_groups=4)
+    with pytest.raises(TypeError, match=r"no sequence-parallel patch for DiTTransformer2DModel; supported: "
+                                        r"CogVideoX .*HiDream .*Wan"):
         xstage_dit.enable(model)
 
 
@@ -48,6 +47,7 @@ def test_heads_that_cannot_be_split_name_working_degrees(flux_pipe, world):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
+        ({"cfg_degree": 4}, "cfg_degree must be 1 or 2"),
         ({"ulysses_degree": 8}, "larger than the world size 4"),
         ({"ulysses_degree": 2}, r"cfg_degree \(1\) x ulysses_degree \(2\) must equal the world size \(4\)"),
         ({"cfg_degree": 0}, "degrees must be >= 1"),
