@@ -34,9 +34,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-frames", type=int, help="video models only")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--guidance", type=float, default=1.0,
-                        help="classifier-free guidance scale (Flux: true CFG; Wan: CFG); 1 disables it")
+                        help="classifier-free guidance scale (true CFG for Flux, HunyuanVideo, QwenImage); 1 disables it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="auto", choices=xstage_dit.available_backends())
+    parser.add_argument("--cfg-degree", type=int, default=1, choices=(1, 2),
+                        help="2: split the guidance branches over two groups of ranks")
     parser.add_argument("--output", help="output file (default: output.png, or output.gif for video)")
     return parser.parse_args()
 
@@ -51,9 +53,11 @@ def load_pipeline(args: argparse.Namespace, device: torch.device, dtype: torch.d
             size["num_frames"] = args.num_frames
         call = {k: v for k, v in size.items() if v is not None}
         call.update(prompt=args.prompt, num_inference_steps=args.steps)
-        call["guidance_scale" if is_video else "true_cfg_scale"] = args.guidance
-        if args.guidance > 1 and not is_video:
-            call["negative_prompt"] = ""
+        family = next((f for f in zoo.FAMILIES.values() if f.pipeline == type(pipe).__name__), None)
+        guidance_kwarg = family.guidance_kwarg if family else "guidance_scale"
+        call[guidance_kwarg] = args.guidance
+        if guidance_kwarg == "true_cfg_scale" and args.guidance > 1:
+            call["negative_prompt"] = ""  # true CFG runs only with a negative prompt
         return pipe, call, is_video
     entry = zoo.ZOO[args.config]
     pipe = zoo.build_pipeline(args.config, device=device, dtype=dtype)
@@ -71,7 +75,7 @@ def main() -> None:
     device = xstage_dit.local_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pipe, call, is_video = load_pipeline(args, device, dtype)
-    xstage_dit.enable(pipe, backend=args.backend)
+    xstage_dit.enable(pipe, backend=args.backend, cfg_degree=args.cfg_degree)
 
     timer = StepTimer(device)
     timer.start()
