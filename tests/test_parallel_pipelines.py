@@ -113,25 +113,38 @@ def test_cfg_parallel_matches_single_process(name: str, world_size: int, guidanc
     run_on_ranks(world_size, _pipeline_worker, name, 2, guidance)
 
 
-def _bare_flux_transformer_worker() -> None:
-    model = zoo.build_pipeline("tiny-flux").transformer
-    generator = torch.Generator().manual_seed(3)
-    image_tokens, text_tokens = 37, 5
-    inputs = {
-        "hidden_states": torch.randn(2, image_tokens, 16, generator=generator),
-        "encoder_hidden_states": torch.randn(2, text_tokens, 32, generator=generator),
-        "pooled_projections": torch.randn(2, 32, generator=generator),
-        "timestep": torch.tensor([0.5, 0.5]),
-        "guidance": torch.tensor([3.5, 3.5]),
-        "img_ids": torch.randn(image_tokens, 3, generator=generator),
-        "txt_ids": torch.zeros(text_tokens, 3),
+def _bare_transformer_inputs(name: str, generator: torch.Generator) -> dict:
+    """Direct transformer inputs with 35 image/video tokens (5 x 7), which no degree 2..4 divides."""
+    entry = zoo.ZOO[name]
+    if entry.family == "flux":
+        return {
+            "hidden_states": torch.randn(2, 35, 16, generator=generator),
+            "encoder_hidden_states": torch.randn(2, 5, 32, generator=generator),
+            "pooled_projections": torch.randn(2, 32, generator=generator),
+            "timestep": torch.tensor([0.5, 0.5]), "guidance": torch.tensor([3.5, 3.5]),
+            "img_ids": torch.randn(35, 3, generator=generator), "txt_ids": torch.zeros(5, 3),
+        }
+    # LTX: the pipeline only makes multiples of 64 tokens; the model itself takes any latent grid
+    mask = torch.ones(2, 6)
+    mask[1, 4:] = 0
+    return {
+        "hidden_states": torch.randn(2, 35, 8, generator=generator),
+        "encoder_hidden_states": torch.randn(2, 6, 32, generator=generator),
+        "timestep": torch.tensor([500, 500]), "encoder_attention_mask": mask,
+        "num_frames": 1, "height": 5, "width": 7,
     }
+
+
+def _bare_transformer_worker(name: str) -> None:
+    model = zoo.build_pipeline(name).transformer
+    inputs = _bare_transformer_inputs(name, torch.Generator().manual_seed(3))
     ref = model(**inputs).sample
     assert xstage_dit.enable(model, timeout_s=120) is model
     out = model(**inputs).sample
     error = _relative_error(out, ref)
-    assert error < TOLERANCE, f"bare Flux transformer: relative error {error:.2e}"
+    assert error < TOLERANCE, f"bare {name} transformer: relative error {error:.2e}"
 
 
-def test_bare_transformer_matches_single_process() -> None:
-    run_on_ranks(3, _bare_flux_transformer_worker)
+@pytest.mark.parametrize("name, world_size", [("tiny-flux", 3), ("tiny-ltx", 2)])
+def test_bare_transformer_matches_single_process(name: str, world_size: int) -> None:
+    run_on_ranks(world_size, _bare_transformer_worker, name)

@@ -275,6 +275,41 @@ ZOO: dict[str, ZooEntry] = {
         scheduler={"shift": 3.0},
     ),
 }
+# released models' transformer configs, transcribed from their repositories' config.json
+ZOO.update({
+    "sd3.5-medium": ZooEntry(
+        family="sd3",
+        transformer={"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 24,
+                     "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                     "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "out_channels": 16,
+                     "pos_embed_max_size": 384, "dual_attention_layers": tuple(range(13)), "qk_norm": "rms_norm"},
+        vae={**_FLUX_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609},
+        text_len=77 + 256, text_dim=4096, pooled_dim=2048,
+    ),
+    "qwenimage": ZooEntry(
+        family="qwenimage",
+        transformer={"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+                     "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
+                     "guidance_embeds": False, "axes_dims_rope": (16, 56, 56)},
+        vae={}, text_len=256, text_dim=3584, text_padding=128,
+        scheduler=ZOO["tiny-qwenimage"].scheduler,
+    ),
+    "ltx-video": ZooEntry(
+        family="ltx",
+        transformer={"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
+                     "num_attention_heads": 32, "attention_head_dim": 64, "cross_attention_dim": 2048,
+                     "num_layers": 28, "caption_channels": 4096},
+        vae={}, text_len=128, text_dim=4096, text_padding=64, height=512, width=704, num_frames=161,
+    ),
+    "cogvideox-5b": ZooEntry(
+        family="cogvideox",
+        transformer={"num_attention_heads": 48, "attention_head_dim": 64, "in_channels": 16, "out_channels": 16,
+                     "time_embed_dim": 512, "text_embed_dim": 4096, "num_layers": 42, "sample_width": 90,
+                     "sample_height": 60, "sample_frames": 49, "patch_size": 2, "temporal_compression_ratio": 4,
+                     "max_text_seq_length": 226, "use_rotary_positional_embeddings": True},
+        vae={}, text_len=226, text_dim=4096, height=480, width=720, num_frames=49,
+    ),
+})
 ZOO["tiny-wan2.2"] = dataclasses.replace(ZOO["tiny-wan"], boundary_ratio=0.9)
 
 
