@@ -49,7 +49,7 @@ def _first_attention(pipe) -> list[torch.nn.Module]:
     return [patches.plan_for(m).attention_modules(m)[0] for m in models]
 
 
-def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0) -> None:
+def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, backend: str = "reference") -> None:
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     # query rows that reach each transformer's first routed attention, per call: proves the sequence is split
@@ -71,7 +71,7 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0) -> N
     cases = [(batch, size) for batch in (1, 2) for size in ("even", "uneven")]
     stock = {case: generate(*case) for case in cases}
 
-    xstage_dit.enable(pipe, cfg_degree=cfg_degree, timeout_s=120)
+    xstage_dit.enable(pipe, cfg_degree=cfg_degree, backend=backend, timeout_s=120)
     degree = torch.distributed.get_world_size() // cfg_degree
     for case in cases:
         out, tokens = generate(*case)
@@ -111,6 +111,14 @@ def test_parallel_pipeline_matches_single_process(name: str, world_size: int) ->
 def test_cfg_parallel_matches_single_process(name: str, world_size: int, guidance: float) -> None:
     """cfg_degree=2: each CFG group runs one branch (guidance 1.0: no CFG, every group runs every call)."""
     run_on_ranks(world_size, _pipeline_worker, name, 2, guidance)
+
+
+@pytest.mark.parametrize(
+    "name, world_size", [("tiny-flux", 3), ("tiny-wan", 2), ("tiny-hunyuan-video", 2), ("tiny-sd3.5", 4)]
+)
+def test_overlap_backend_matches_single_process(name: str, world_size: int) -> None:
+    """backend="overlap": head chunks in flight while others compute (text first and last, text masks)."""
+    run_on_ranks(world_size, _pipeline_worker, name, 1, 3.0, "overlap")
 
 
 def _bare_transformer_inputs(name: str, generator: torch.Generator) -> dict:

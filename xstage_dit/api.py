@@ -12,7 +12,7 @@ from .cfg_parallel import PAIRS, CfgSplit, PairedCalls, unwrap_pipeline_call, wr
 from .config import XStageConfig
 from .logging_utils import logger, warn_once
 from .runtime import build_groups, ensure_process_group, world_from_env
-from .sp import reference  # noqa: F401  (registers the reference backend)
+from .sp import overlap, reference  # noqa: F401  (register the backends)
 from .sp.attention import UlyssesAttention
 from .sp.backends import resolve_backend
 from .sp.plan import AppliedPlan

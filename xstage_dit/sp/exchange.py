@@ -1,0 +1,77 @@
+"""The two Ulysses all-to-alls, for all heads or a chunk of them, synchronous or in flight.
+
+Heads are chunked inside each rank's share: chunk `heads` (a slice of 0..H/N) of the exchange moves, for every
+rank j, heads j*H/N + heads. Both exchanges run as one `all_to_all_single` each (q, k, v together; output with
+the text rows riding along), on whatever group backend (NCCL, gloo)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .backends import UlyssesLayout
+
+
+@dataclass
+class InFlight:
+    """An all-to-all that was started: its receive buffer and, if asynchronous, its work handle."""
+
+    recv: torch.Tensor
+    work: dist.Work | None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.recv
+
+
+def start_scatter(tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout, group: dist.ProcessGroup,
+                  heads: slice, async_op: bool = False) -> InFlight:
+    """Send chunk `heads` of every rank's head share of the image tokens of (B, T + L, H, D) tensors."""
+    n_ranks = layout.degree
+    parts = [layout.split(t)[1].unflatten(2, (n_ranks, -1))[:, :, :, heads] for t in tensors]  # (B, L, N, h, D)
+    batch, local_len, _, chunk, head_dim = parts[0].shape
+    send = parts[0].new_empty(n_ranks, len(parts), batch, local_len, chunk, head_dim)
+    for i, part in enumerate(parts):
+        send[:, i].copy_(part.permute(2, 0, 1, 3, 4))  # chunk j of the heads goes to rank j
+    recv = torch.empty_like(send)
+    with torch.no_grad():  # inference only: collectives are not differentiable
+        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return InFlight(recv, work)
+
+
+def finish_scatter(flight: InFlight, tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout,
+                   heads: slice) -> list[torch.Tensor]:
+    """(B, T + N*L, h, D) per input: this rank's heads of the whole sequence, its text heads first."""
+    recv = flight.wait()
+    # recv[j] holds rank j's tokens: concatenating over j restores the sequence order
+    image = recv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3).unbind(0)
+    if not layout.text_len:
+        return list(image)
+    share = tensors[0].shape[2] // layout.degree
+    text_heads = slice(layout.rank * share + heads.start, layout.rank * share + heads.stop)
+    return [torch.cat([layout.split(t)[0][:, :, text_heads], x], dim=1) for t, x in zip(tensors, image)]
+
+
+def start_gather(out: torch.Tensor, layout: UlyssesLayout, group: dist.ProcessGroup,
+                 async_op: bool = False) -> InFlight:
+    """Send each rank its image rows of this rank's heads, and every rank this rank's text rows."""
+    n_ranks, text_len = layout.degree, layout.text_len
+    image = out[:, text_len:].unflatten(1, (n_ranks, layout.local_len)).transpose(0, 1)  # (N, B, L, h, D)
+    if text_len:
+        text = out[:, :text_len].unsqueeze(0).expand(n_ranks, -1, -1, -1, -1)
+        send = torch.cat([text, image], dim=2)
+    else:
+        send = image.contiguous()
+    recv = torch.empty_like(send)
+    with torch.no_grad():
+        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return InFlight(recv, work)
+
+
+def finish_gather(flight: InFlight, layout: UlyssesLayout) -> torch.Tensor:
+    """(B, T + L, N*h, D) in the layout's token order, heads ordered (rank, chunk head)."""
+    recv = flight.wait()
+    full = recv.permute(1, 2, 0, 3, 4).flatten(2, 3)  # recv[j]: this rank's rows of rank j's heads
+    return layout.join(full[:, : layout.text_len], full[:, layout.text_len :])
