@@ -5,7 +5,7 @@ import os
 
 from setuptools import setup
 
-PACKAGES = ["xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.patches"]
+PACKAGES = ["xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.kernels", "xstage_dit.patches"]
 PACKAGE_DIR = {"xstage_dit.patches": "patches"}
 
 
@@ -41,7 +41,12 @@ setup(
     package_dir=PACKAGE_DIR,
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "diffusers==0.42.1", "transformers", "accelerate", "tqdm", "pillow"],
-    extras_require={"test": ["pytest"], "bench": ["matplotlib"], "nvshmem": ["nvidia-nvshmem-cu13"]},
+    extras_require={
+        # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
+        "test": ["pytest", "triton==3.6.0", "numpy<2.4"],
+        "bench": ["matplotlib"],
+        "nvshmem": ["nvidia-nvshmem-cu13"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

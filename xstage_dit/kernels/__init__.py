@@ -1,0 +1,1 @@
+"""Triton kernels. A kernel here knows shapes, strides and pointers, never models."""

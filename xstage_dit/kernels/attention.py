@@ -1,0 +1,200 @@
+"""Flash attention forward for (batch, seq, heads, head_dim) tensors, with an optional scatter epilogue.
+
+One program owns one tile of BLOCK_M query rows of one (batch, head) and streams the keys in BLOCK_N tiles with
+an online softmax (base-2 exponentials). Keys at or past `kv_len` are masked (tail padding of a sharded
+sequence), optionally also keys a per-batch mask rejects (padded prompt tokens).
+
+The scatter epilogue is the X-Stage piggyback of the Ulysses post-attention all-to-all: instead of writing its
+tile locally, the tile's owner stores each finished row straight into the buffer of the rank that owns that
+token, in that rank's (B, T + L, H, D) layout (text rows go to every rank), then moves on to its next tile: the
+stores drain while the next tile's Q loop computes. Destinations are a table of base addresses (symmetric-memory
+peers, or local buffers in loopback), all with the strides of `out`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr):
+    """One key tile of the online softmax: k is (HEAD_DIM, BLOCK_N), v is (BLOCK_N, HEAD_DIM)."""
+    scores = tl.dot(q, k) * qk_scale
+    if MASKED:
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.math.exp2(scores - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len):
+    rows = start_n + offs_n
+    ok = rows < kv_len
+    k = tl.load(k_base + rows[None, :] * stride_ks + offs_d[:, None], mask=ok[None, :], other=0.0)
+    v = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attention_kernel(
+    Q, K, V, Out, Lse, KeyMask, Dest,
+    sm_scale, q_len, kv_len, kv_full_end, key_mask_len,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_mb,
+    heads,
+    text_len, local_len, n_dest, dest_text_row0, dest_image_row0, dest_head0,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // heads).to(tl.int64)
+    h = pid_bh % heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+
+    q = tl.load(Q + batch * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    k_base = K + batch * stride_kb + h * stride_kh
+    v_base = V + batch * stride_vb + h * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+
+    if HAS_KEY_MASK:
+        # the mask may reject keys anywhere in its range: every tile is masked
+        for start_n in range(0, kv_len, BLOCK_N):
+            k, v = _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len)
+            keys = start_n + offs_n
+            allowed = tl.load(KeyMask + batch * stride_mb + keys, mask=keys < key_mask_len, other=1)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, (keys < kv_len) & (allowed != 0), True)
+    else:
+        # full tiles unmasked, then the partial tail tile masked
+        full_end = kv_full_end
+        for start_n in range(0, full_end, BLOCK_N):
+            k, v = _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, offs_n, False)
+        if full_end < kv_len:
+            k, v = _load_keys(k_base, v_base, full_end, stride_ks, stride_vs, offs_n, offs_d, kv_len)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, full_end + offs_n < kv_len, True)
+
+    out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
+    if WRITE_LSE:
+        tl.store(Lse + pid_bh.to(tl.int64) * q_len + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
+                 mask=row_ok)
+    if SCATTER:
+        # image row r = m - text_len belongs to rank r // local_len, at its row dest_image_row0 + r % local_len;
+        # this rank's head h is head dest_head0 + h there
+        r = offs_m - text_len
+        is_image = (r >= 0) & row_ok
+        dest = tl.where(is_image, r // local_len, 0)
+        dest_row = tl.where(is_image, dest_image_row0 + r % local_len, 0)
+        column = batch * stride_ob + (dest_head0 + h) * stride_oh + offs_d[None, :]
+        base = tl.load(Dest + dest).to(tl.pointer_type(Out.dtype.element_ty))
+        tl.store(base[:, None] + column + dest_row[:, None] * stride_os, out, mask=is_image[:, None])
+        if pid_m * BLOCK_M < text_len:
+            # text rows: every rank needs every head of them
+            is_text = offs_m < text_len
+            text_row = dest_text_row0 + offs_m
+            for j in range(n_dest):
+                base_j = tl.load(Dest + j).to(tl.pointer_type(Out.dtype.element_ty))
+                tl.store(base_j + column + text_row[:, None] * stride_os, out, mask=is_text[:, None])
+    else:
+        tl.store(Out + batch * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], out,
+                 mask=row_ok[:, None])
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """Where the scatter epilogue sends rows: `destinations` holds the base address of every rank's
+    (B, T + L, H, D) output buffer (int64, on the device); this rank's heads start at `head0` there."""
+
+    destinations: torch.Tensor
+    text_len: int
+    local_len: int
+    text_first: bool
+    head0: int
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def _default_config(head_dim: int, interpret: bool) -> TileConfig:
+    if interpret:
+        return TileConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    return TileConfig(block_n=128 if head_dim <= 64 else 64)
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    kv_len: int | None = None,
+    key_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    scatter: Scatter | None = None,
+    return_lse: bool = False,
+    config: TileConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale) v over the first `kv_len` keys, for (B, S, H, D) tensors (last dim contiguous).
+
+    key_mask: (B, M) bool/int, keys [0, M) it marks False are ignored (keys past M are kept).
+    out: (B, Sq, H, D) output (allocated if None). With `scatter`, `out` gives the destination buffers'
+    shape and strides and receives nothing unless it is one of them. Returns out (and the natural-log
+    log-sum-exp, (B, H, Sq) float32, if `return_lse`)."""
+    batch, q_len, heads, head_dim = q.shape
+    if head_dim not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"flash_attention supports head_dim 64 and 128 in bf16/fp16, got {head_dim}, {q.dtype}")
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("flash_attention needs the head_dim axis contiguous")
+    kv_len = k.shape[1] if kv_len is None else kv_len
+    scale = head_dim**-0.5 if scale is None else scale
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32) if return_lse else out
+    mask = key_mask.to(torch.int8) if key_mask is not None else out
+    interpret = q.device.type == "cpu"
+    cfg = config or _default_config(head_dim, interpret)
+    if scatter is not None:
+        dest_text_row0, dest_image_row0 = (0, scatter.text_len) if scatter.text_first else (scatter.local_len, 0)
+        scatter_args = (scatter.text_len, scatter.local_len, scatter.destinations.numel(), dest_text_row0,
+                        dest_image_row0, scatter.head0)
+        destinations = scatter.destinations
+    else:
+        scatter_args = (0, 1, 0, 0, 0, 0)
+        destinations = out
+    grid = (triton.cdiv(q_len, cfg.block_m), batch * heads)
+    _attention_kernel[grid](
+        q, k, v, out, lse, mask, destinations,
+        scale, q_len, kv_len, kv_len // cfg.block_n * cfg.block_n, mask.shape[1] if key_mask is not None else 0,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        mask.stride(0) if key_mask is not None else 0,
+        heads, *scatter_args,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        WRITE_LSE=return_lse, HAS_KEY_MASK=key_mask is not None, SCATTER=scatter is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,51 @@
+"""Ulysses attention of N ranks simulated in one process on one device ("loopback"): every rank's buffers are
+local tensors and the destination tables hold their addresses, so the fused kernels run exactly the stores
+they would issue to peers. Used to test the fused path against the reference, and to time it."""
+from __future__ import annotations
+
+import torch
+
+from .all_to_all import scatter_heads
+from .attention import Scatter, flash_attention
+
+
+def address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Base addresses of `tensors`, as the int64 table the kernels read."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+
+
+class LoopbackUlysses:
+    """Buffers of N simulated ranks for one (B, T + L, H, D) joint attention shape."""
+
+    def __init__(self, n_ranks: int, batch: int, text_len: int, local_len: int, heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, text_first: bool = True) -> None:
+        self.n_ranks, self.text_len, self.local_len, self.text_first = n_ranks, text_len, local_len, text_first
+        self.share = heads // n_ranks
+        gathered = (batch, text_len + n_ranks * local_len, self.share, head_dim)
+        # per rank: gathered q, k, v (head-sharded) and the post-all-to-all output (sequence-sharded)
+        self.qkv = [[torch.empty(gathered, dtype=dtype, device=device) for _ in range(3)] for _ in range(n_ranks)]
+        self.out = [torch.empty(batch, text_len + local_len, heads, head_dim, dtype=dtype, device=device)
+                    for _ in range(n_ranks)]
+        self.qkv_tables = [address_table([self.qkv[r][i] for r in range(n_ranks)]) for i in range(3)]
+        self.out_table = address_table(self.out)
+
+    def pre_all_to_all(self, rank: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Rank `rank`'s joint (B, T + L, H, D) inputs into every rank's gathered buffers."""
+        for i, t in enumerate((query, key, value)):
+            text, image = self._split(t)
+            scatter_heads(image, self.qkv_tables[i], self.qkv[rank][i], row0=self.text_len + rank * self.local_len)
+            # text is replicated: each rank takes its own heads of it locally
+            self.qkv[rank][i][:, : self.text_len] = text[:, :, rank * self.share : (rank + 1) * self.share]
+
+    def attention(self, rank: int, seq_len: int, scale: float | None = None,
+                  key_mask: torch.Tensor | None = None) -> None:
+        """Rank `rank`'s heads over the whole sequence, each output row stored into its owner's buffer."""
+        q, k, v = self.qkv[rank]
+        scatter = Scatter(self.out_table, self.text_len, self.local_len, self.text_first, rank * self.share)
+        flash_attention(q, k, v, scale=scale, kv_len=self.text_len + seq_len, key_mask=key_mask,
+                        out=self.out[rank], scatter=scatter)
+
+    def _split(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.text_first:
+            return t[:, : self.text_len], t[:, self.text_len :]
+        return t[:, self.local_len :], t[:, : self.local_len]
