@@ -65,17 +65,17 @@ def tune_attention(shape=(1, 24, 16896, 128)) -> tuple[TileConfig, list[dict]]:
     b, h, s, d = shape
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     results = []
-    for block_n in (64, 128):
-        for warps in (4, 8):
-            for stages in (2, 3, 4):
-                cfg = TileConfig(128, block_n, warps, stages)
-                try:
-                    ms = median_ms(lambda: flash_attention(q, k, v, config=cfg))
-                except Exception as error:  # out of shared memory and the like: skip the config
-                    print(f"config {cfg} failed: {type(error).__name__}")
-                    continue
-                results.append({"kernel": "xstage_attention_tuning", "shape": [b, s, h, d], "config": vars(cfg),
-                                "ms": ms, "baseline": "none", "baseline_ms": None})
+    candidates = [TileConfig(128, block_n, 8, 3) for block_n in (64, 128)] + [
+        TileConfig(128, block_n, warps, stages, tma=True, warp_specialize=ws)
+        for block_n in (64, 128) for warps in (4, 8) for stages in (2, 3) for ws in (False, True)]
+    for cfg in candidates:
+        try:
+            ms = median_ms(lambda: flash_attention(q, k, v, config=cfg))
+        except Exception as error:  # out of shared memory, unsupported on this chip: skip the config
+            print(f"config {cfg} failed: {type(error).__name__}: {str(error)[:200]}")
+            continue
+        results.append({"kernel": "xstage_attention_tuning", "shape": [b, s, h, d], "config": vars(cfg),
+                        "ms": ms, "baseline": "none", "baseline_ms": None})
     best = min(results, key=lambda r: r["ms"])
     return TileConfig(**best["config"]), results
 

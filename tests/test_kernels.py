@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
-from xstage_dit.kernels.attention import flash_attention  # noqa: E402
+from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
 from xstage_dit.kernels.loopback import LoopbackUlysses  # noqa: E402
 
 # bf16 operands against a float64 reference land between 1e-3 and 1e-2 relative
@@ -31,12 +31,12 @@ def _relative_error(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_dim, masked):
+def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_dim, masked, config=None):
     q = torch.randn(batch, q_len, heads, head_dim, device=device, dtype=dtype)
     k, v = (torch.randn(batch, kv_rows, heads, head_dim, device=device, dtype=dtype) for _ in range(2))
     key_mask = (torch.rand(batch, 9, device=device) > 0.4) if masked else None
     out = torch.full_like(q, float("nan"))
-    out, lse = flash_attention(q, k, v, kv_len=kv_len, key_mask=key_mask, out=out, return_lse=True)
+    out, lse = flash_attention(q, k, v, kv_len=kv_len, key_mask=key_mask, out=out, return_lse=True, config=config)
     ref, ref_lse = _reference(q, k, v, kv_len, key_mask)
     assert not out.isnan().any(), "unwritten output"
     assert _relative_error(out, ref) < TOLERANCE[dtype]
@@ -53,8 +53,10 @@ def test_attention_interpreted(head_dim, masked):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("masked", [False, True])
-def test_attention_on_gpu(dtype, head_dim, masked):
-    _check_attention("cuda", dtype, 2, 1000, 1100, 1031, 3, head_dim, masked)
+@pytest.mark.parametrize("loads", ["pointers", "tma", "tma+warp_specialize"])
+def test_attention_on_gpu(dtype, head_dim, masked, loads):
+    config = TileConfig(tma="tma" in loads, warp_specialize="warp" in loads)
+    _check_attention("cuda", dtype, 2, 1000, 1100, 1031, 3, head_dim, masked, config)
 
 
 def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first):

@@ -34,18 +34,25 @@ def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr)
 
 
 @triton.jit
-def _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len):
-    rows = start_n + offs_n
-    ok = rows < kv_len
-    k = tl.load(k_base + rows[None, :] * stride_ks + offs_d[:, None], mask=ok[None, :], other=0.0)
-    v = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=ok[:, None], other=0.0)
+def _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len,
+               k_desc, v_desc, kv_row0, head_col, USE_TMA: tl.constexpr):
+    """Key tile (HEAD_DIM, BLOCK_N) and value tile (BLOCK_N, HEAD_DIM) at key `start_n`. Through TMA, rows past
+    this batch's keys belong to the next batch (or are zero past the tensor): callers mask them as keys."""
+    if USE_TMA:
+        k = k_desc.load([kv_row0 + start_n, head_col]).T
+        v = v_desc.load([kv_row0 + start_n, head_col])
+    else:
+        rows = start_n + offs_n
+        ok = rows < kv_len
+        k = tl.load(k_base + rows[None, :] * stride_ks + offs_d[:, None], mask=ok[None, :], other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=ok[:, None], other=0.0)
     return k, v
 
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, Out, Lse, KeyMask, Dest,
-    sm_scale, q_len, kv_len, kv_full_end, key_mask_len,
+    Q, K, V, Out, Lse, KeyMask, Dest, q_desc, k_desc, v_desc,
+    sm_scale, q_len, kv_rows, kv_len, kv_full_end, key_mask_len,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -54,7 +61,8 @@ def _attention_kernel(
     heads,
     text_len, local_len, n_dest, dest_text_row0, dest_image_row0, dest_head0,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr,
+    WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -65,8 +73,14 @@ def _attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
 
-    q = tl.load(Q + batch * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    # TMA views the (B, S, H, D) tensors as (B * S, H * D): this tile sits at row b * S + m, column h * D
+    kv_row0 = batch * kv_rows
+    head_col = h * HEAD_DIM
+    if USE_TMA:
+        q = q_desc.load([batch * q_len + pid_m * BLOCK_M, head_col])
+    else:
+        q = tl.load(Q + batch * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
     k_base = K + batch * stride_kb + h * stride_kh
     v_base = V + batch * stride_vb + h * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -77,18 +91,21 @@ def _attention_kernel(
     if HAS_KEY_MASK:
         # the mask may reject keys anywhere in its range: every tile is masked
         for start_n in range(0, kv_len, BLOCK_N):
-            k, v = _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len)
+            k, v = _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len,
+                              k_desc, v_desc, kv_row0, head_col, USE_TMA)
             keys = start_n + offs_n
             allowed = tl.load(KeyMask + batch * stride_mb + keys, mask=keys < key_mask_len, other=1)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, (keys < kv_len) & (allowed != 0), True)
     else:
         # full tiles unmasked, then the partial tail tile masked
         full_end = kv_full_end
-        for start_n in range(0, full_end, BLOCK_N):
-            k, v = _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len)
+        for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            k, v = _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len,
+                              k_desc, v_desc, kv_row0, head_col, USE_TMA)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, offs_n, False)
         if full_end < kv_len:
-            k, v = _load_keys(k_base, v_base, full_end, stride_ks, stride_vs, offs_n, offs_d, kv_len)
+            k, v = _load_keys(k_base, v_base, full_end, stride_ks, stride_vs, offs_n, offs_d, kv_len,
+                              k_desc, v_desc, kv_row0, head_col, USE_TMA)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, full_end + offs_n < kv_len, True)
 
     out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
@@ -132,15 +149,33 @@ class Scatter:
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False  # load through Hopper's tensor memory accelerator (contiguous inputs on CUDA only)
+    warp_specialize: bool = False
 
 
 def _default_config(head_dim: int, interpret: bool) -> TileConfig:
     if interpret:
         return TileConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    return TileConfig(block_n=128 if head_dim <= 64 else 64)
+    return TileConfig()  # the fastest measured on an H200 (docs/benchmarks/kernels-h200.json)
+
+
+def _flattens(t: torch.Tensor) -> bool:
+    """(B, S, H, D) viewable as (B * S, H * D) rows, as a TMA descriptor needs."""
+    b, s, h, d = t.shape
+    return t.is_cuda and t.stride() == (s * h * d, h * d, d, 1)
+
+
+def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileConfig) -> tuple:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def describe(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        flat = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+        return TensorDescriptor.from_tensor(flat, [rows, t.shape[3]])
+
+    return describe(q, cfg.block_m), describe(k, cfg.block_n), describe(v, cfg.block_n)
 
 
 def flash_attention(
@@ -183,10 +218,13 @@ def flash_attention(
     else:
         scatter_args = (0, 1, 0, 0, 0, 0)
         destinations = out
+    use_tma = cfg.tma and all(_flattens(t) for t in (q, k, v))
+    descriptors = _descriptors(q, k, v, cfg) if use_tma else (None, None, None)
     grid = (triton.cdiv(q_len, cfg.block_m), batch * heads)
     _attention_kernel[grid](
-        q, k, v, out, lse, mask, destinations,
-        scale, q_len, kv_len, kv_len // cfg.block_n * cfg.block_n, mask.shape[1] if key_mask is not None else 0,
+        q, k, v, out, lse, mask, destinations, *descriptors,
+        scale, q_len, k.shape[1], kv_len, kv_len // cfg.block_n * cfg.block_n,
+        mask.shape[1] if key_mask is not None else 0,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -195,6 +233,7 @@ def flash_attention(
         heads, *scatter_args,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WRITE_LSE=return_lse, HAS_KEY_MASK=key_mask is not None, SCATTER=scatter is not None,
+        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, lse) if return_lse else out
