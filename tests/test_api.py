@@ -52,6 +52,7 @@ def test_heads_that_cannot_be_split_name_working_degrees(flux_pipe, world):
         ({"ulysses_degree": 2}, r"cfg_degree \(1\) x ulysses_degree \(2\) must equal the world size \(4\)"),
         ({"cfg_degree": 0}, "degrees must be >= 1"),
         ({"backend": "nope"}, "unknown xstage_dit backend 'nope'"),
+        ({"backend": "fused"}, "backend 'fused' needs CUDA GPUs"),
     ],
 )
 def test_bad_degrees_and_backends(flux_pipe, world, kwargs, message):

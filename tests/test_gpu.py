@@ -4,6 +4,8 @@ bf16 tolerances: SDPA in bf16 against a float32 reference lands near 1e-3..1e-2 
 attention kernel changes (cuDNN here, whatever SDPA picks in stock diffusers) drifts a little more over steps."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -55,17 +57,52 @@ def test_degree_one_on_gpu_matches_stock(name):
         xstage_dit.disable(pipe)
 
 
-def _same_gpu_worker(name: str) -> None:
-    # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness
+def _same_gpu_worker(name: str, backend: str) -> None:
+    # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness;
+    # symmetric memory's CUDA backend maps the ranks' buffers into each other on the shared GPU
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     dist.init_process_group("gloo")
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     stock = _generate(pipe, name, SIZES[name], batch=2)
-    xstage_dit.enable(pipe, timeout_s=120)
+    xstage_dit.enable(pipe, backend=backend, timeout_s=120)
     error = _relative_error(_generate(pipe, name, SIZES[name], batch=2), stock)
-    assert error < PIPELINE_TOLERANCE, f"{name}, 2 ranks on one GPU: relative error {error:.2e}"
+    world = dist.get_world_size()
+    assert error < PIPELINE_TOLERANCE, f"{name}, {backend}, {world} ranks on one GPU: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan"])
-def test_two_ranks_on_one_gpu_match_single_process(name):
-    run_on_ranks(2, _same_gpu_worker, name)
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-hunyuan-video"])
+@pytest.mark.parametrize("backend, world_size", [("reference", 2), ("fused", 2), ("fused", 4)])
+def test_ranks_on_one_gpu_match_single_process(name, backend, world_size):
+    run_on_ranks(world_size, _same_gpu_worker, name, backend)
+
+
+def _fused_layer_worker(batch: int, text_len: int, seq_len: int, heads: int, head_dim: int) -> None:
+    """One real-size attention layer through the fused backend, against float32 SDPA of the whole sequence."""
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    dist.init_process_group("gloo")
+    from xstage_dit.runtime.symmetric import SymmetricPool
+    from xstage_dit.sp.backends import UlyssesLayout
+    from xstage_dit.sp.fused import fused_ulysses
+
+    rank, n_ranks = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    full = [torch.randn(batch, text_len + seq_len, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                        generator=generator) for _ in range(3)]
+    local = -(-seq_len // n_ranks)
+    layout = UlyssesLayout(text_len, seq_len, local, n_ranks, rank)
+    mine = [torch.cat([t[:, :text_len], torch.nn.functional.pad(t[:, text_len:], (0, 0, 0, 0, 0, local * n_ranks
+                       - seq_len))[:, rank * local : (rank + 1) * local]], dim=1) for t in full]
+    SymmetricPool.for_group(dist.group.WORLD, torch.device("cuda"), timeout_s=120)
+    out = fused_ulysses(*mine, layout, dist.group.WORLD, None, None)
+    ref = sdpa_bshd(*(t.float() for t in full))
+    rows = min(local, seq_len - rank * local)
+    expected = torch.cat([ref[:, :text_len], ref[:, text_len + rank * local : text_len + rank * local + rows]], 1)
+    error = _relative_error(out[:, : text_len + rows], expected)
+    assert error < ATTENTION_TOLERANCE, f"rank {rank}/{n_ranks}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("shape", [(1, 512, 4096, 24, 128), (1, 0, 75600, 40, 128)], ids=["flux-1024", "wan14b-720p"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_real_size_layer_on_one_gpu(shape, world_size):
+    run_on_ranks(world_size, _fused_layer_worker, *shape, deadline_s=600)

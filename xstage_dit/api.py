@@ -12,7 +12,13 @@ from .cfg_parallel import PAIRS, CfgSplit, PairedCalls, unwrap_pipeline_call, wr
 from .config import XStageConfig
 from .logging_utils import logger, warn_once
 from .runtime import build_groups, ensure_process_group, world_from_env
+from .runtime.distributed import local_device
 from .sp import overlap, reference  # noqa: F401  (register the backends)
+
+try:
+    from .sp import fused  # noqa: F401  (registers the fused backend; needs Triton)
+except ImportError:  # without Triton the other backends still work
+    pass
 from .sp.attention import UlyssesAttention
 from .sp.backends import resolve_backend
 from .sp.plan import AppliedPlan
@@ -69,7 +75,7 @@ def _resolve_config(
                 f"{type(model).__name__} has {heads} attention heads, which ulysses_degree={ulysses_degree} "
                 f"cannot split; degrees that divide {heads} and the world size {world_size}: {working}"
             )
-    return XStageConfig(ulysses_degree, cfg_degree, resolve_backend(backend), timeout_s)
+    return XStageConfig(ulysses_degree, cfg_degree, resolve_backend(backend, local_device()), timeout_s)
 
 
 def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.device) -> None:
@@ -102,6 +108,11 @@ def enable(
     ensure_process_group(config.timeout_s)
     groups = build_groups(config.cfg_degree, config.ulysses_degree)
     _move_to_rank_device(pipe, models, groups.device)
+    if config.backend == "fused" and groups.ulysses_group is not None:
+        # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
+        from .runtime.symmetric import SymmetricPool
+
+        SymmetricPool.for_group(groups.ulysses_group, groups.device, config.timeout_s)
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from .backends import UlyssesLayout, get_backend
-from .local_attention import sdpa_bshd
 from .sharding import SequenceShard
 
 
@@ -31,7 +30,7 @@ class UlyssesAttention:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
         shard = self.shard
         if shard.degree == 1:
-            return sdpa_bshd(query, key, value, attn_mask=attn_mask, scale=scale)
+            return self._backend.local(query, key, value, attn_mask, scale)
         layout = UlyssesLayout(
             text_len=query.shape[1] - shard.local_len,
             seq_len=shard.seq_len,
@@ -40,7 +39,8 @@ class UlyssesAttention:
             rank=shard.rank,
             text_first=self.text_first,
         )
-        return self._backend(query, key, value, layout, shard.group, scale, self._text_mask(attn_mask, layout))
+        return self._backend.ulysses(query, key, value, layout, shard.group, scale,
+                                     self._text_mask(attn_mask, layout))
 
     @staticmethod
     def _text_mask(attn_mask: torch.Tensor | None, layout: UlyssesLayout) -> torch.Tensor | None:

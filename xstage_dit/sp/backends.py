@@ -70,12 +70,27 @@ def key_mask(text_mask: torch.Tensor | None, image_len: int) -> torch.Tensor | N
     return torch.cat([text_mask, image], dim=-1)
 
 
-_BACKENDS: dict[str, UlyssesBackend] = {}
+class LocalAttention(Protocol):
+    """Attention on one rank's whole sequence (degree 1), (B, S, H, D) in and out."""
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor: ...
 
 
-def register_backend(name: str) -> Callable[[UlyssesBackend], UlyssesBackend]:
+@dataclass(frozen=True)
+class Backend:
+    ulysses: UlyssesBackend
+    local: LocalAttention  # what the backend runs at degree 1
+    needs_cuda: bool
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(name: str, local: LocalAttention, needs_cuda: bool = False
+                     ) -> Callable[[UlyssesBackend], UlyssesBackend]:
     def decorator(fn: UlyssesBackend) -> UlyssesBackend:
-        _BACKENDS[name] = fn
+        _BACKENDS[name] = Backend(fn, local, needs_cuda)
         return fn
 
     return decorator
@@ -86,14 +101,18 @@ def available_backends() -> list[str]:
     return ["auto", *sorted(_BACKENDS)]
 
 
-def resolve_backend(name: str) -> str:
-    """The concrete backend for a requested name; "auto" picks the best one available."""
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The concrete backend for a requested name on `device`; "auto" picks the best one available (the
+    reference until the Burst-Gap planner measures the others). Raises before any collective."""
     if name == "auto":
         return "reference"
     if name not in _BACKENDS:
         raise ValueError(f"unknown xstage_dit backend {name!r}; choose one of {available_backends()}")
+    if _BACKENDS[name].needs_cuda and device.type != "cuda":
+        raise ValueError(f"xstage_dit backend {name!r} needs CUDA GPUs (symmetric memory, Triton kernels); "
+                         f"this rank runs on {device}")
     return name
 
 
-def get_backend(name: str) -> UlyssesBackend:
+def get_backend(name: str) -> Backend:
     return _BACKENDS[name]

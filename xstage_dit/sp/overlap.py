@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from .backends import UlyssesLayout, register_backend
 from .exchange import finish_gather, finish_scatter, start_gather, start_scatter
+from .local_attention import sdpa_bshd
 from .reference import attend_gathered
 
 # chunks per rank's head share: more hides more transfer behind compute, but shrinks each attention launch
@@ -22,7 +23,7 @@ def head_chunks(share: int, max_chunks: int = MAX_CHUNKS) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-@register_backend("overlap")
+@register_backend("overlap", local=sdpa_bshd)
 def overlap_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,

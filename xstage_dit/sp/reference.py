@@ -20,7 +20,7 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: U
     return sdpa_bshd(q, k[:, :valid], v[:, :valid], attn_mask=key_mask(text_mask, layout.seq_len), scale=scale)
 
 
-@register_backend("reference")
+@register_backend("reference", local=sdpa_bshd)
 def reference_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,

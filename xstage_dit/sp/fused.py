@@ -1,0 +1,71 @@
+"""The fused Ulysses backend (X-Stage piggyback): no collective calls, only stores into symmetric memory issued
+from the kernels themselves.
+
+1. pre-all-to-all: one store kernel per q, k, v writes this rank's image tokens of every head chunk straight into
+   the owning rank's head-sharded buffer (text heads are copied locally: text is replicated);
+2. barrier (system-scope release/acquire signals): every rank's rows have landed;
+3. attention with the scatter epilogue: each output tile's owner stores it into the buffer of the rank that owns
+   those tokens, in that rank's (B, T + L, H, D) layout, and moves on to its next tile;
+4. barrier: every rank's output rows have landed; the output buffer is returned without a copy.
+
+Buffers come from the group's SymmetricPool (allocated on the first call of a shape, then reused). The output
+is valid until this rank's next fused attention call, which cannot start overwriting it before this rank has
+passed the next call's first barrier, i.e. after the caller consumed it (stream order)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.all_to_all import scatter_heads
+from ..kernels.attention import Scatter, flash_attention
+from ..runtime.symmetric import SymmetricPool
+from .backends import UlyssesLayout, register_backend
+
+
+def flash_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """Degree 1: our attention kernel; key-padding masks (B, 1, 1, keys) become its key mask."""
+    return flash_attention(query, key, value, scale=scale, key_mask=_key_mask(attn_mask))
+
+
+def _key_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, T) bool keep-mask from a (B, 1, 1, T) boolean or additive mask."""
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        raise ValueError(f"xstage_dit fused backend: only key-padding masks (B, 1, 1, keys) are supported, "
+                         f"got {tuple(mask.shape)}")
+    flat = mask[:, 0, 0]
+    return flat if flat.dtype == torch.bool else flat > torch.finfo(flat.dtype).min / 2
+
+
+@register_backend("fused", local=flash_attention_bshd, needs_cuda=True)
+def fused_ulysses(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: UlyssesLayout,
+    group: dist.ProcessGroup,
+    scale: float | None,
+    text_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    pool = SymmetricPool.of(group)
+    batch, _, heads, head_dim = query.shape
+    n_ranks, rank, text_len, local_len = layout.degree, layout.rank, layout.text_len, layout.local_len
+    share = heads // n_ranks
+    gathered = (batch, text_len + layout.padded_len, share, head_dim)
+    buffers = [pool.buffer(name, gathered, query.dtype) for name in ("q", "k", "v")]
+    out = pool.buffer("out", (batch, text_len + local_len, heads, head_dim), query.dtype)
+
+    for buffer, tensor in zip(buffers, (query, key, value)):
+        text, image = layout.split(tensor)
+        scatter_heads(image, buffer.table, buffer.tensor, row0=text_len + rank * local_len)
+        if text_len:
+            buffer.tensor[:, :text_len] = text[:, :, rank * share : (rank + 1) * share]
+    pool.barrier("fused attention (pre-all-to-all)")
+    q, k, v = (b.tensor for b in buffers)
+    scatter = Scatter(out.table, text_len, local_len, layout.text_first, rank * share)
+    flash_attention(q, k, v, scale=scale, kv_len=text_len + layout.seq_len, key_mask=_key_mask(text_mask),
+                    out=out.tensor, scatter=scatter)
+    pool.barrier("fused attention (post-all-to-all)")
+    return out.tensor
