@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of the project, for the device machine (one H200): install, GPU tests, end-to-end benchmarks.
 # Run from the repository root with .whl carried (../shared/device/wheels.sh fetches it). Results go to $OUT.
-#   bash .ci/device.sh [kernels] ["BENCH_E2E ARGS" ...]
-# "kernels" runs examples/bench_kernels.py; every other argument is one quoted bench_e2e.py argument list
+#   bash .ci/device.sh [tests] [kernels] ["BENCH_E2E ARGS" ...]
+# in the order given: "tests" runs the GPU tests (first, when not named), "kernels" examples/bench_kernels.py,
+# every other argument is one quoted bench_e2e.py argument list
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 REPO=$PWD; OUT=${OUT:-$REPO/out}; mkdir -p "$OUT"
@@ -15,8 +16,13 @@ export PYTHONPATH=/tmp/site
 cd /tmp  # import the installed package, not the checkout (which lacks xstage_dit.patches)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests" 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
+case " $* " in *" tests "*) ;; *) set -- tests "$@" ;; esac
 for bench_args in "$@"; do
+  if [ "$bench_args" = tests ]; then
+    python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 "$REPO/tests" 2>&1 | tee "$OUT/pytest-gpu.log" \
+      | grep -v "^  " | tail -25
+    continue
+  fi
   if [ "$bench_args" = kernels ]; then
     python3 "$REPO/examples/bench_kernels.py" --out "$OUT/kernels-h200" 2>&1 | tee -a "$OUT/bench.log" | tail -25
     continue
