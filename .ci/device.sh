@@ -19,7 +19,9 @@ python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, '
 case " $* " in *" tests "*) ;; *) set -- tests "$@" ;; esac
 for bench_args in "$@"; do
   if [ "$bench_args" = tests ]; then
-    python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 "$REPO/tests" 2>&1 | tee "$OUT/pytest-gpu.log" \
+    # XSTAGE_GPU_TESTS narrows the run with a pytest -k expression
+    python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 -k "${XSTAGE_GPU_TESTS:-}" "$REPO/tests" 2>&1 \
+      | tee "$OUT/pytest-gpu.log" \
       | grep -v "^  " | tail -25
     continue
   fi

@@ -42,7 +42,8 @@ def _generate(pipe, name: str, size: dict, batch: int = 1) -> torch.Tensor:
 
 
 SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-wan": {"height": 16, "width": 112, "num_frames": 17}}
+         "tiny-wan": {"height": 16, "width": 112, "num_frames": 17},
+         "tiny-hunyuan-video": {"height": 16, "width": 112, "num_frames": 17}}
 
 
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan"])

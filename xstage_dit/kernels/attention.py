@@ -74,10 +74,11 @@ def _attention_kernel(
     row_ok = offs_m < q_len
 
     # TMA views the (B, S, H, D) tensors as (B * S, H * D): this tile sits at row b * S + m, column h * D
-    kv_row0 = batch * kv_rows
+    # (TMA coordinates are 32-bit)
+    kv_row0 = (pid_bh // heads) * kv_rows
     head_col = h * HEAD_DIM
     if USE_TMA:
-        q = q_desc.load([batch * q_len + pid_m * BLOCK_M, head_col])
+        q = q_desc.load([(pid_bh // heads) * q_len + pid_m * BLOCK_M, head_col])
     else:
         q = tl.load(Q + batch * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)

@@ -54,7 +54,8 @@ class SymmetricPool:
         self.world_size = dist.get_world_size(group)
         self.timeout_s = timeout_s
         backend = _choose_backend(self.world_size)
-        symm_mem.set_backend(backend)
+        if backend == "NVSHMEM":  # CUDA is torch's default allocation backend (and not selectable by name)
+            symm_mem.set_backend(backend)
         logger.info("xstage_dit: symmetric memory backend %s for a group of %d ranks", backend, self.world_size)
         self._buffers: dict[tuple, SymmetricBuffer] = {}
         # barrier state: one int32 slot per peer on every rank, the epoch each peer last reached
