@@ -160,7 +160,9 @@ class TileConfig:
 def _default_config(head_dim: int, interpret: bool) -> TileConfig:
     if interpret:
         return TileConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    return TileConfig()  # the fastest measured on an H200 (docs/benchmarks/kernels-h200.json)
+    # the fastest measured on an H200 (docs/benchmarks/kernels-h200.json); pointer loads where TMA cannot view
+    # the tensors as rows
+    return TileConfig(tma=True)
 
 
 def _flattens(t: torch.Tensor) -> bool:
@@ -177,6 +179,9 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileCon
         return TensorDescriptor.from_tensor(flat, [rows, t.shape[3]])
 
     return describe(q, cfg.block_m), describe(k, cfg.block_n), describe(v, cfg.block_n)
+
+
+SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def flash_attention(
@@ -199,7 +204,7 @@ def flash_attention(
     shape and strides and receives nothing unless it is one of them. Returns out (and the natural-log
     log-sum-exp, (B, H, Sq) float32, if `return_lse`)."""
     batch, q_len, heads, head_dim = q.shape
-    if head_dim not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if head_dim not in SUPPORTED_HEAD_DIMS or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"flash_attention supports head_dim 64 and 128 in bf16/fp16, got {head_dim}, {q.dtype}")
     for t in (q, k, v):
         if t.stride(-1) != 1:

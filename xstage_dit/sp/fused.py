@@ -17,14 +17,27 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.all_to_all import scatter_heads
-from ..kernels.attention import Scatter, flash_attention
+from ..kernels.attention import SUPPORTED_HEAD_DIMS, Scatter, flash_attention
+from ..logging_utils import warn_once
 from ..runtime.symmetric import SymmetricPool
 from .backends import UlyssesLayout, register_backend
+from .local_attention import sdpa_bshd
+from .reference import reference_ulysses
+
+
+def _supported(query: torch.Tensor) -> bool:
+    if query.shape[-1] in SUPPORTED_HEAD_DIMS and query.dtype in (torch.bfloat16, torch.float16):
+        return True
+    warn_once(f"xstage_dit fused backend: head_dim {query.shape[-1]} / {query.dtype} is not supported by its "
+              "kernels (head_dim 64 or 128, bf16 or fp16); falling back to the reference backend")
+    return False
 
 
 def flash_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """Degree 1: our attention kernel; key-padding masks (B, 1, 1, keys) become its key mask."""
+    if not _supported(query):
+        return sdpa_bshd(query, key, value, attn_mask=attn_mask, scale=scale)
     return flash_attention(query, key, value, scale=scale, key_mask=_key_mask(attn_mask))
 
 
@@ -49,6 +62,8 @@ def fused_ulysses(
     scale: float | None,
     text_mask: torch.Tensor | None,
 ) -> torch.Tensor:
+    if not _supported(query):
+        return reference_ulysses(query, key, value, layout, group, scale, text_mask)
     pool = SymmetricPool.of(group)
     batch, _, heads, head_dim = query.shape
     n_ranks, rank, text_len, local_len = layout.degree, layout.rank, layout.text_len, layout.local_len
