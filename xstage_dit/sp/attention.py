@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .backends import UlyssesLayout, get_backend
+from .ops import ulysses_attention
 from .sharding import SequenceShard
 
 
@@ -39,8 +40,11 @@ class UlyssesAttention:
             rank=shard.rank,
             text_first=self.text_first,
         )
-        return self._backend.ulysses(query, key, value, layout, shard.group, scale,
-                                     self._text_mask(attn_mask, layout))
+        return ulysses_attention(
+            query, key, value, self._text_mask(attn_mask, layout), layout.text_len, layout.seq_len,
+            layout.local_len, layout.degree, layout.rank, layout.text_first, self.backend_name,
+            shard.group.group_name, scale,
+        )
 
     @staticmethod
     def _text_mask(attn_mask: torch.Tensor | None, layout: UlyssesLayout) -> torch.Tensor | None:

@@ -6,7 +6,8 @@ from the kernels themselves.
 2. barrier (system-scope release/acquire signals): every rank's rows have landed;
 3. attention with the scatter epilogue: each output tile's owner stores it into the buffer of the rank that owns
    those tokens, in that rank's (B, T + L, H, D) layout, and moves on to its next tile;
-4. barrier: every rank's output rows have landed; the output buffer is returned without a copy.
+4. barrier: every rank's output rows have landed; the pooled output buffer is returned (the custom op in
+   sp/ops.py copies it out).
 
 Buffers come from the group's SymmetricPool (allocated on the first call of a shape, then reused). The output
 is valid until this rank's next fused attention call, which cannot start overwriting it before this rank has
