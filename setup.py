@@ -5,7 +5,9 @@ import os
 
 from setuptools import setup
 
-PACKAGES = ["xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.kernels", "xstage_dit.patches"]
+PACKAGES = [
+    "xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.kernels", "xstage_dit.xstage", "xstage_dit.patches",
+]
 PACKAGE_DIR = {"xstage_dit.patches": "patches"}
 
 
