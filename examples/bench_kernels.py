@@ -57,7 +57,6 @@ def bench_attention(config: TileConfig | None) -> list[dict]:
             records.append({"kernel": "xstage_attention", "shape": [b, s, h, d], "ms": ours, "baseline": name,
                             "baseline_ms": base, "ratio": ours / base, "tflops": flops / ours / 1e9,
                             "baseline_tflops": flops / base / 1e9})
-        del q, k, v
     return records
 
 
@@ -102,7 +101,6 @@ def bench_fused(n_ranks: int, heads: int, config: TileConfig | None) -> list[dic
         copy = median_ms(lambda: dst.copy_(image))
         records.append({"kernel": "pre_a2a_loopback", "shape": [1, local, heads, 128], "n_ranks": n_ranks,
                         "ms": pre, "baseline": "d2d_copy_same_bytes", "baseline_ms": copy, "ratio": pre / copy})
-        del loop
     return records
 
 

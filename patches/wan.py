@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from diffusers import WanTransformer3DModel
-from torch import nn
 
 from ..cfg_parallel import PAIRS, CfgPlan
 from ..sp import routing

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from torch import nn
 
