@@ -25,6 +25,7 @@ from .sp.plan import AppliedPlan
 from .sp.sharding import SequenceShard
 
 _STATE_ATTR = "_xstage_dit_applied"
+_PROGRESS_ATTR = "_xstage_dit_progress_bar_config"
 _TRANSFORMER_ATTRS = ("transformer", "transformer_2")
 
 
@@ -130,7 +131,8 @@ def enable(
         else:
             wrap_pipeline_call(pipe, cfg.pipeline_uses_cfg, pairs)
     if hasattr(pipe, "set_progress_bar_config") and not is_main_process():
-        pipe.set_progress_bar_config(disable=True)
+        setattr(pipe, _PROGRESS_ATTR, dict(getattr(pipe, "_progress_bar_config", {})))
+        pipe.set_progress_bar_config(disable=True)  # progress bars on the main rank only
     logger.info(
         "xstage_dit enabled on %s: ulysses_degree=%d, cfg_degree=%d, backend=%s",
         ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.cfg_degree, config.backend,
@@ -147,6 +149,9 @@ def disable(pipe: Any) -> Any:
             delattr(model, _STATE_ATTR)
     if hasattr(pipe, "_xstage_original_class"):
         unwrap_pipeline_call(pipe)
+    if hasattr(pipe, _PROGRESS_ATTR):
+        pipe._progress_bar_config = getattr(pipe, _PROGRESS_ATTR)
+        delattr(pipe, _PROGRESS_ATTR)
     return pipe
 
 
