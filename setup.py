@@ -49,6 +49,7 @@ setup(
         "bench": ["matplotlib"],
         "nvshmem": ["nvidia-nvshmem-cu13"],
     },
+    entry_points={"console_scripts": ["xstage-dit=xstage_dit.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

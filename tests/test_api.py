@@ -104,3 +104,12 @@ def test_shards_cover_the_sequence_in_order_with_tail_padding(length, degree):
     joined = torch.cat(chunks, dim=1)
     torch.testing.assert_close(joined[:, :length], x)
     assert not joined[:, length:].any()
+
+
+def test_info_command_describes_this_machine(capsys):
+    from xstage_dit.cli import main
+
+    main(["info"])
+    printed = capsys.readouterr().out
+    assert "backends: auto, fused, overlap, reference" in printed
+    assert ("GPUs: none" in printed) != torch.cuda.is_available()

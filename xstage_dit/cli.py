@@ -1,0 +1,70 @@
+"""`xstage-dit`: command-line tools. `xstage-dit info` prints what this machine offers xstage_dit."""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .sp.backends import available_backends
+
+CALIBRATION_DIR = Path(os.environ.get("XSTAGE_CALIBRATION_DIR", Path.home() / ".cache" / "xstage_dit"))
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _nvshmem() -> str:
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        return "available" if symm_mem.is_nvshmem_available() else "not available"
+    except (ImportError, RuntimeError) as error:
+        return f"not available ({error})"
+
+
+def _topology() -> str:
+    """The GPU interconnect matrix, as nvidia-smi prints it."""
+    if not shutil.which("nvidia-smi"):
+        return "nvidia-smi not found"
+    result = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+    return result.stdout.strip() or result.stderr.strip()
+
+
+def info() -> str:
+    lines = [
+        f"xstage_dit {_version('xstage_dit')}: torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"triton {_version('triton')}, diffusers {_version('diffusers')}",
+        f"backends: {', '.join(available_backends())}",
+    ]
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines += [f"GPUs: {len(names)} x {', '.join(sorted(set(names)))}", f"NVSHMEM: {_nvshmem()}",
+                  "links:", _topology()]
+    else:
+        lines.append("GPUs: none (the reference and overlap backends run on CPU with gloo)")
+    calibrations = sorted(CALIBRATION_DIR.glob("calibration-*.json")) if CALIBRATION_DIR.is_dir() else []
+    lines.append("Burst-Gap calibrations: " + (", ".join(str(p) for p in calibrations) if calibrations
+                                                else f"none in {CALIBRATION_DIR}"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="xstage-dit", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="GPUs, links, NVSHMEM, backends and calibrations found")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        print(info())
+
+
+if __name__ == "__main__":
+    main()
