@@ -42,7 +42,9 @@ def _generate(pipe, name: str, size: dict, batch: int = 1) -> torch.Tensor:
 
 
 SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
+         "tiny-flux-d64": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-wan": {"height": 16, "width": 112, "num_frames": 17},
+         "tiny-wan-d64": {"height": 16, "width": 112, "num_frames": 17},
          "tiny-hunyuan-video": {"height": 16, "width": 112, "num_frames": 17}}
 
 
@@ -72,8 +74,12 @@ def _same_gpu_worker(name: str, backend: str) -> None:
     assert error < PIPELINE_TOLERANCE, f"{name}, {backend}, {world} ranks on one GPU: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-hunyuan-video"])
-@pytest.mark.parametrize("backend, world_size", [("reference", 2), ("fused", 2), ("fused", 4)])
+@pytest.mark.parametrize(
+    "name, backend, world_size",
+    [(name, "reference", 2) for name in ("tiny-flux", "tiny-wan", "tiny-hunyuan-video")]
+    # head_dim 64 runs the fused kernels; head_dim 16 (tiny-hunyuan-video) checks the fallback to reference
+    + [(name, "fused", n) for name in ("tiny-flux-d64", "tiny-wan-d64", "tiny-hunyuan-video") for n in (2, 4)],
+)
 def test_ranks_on_one_gpu_match_single_process(name, backend, world_size):
     run_on_ranks(world_size, _same_gpu_worker, name, backend, deadline_s=150)
 

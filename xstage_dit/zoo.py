@@ -311,6 +311,10 @@ ZOO.update({
     ),
 })
 ZOO["tiny-wan2.2"] = dataclasses.replace(ZOO["tiny-wan"], boundary_ratio=0.9)
+# head_dim 64: the smallest the fused backend's kernels take (its GPU tests use these)
+ZOO["tiny-flux-d64"] = dataclasses.replace(
+    ZOO["tiny-flux"], transformer={**ZOO["tiny-flux"].transformer, "attention_head_dim": 64, "axes_dims_rope": (16, 24, 24)})
+ZOO["tiny-wan-d64"] = dataclasses.replace(ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "attention_head_dim": 64})
 
 
 def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
