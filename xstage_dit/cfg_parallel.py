@@ -88,12 +88,15 @@ class CfgSplit:
         self._forward = model.forward
         self._signature = inspect.signature(self._forward)
         model.forward = self._batch_forward if plan.mode == BATCH else self._paired_forward
-        # the input shape before sequence sharding (whose hooks run after this one) sizes the output
+        # PAIRS sizes its placeholder output from the input shape before sequence sharding (whose hooks run
+        # after this one); BATCH needs nothing per call
         self._input_shape = torch.Size()
-        self._hook = model.register_forward_pre_hook(self._record_input_shape, with_kwargs=True, prepend=True)
+        self._hook = (model.register_forward_pre_hook(self._record_input_shape, with_kwargs=True, prepend=True)
+                      if plan.mode == PAIRS else None)
 
     def remove(self) -> None:
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
         del self.model.forward
 
     def _record_input_shape(self, model: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -205,7 +205,8 @@ def flash_attention(
     log-sum-exp, (B, H, Sq) float32, if `return_lse`)."""
     batch, q_len, heads, head_dim = q.shape
     if head_dim not in SUPPORTED_HEAD_DIMS or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"flash_attention supports head_dim 64 and 128 in bf16/fp16, got {head_dim}, {q.dtype}")
+        raise ValueError(f"flash_attention supports head_dim 64 and 128 in bf16/fp16 (fp32 in Triton's interpreter), "
+                         f"got {head_dim}, {q.dtype}")
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("flash_attention needs the head_dim axis contiguous")
