@@ -12,7 +12,11 @@ PACKAGE_DIR = {"xstage_dit.patches": "patches"}
 
 
 def cuda_extensions() -> tuple[list, dict]:
-    """Return (ext_modules, cmdclass) for csrc/, or nothing, with one line saying why, without CUDA."""
+    """Return (ext_modules, cmdclass) for csrc/, or nothing, with one line saying why, without CUDA (or with
+    XSTAGE_SKIP_CUDA_EXT=1)."""
+    if os.environ.get("XSTAGE_SKIP_CUDA_EXT") == "1":
+        print("xstage_dit: XSTAGE_SKIP_CUDA_EXT=1; skipping the optional CUDA extension (csrc/)")
+        return [], {}
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension

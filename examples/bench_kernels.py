@@ -1,19 +1,25 @@
-"""Kernel benchmarks on one GPU, each variant timed side by side with its baseline in the same run.
+"""Kernel benchmarks on one GPU, each variant timed side by side with its baseline in the same run, each row with
+the Burst-Gap planner's prediction where a calibration of this GPU exists (xstage-dit calibrate).
 
-    python examples/bench_kernels.py --out docs/benchmarks/kernels-h200
+    python examples/bench_kernels.py --out docs/benchmarks/kernels-h200 [--calibration FILE]
 
-- own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks);
-- fused post-all-to-all in loopback (N ranks simulated on this GPU: the scatter epilogue stores into N local
-  buffers) vs the same kernel storing locally;
-- the pre-all-to-all store kernel in loopback vs a device-to-device copy of the same bytes.
-Loopback stores stay in this GPU's memory: these figures show what the epilogue costs, not NVLink drain, and
-say nothing about scaling. Medians of triton.testing.do_bench. Writes OUT.json (a list of records) and OUT.md."""
+- own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
+  sweep of tile configurations;
+- one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
+  local memory): the fused post-all-to-all kernel (scatter epilogue) vs the same kernel storing locally; the
+  fused pre-all-to-all store kernels vs a device-to-device copy of the same bytes; and the whole call for
+  serial (the reference backend's copies and all-to-alls, the all-to-alls as copies of the send buffer, around
+  cuDNN attention), overlap (the same in head chunks, the all-to-alls on a second stream) and fused (store
+  kernels, fused attention, copy out), each vs cuDNN attention alone.
+Loopback shows what the kernels and their stores cost on this GPU, not NVLink drain, and nothing about scaling.
+Medians of triton.testing.do_bench. Writes OUT.json (a list of records) and OUT.md."""
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,48 +31,50 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from xstage_dit.kernels.all_to_all import scatter_heads
 from xstage_dit.kernels.attention import TileConfig, flash_attention
 from xstage_dit.kernels.loopback import LoopbackUlysses
+from xstage_dit.xstage import AttentionShape, Calibration, Planner, find_calibration
 
 ATTENTION_SHAPES = [  # (B, H, S, D)
     (1, 24, 4608, 128), (1, 24, 16896, 128), (1, 40, 75600, 128), (1, 5, 75600, 128), (1, 3, 119056, 128),
     (1, 24, 4608, 64), (1, 48, 16896, 64),
 ]
-FUSED_SEQ = [8192, 16384, 32768, 65536]
+LOOPBACK_SEQ = [8192, 16384, 32768, 65536]
 
 
 def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def attention_flops(b: int, h: int, s_q: int, s_k: int, d: int) -> float:
-    return 4.0 * b * h * s_q * s_k * d
+def cudnn(q, k, v):
+    """cuDNN SDPA on (B, S, H, D) tensors."""
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
-def sdpa(q, k, v, backend):
-    with sdpa_kernel([backend]):
+def fa2(q, k, v):
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
-def bench_attention(config: TileConfig | None) -> list[dict]:
-    records = []
-    for b, h, s, d in ATTENTION_SHAPES:
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        ours = median_ms(lambda: flash_attention(q, k, v, config=config))
-        flops = attention_flops(b, h, s, s, d)
-        for name, backend in (("cudnn_sdpa", SDPBackend.CUDNN_ATTENTION), ("fa2_sdpa", SDPBackend.FLASH_ATTENTION)):
-            base = median_ms(lambda: sdpa(q, k, v, backend))
-            records.append({"kernel": "xstage_attention", "shape": [b, s, h, d], "ms": ours, "baseline": name,
-                            "baseline_ms": base, "ratio": ours / base, "tflops": flops / ours / 1e9,
-                            "baseline_tflops": flops / base / 1e9})
-    return records
+def record(kernel: str, shape, ms: float, baseline: str, baseline_ms: float | None, predicted_ms: float | None = None,
+           **extra) -> dict:
+    row = {"kernel": kernel, "shape": list(shape), "ms": ms, "baseline": baseline, "baseline_ms": baseline_ms,
+           **extra}
+    if baseline_ms:
+        row["ratio"] = ms / baseline_ms
+    if predicted_ms is not None:
+        row["predicted_ms"] = predicted_ms
+        row["prediction_error"] = predicted_ms / ms - 1
+    return row
 
 
 def tune_attention(shape=(1, 24, 16896, 128)) -> tuple[TileConfig, list[dict]]:
     b, h, s, d = shape
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    candidates = [TileConfig(128, 128, 8, 3)] + [
+        TileConfig(128, block_n, warps, stages, tma=True)
+        for block_n in (64, 128) for warps in (4, 8) for stages in (2, 3, 4)] + [
+        TileConfig(128, 128, 8, 3, tma=True, warp_specialize=True)]
     results = []
-    candidates = [TileConfig(128, block_n, 8, 3) for block_n in (64, 128)] + [
-        TileConfig(128, block_n, warps, stages, tma=True, warp_specialize=ws)
-        for block_n in (64, 128) for warps in (4, 8) for stages in (2, 3) for ws in (False, True)]
     for cfg in candidates:
         try:
             ms = median_ms(lambda: flash_attention(q, k, v, config=cfg))
@@ -79,29 +87,180 @@ def tune_attention(shape=(1, 24, 16896, 128)) -> tuple[TileConfig, list[dict]]:
     return TileConfig(**best["config"]), results
 
 
-def bench_fused(n_ranks: int, heads: int, config: TileConfig | None) -> list[dict]:
+def bench_attention(config: TileConfig, planner: Planner | None) -> list[dict]:
     records = []
-    share = heads // n_ranks
-    for seq in FUSED_SEQ:
-        local = seq // n_ranks
-        loop = LoopbackUlysses(n_ranks, 1, 0, local, heads, 128, torch.bfloat16, "cuda")
-        for buffers in loop.qkv:
+    for b, h, s, d in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ours = median_ms(lambda: flash_attention(q, k, v, config=config))
+        shape = AttentionShape(b, s, 0, h, d, 1)
+        flops = shape.flops()
+        base = median_ms(lambda: cudnn(q, k, v))
+        predicted = (planner.attention(shape, own=True) * 1e3, planner.attention(shape, own=False) * 1e3) \
+            if planner else (None, None)
+        records.append(record("xstage_attention", (b, s, h, d), ours, "cudnn_sdpa", base, predicted[0],
+                              tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9))
+        records.append(record("cudnn_sdpa", (b, s, h, d), base, "none", None, predicted[1]))
+        base = median_ms(lambda: fa2(q, k, v))
+        records.append(record("xstage_attention", (b, s, h, d), ours, "fa2_sdpa", base,
+                              tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9))
+    return records
+
+
+class LoopbackRank:
+    """Rank 0 of N-rank Ulysses attention on one GPU: its joint inputs, the fused path's buffers, and the
+    reference path's send/receive buffers (the all-to-all of a send buffer emulated by a copy of it)."""
+
+    def __init__(self, n_ranks: int, seq: int, heads: int, head_dim: int) -> None:
+        self.n, self.local, self.share = n_ranks, seq // n_ranks, heads // n_ranks
+        make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+        self.qkv = [make(1, self.local, heads, head_dim) for _ in range(3)]
+        self.fused = LoopbackUlysses(n_ranks, 1, 0, self.local, heads, head_dim, torch.bfloat16, "cuda")
+        for buffers in self.fused.qkv:
             for t in buffers:
                 t.normal_()
-        q, k, v = loop.qkv[0]
-        alone = median_ms(lambda: flash_attention(q, k, v, config=config))
-        fused = median_ms(lambda: loop.attention(0, seq))
-        records.append({"kernel": "fused_post_a2a_loopback", "shape": [1, seq, share, 128], "n_ranks": n_ranks,
-                        "ms": fused, "baseline": "xstage_attention_alone", "baseline_ms": alone,
-                        "ratio": fused / alone})
-        image = torch.randn(1, local, heads, 128, device="cuda", dtype=torch.bfloat16)
-        table = loop.qkv_tables[0]
-        pre = median_ms(lambda: scatter_heads(image, table, loop.qkv[0][0], row0=0))
-        dst = torch.empty_like(image)
-        copy = median_ms(lambda: dst.copy_(image))
-        records.append({"kernel": "pre_a2a_loopback", "shape": [1, local, heads, 128], "n_ranks": n_ranks,
-                        "ms": pre, "baseline": "d2d_copy_same_bytes", "baseline_ms": copy, "ratio": pre / copy})
+        self.gathered = self.fused.qkv[0]  # (1, seq, H/N, D): this rank's heads of the whole sequence
+        self.side = torch.cuda.Stream()  # the overlap path's all-to-alls
+
+    # -- fused ------------------------------------------------------------------------------------------------
+    def fused_pre(self) -> None:
+        for i, t in enumerate(self.qkv):
+            scatter_heads(t, self.fused.qkv_tables[i], self.fused.qkv[0][i], row0=0)
+
+    def fused_kernel(self, first_row: int, seq: int) -> None:
+        self.fused.attention(0, seq, first_row=first_row)
+
+    def fused_call(self, seq: int) -> torch.Tensor:
+        self.fused_pre()
+        self.fused_kernel(self.local, seq)  # rotated: rank 0 starts at rank 1's rows
+        return self.fused.out[0].clone()
+
+    # -- reference path, chunk by chunk ---------------------------------------------------------------------
+    def pack(self, heads: slice) -> torch.Tensor:
+        """q, k, v of this rank's tokens, head chunk `heads` of every rank's share: the pre send buffer."""
+        parts = [t.unflatten(2, (self.n, -1))[:, :, :, heads] for t in self.qkv]
+        send = parts[0].new_empty(self.n, 3, *parts[0].shape[:2], parts[0].shape[3], parts[0].shape[4])
+        for i, part in enumerate(parts):
+            send[:, i].copy_(part.permute(2, 0, 1, 3, 4))
+        return send
+
+    @staticmethod
+    def unpack(recv: torch.Tensor) -> list[torch.Tensor]:
+        return [x.contiguous() for x in recv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3).unbind(0)]
+
+    def pack_out(self, out: torch.Tensor) -> torch.Tensor:
+        return out.unflatten(1, (self.n, self.local)).transpose(0, 1).contiguous()
+
+    @staticmethod
+    def unpack_out(recv: torch.Tensor) -> torch.Tensor:
+        """(B, L, N, h, D): this rank's rows of every rank's head chunk."""
+        return recv.permute(1, 2, 0, 3, 4).contiguous()
+
+    def serial_call(self) -> torch.Tensor:
+        every = slice(0, self.share)
+        send = self.pack(every)
+        recv = send.clone()  # the all-to-all
+        out = cudnn(*self.unpack(recv))
+        send_out = self.pack_out(out)
+        return self.unpack_out(send_out.clone()).flatten(2, 3)
+
+    def overlap_call(self, chunks: list[slice]) -> torch.Tensor:
+        """Head chunks; chunk i+1's all-to-all (a copy on the second stream) runs while chunk i attends."""
+        main, side = torch.cuda.current_stream(), self.side
+
+        def transfer(send: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                recv = send.clone()
+                done = torch.cuda.Event()
+                done.record(side)
+            send.record_stream(side)
+            recv.record_stream(main)
+            return recv, done
+
+        incoming = transfer(self.pack(chunks[0]))
+        outgoing = []
+        for i in range(len(chunks)):
+            current = incoming
+            if i + 1 < len(chunks):
+                incoming = transfer(self.pack(chunks[i + 1]))
+            main.wait_event(current[1])
+            out = cudnn(*self.unpack(current[0]))
+            outgoing.append(transfer(self.pack_out(out)))
+        parts = []
+        for recv, done in outgoing:
+            main.wait_event(done)
+            parts.append(self.unpack_out(recv))
+        return torch.cat(parts, dim=3).flatten(2, 3)
+
+
+def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[dict]:
+    from xstage_dit.sp.overlap import head_chunks
+
+    records = []
+    for seq in LOOPBACK_SEQ:
+        rank = LoopbackRank(n_ranks, seq, heads, 128)
+        shape = AttentionShape(1, seq, 0, heads, 128, n_ranks)
+        dims = [1, seq, rank.share, 128]
+        q, k, v = rank.gathered
+        alone = median_ms(lambda: flash_attention(q, k, v))  # the default config, as the fused kernel runs
+        vendor = median_ms(lambda: cudnn(q, k, v))
+        for rotated in (False, True):
+            fused = median_ms(lambda: rank.fused_kernel(rank.local if rotated else 0, seq))
+            predicted = planner.fused_kernel(shape, rotated) * 1e3 if planner else None
+            records.append(record("fused_post_a2a_loopback", dims, fused, "xstage_attention_alone", alone, predicted,
+                                  n_ranks=n_ranks, tile_order="rotated" if rotated else "rank-major"))
+        pre = median_ms(rank.fused_pre)
+        volume = 3 * shape.tensor_bytes()
+        src = torch.empty(int(volume), dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        copy = median_ms(lambda: dst.copy_(src))
+        records.append(record("pre_a2a_loopback", [1, rank.local, heads, 128], pre, "d2d_copy_same_bytes", copy,
+                              planner.pre_all_to_all(shape) * 1e3 if planner else None, n_ranks=n_ranks))
+        predicted = planner.predict(shape) if planner else {}
+        calls = {"serial": rank.serial_call, "overlap": lambda: rank.overlap_call(head_chunks(rank.share)),
+                 "fused": lambda: rank.fused_call(seq)}
+        fused_loopback = (planner.pre_all_to_all(shape) + planner.fused_kernel(shape, True)
+                          + planner.copy(shape.tensor_bytes())) if planner else None
+        expected = {"serial": predicted.get("reference"), "overlap": predicted.get("overlap"),
+                    "fused": fused_loopback}  # loopback has no barriers
+        for name, call in calls.items():
+            ms = median_ms(call)
+            guess = expected[name] * 1e3 if expected[name] is not None else None
+            records.append(record(f"{name}_call_loopback", dims, ms, "cudnn_attention_alone", vendor, guess,
+                                  n_ranks=n_ranks))
+        check = (rank.serial_call() - rank.overlap_call(head_chunks(rank.share))).abs().max().item()
+        assert check < 1e-2, f"loopback overlap differs from serial by {check}"
     return records
+
+
+def write(records: list[dict], prefix: Path, calibration: Calibration | None) -> None:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
+    env = records[0]
+    errors = [abs(r["prediction_error"]) for r in records if "prediction_error" in r]
+    source = (f"planner from `{calibration.filename}` ({calibration.topology})" if calibration
+              else "no calibration: no predictions")
+    lines = [f"# Kernels: {env['card']}, {env['date']}", "",
+             f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}; `{env['command']}`. "
+             "Loopback = one rank of N simulated on one GPU (stores stay local: no NVLink, no scaling). "
+             f"Predicted: {source}"
+             + (f"; median |error| {statistics.median(errors):.1%} over {len(errors)} rows." if errors else "."), "",
+             "| kernel | shape (B, S, H, D) | ms | baseline | baseline ms | ratio | TFLOP/s (ours / baseline) "
+             "| predicted ms | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["kernel"] == "xstage_attention_tuning":
+            continue
+        name = r["kernel"] + (f" N={r['n_ranks']}" if "n_ranks" in r else "") + (
+            f" ({r['tile_order']})" if "tile_order" in r else "")
+        base = f"{r['baseline_ms']:.3f}" if r["baseline_ms"] else "-"
+        ratio = f"{r['ratio']:.3f}" if "ratio" in r else "-"
+        tf = f"{r['tflops']:.0f} / {r['baseline_tflops']:.0f}" if "tflops" in r else "-"
+        guess = (f"{r['predicted_ms']:.3f} | {r['prediction_error']:+.1%}" if "predicted_ms" in r else "- | -")
+        lines.append(f"| {name} | {tuple(r['shape'])} | {r['ms']:.3f} | {r['baseline']} | {base} | {ratio} | {tf} "
+                     f"| {guess} |")
+    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -109,30 +268,18 @@ def main() -> None:
     parser.add_argument("--out", default="bench-kernels")
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--calibration", type=Path, help="default: this GPU's loopback calibration, if any")
     args = parser.parse_args()
+    card = torch.cuda.get_device_name()
+    calibration = (Calibration.load(args.calibration) if args.calibration
+                   else find_calibration(card, 1, "loopback"))
+    planner = Planner.from_calibration(calibration) if calibration else None
     config, tuning = tune_attention()
     print("best tile config", config)
-    records = tuning + bench_attention(config) + bench_fused(args.ranks, args.heads, config)
-    env = {"card": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-           "command": shlex.join(["python", *sys.argv]), "torch": torch.__version__,
-           "triton": triton.__version__, "cuda": torch.version.cuda}
-    records = [{**r, **env} for r in records]
-    prefix = Path(args.out)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
-    lines = [f"# Kernels: {env['card']}, {env['date']}", "",
-             f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}; `{env['command']}`. "
-             "Loopback = N ranks simulated on one GPU (stores stay local: no NVLink, no scaling).", "",
-             "| kernel | shape (B, S, H, D) | ms | baseline | baseline ms | ratio | TFLOP/s (ours / baseline) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in records:
-        if r["baseline_ms"] is None:
-            continue
-        tf = f"{r['tflops']:.0f} / {r['baseline_tflops']:.0f}" if "tflops" in r else "-"
-        lines.append(f"| {r['kernel']}{' N=' + str(r['n_ranks']) if 'n_ranks' in r else ''} | {tuple(r['shape'])} | "
-                     f"{r['ms']:.3f} | {r['baseline']} | {r['baseline_ms']:.3f} | {r['ratio']:.3f} | {tf} |")
-    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    records = tuning + bench_attention(config, planner) + bench_loopback(args.ranks, args.heads, planner)
+    env = {"card": card, "date": datetime.date.today().isoformat(), "command": shlex.join(["python", *sys.argv]),
+           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
+    write([{**r, **env} for r in records], Path(args.out), calibration)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,14 @@ def test_fit_recovers_known_parameters_from_noisy_samples():
     fitted = BurstGapModel.fit(_samples(PAPER_LIKE, noise=0.02, rng=rng))
     for name, truth in PAPER_LIKE.to_dict().items():
         assert math.isclose(getattr(fitted, name), truth, rel_tol=0.1), f"{name}: {getattr(fitted, name)} vs {truth}"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_delivery_of_an_isolated_burst_is_paced_by_the_slower_side(seed):
+    model = _random_model(random.Random(seed))
+    for producers in (1, 16, 132):
+        volume = 8 * MiB
+        landed = model.delivery_time(volume, producers)
+        assert landed >= model.free_issue_time(volume, producers) - 1e-15
+        assert landed == pytest.approx(model.issue_latency + volume / min(model.injection_rate(producers),
+                                                                          model.drain_rate))

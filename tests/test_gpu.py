@@ -60,11 +60,12 @@ def test_degree_one_on_gpu_matches_stock(name):
         xstage_dit.disable(pipe)
 
 
-def _same_gpu_worker(name: str, backend: str) -> None:
+def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None) -> None:
     # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness;
     # symmetric memory's CUDA backend maps the ranks' buffers into each other on the shared GPU
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     dist.init_process_group("gloo")
+    choices = _record_auto_choices()
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     stock = _generate(pipe, name, SIZES[name], batch=2)
@@ -72,6 +73,25 @@ def _same_gpu_worker(name: str, backend: str) -> None:
     error = _relative_error(_generate(pipe, name, SIZES[name], batch=2), stock)
     world = dist.get_world_size()
     assert error < PIPELINE_TOLERANCE, f"{name}, {backend}, {world} ranks on one GPU: relative error {error:.2e}"
+    if expect_choice:
+        assert choices and all(f"-> {expect_choice} " in c for c in choices), choices
+
+
+def _record_auto_choices() -> list[str]:
+    """The messages in which backend="auto" announces its choices."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "auto:" in record.getMessage():
+                seen.append(record.getMessage())
+
+    log = logging.getLogger("xstage_dit")
+    log.setLevel(logging.INFO)
+    log.addHandler(Keep())
+    return seen
 
 
 @pytest.mark.parametrize(
@@ -82,6 +102,19 @@ def _same_gpu_worker(name: str, backend: str) -> None:
 )
 def test_ranks_on_one_gpu_match_single_process(name, backend, world_size):
     run_on_ranks(world_size, _same_gpu_worker, name, backend, deadline_s=150)
+
+
+def test_auto_follows_the_planner_on_one_gpu(tmp_path, monkeypatch):
+    """A same-GPU calibration (synthetic costs: for tiny layers the fused path's few launches win) makes auto
+    choose fused for every layer, and the result still equals the single process."""
+    from xstage_dit.xstage import BurstGapModel, Calibration, KernelCosts
+
+    rates = {64: [(4096, 300.0)], 128: [(4096, 500.0)]}
+    costs = KernelCosts(rates, rates, copy_rate=2e12, alltoall_rate=2e12, launch=5e-6, sms=132)
+    model = BurstGapModel(1e-6, 20e9, 2e12, 1e12, 8 * 2**20)
+    Calibration(torch.cuda.get_device_name(), "same-gpu", 2, model, costs, {}).save(tmp_path)
+    monkeypatch.setenv("XSTAGE_CALIBRATION_DIR", str(tmp_path))
+    run_on_ranks(2, _same_gpu_worker, "tiny-flux-d64", "auto", "fused", deadline_s=150)
 
 
 def _fused_layer_worker(batch: int, text_len: int, seq_len: int, heads: int, head_dim: int) -> None:

@@ -59,7 +59,7 @@ def test_attention_on_gpu(dtype, head_dim, masked, loads):
     _check_attention("cuda", dtype, 2, 1000, 1100, 1031, 3, head_dim, masked, config)
 
 
-def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first):
+def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first, rotated=False):
     local = -(-seq_len // n_ranks)
 
     def per_rank(text, image):
@@ -85,7 +85,9 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
     for rank in range(n_ranks):
         loopback.pre_all_to_all(rank, *(j[rank] for j in joint))
     for rank in range(n_ranks):
-        loopback.attention(rank, seq_len, key_mask=key_mask)
+        # rotated: each rank's programs start at its successor's rows (the planner's incast-avoiding order)
+        first_row = text_len + (rank + 1) % n_ranks * local if rotated else 0
+        loopback.attention(rank, seq_len, key_mask=key_mask, first_row=first_row)
 
     full = [torch.cat([t, i], dim=1) for t, i in zip(text, image)]
     keep = torch.cat([key_mask, torch.ones(batch, seq_len, dtype=torch.bool, device=device)], dim=1)
@@ -99,12 +101,14 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
 
 @pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19), (4, 13)])
 @pytest.mark.parametrize("text_first", [True, False])
-def test_fused_loopback_interpreted(n_ranks, seq_len, text_first):
-    _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first)
+@pytest.mark.parametrize("rotated", [False, True])
+def test_fused_loopback_interpreted(n_ranks, seq_len, text_first, rotated):
+    _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, rotated)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_ranks", [2, 4, 8])
 @pytest.mark.parametrize("text_first", [True, False])
-def test_fused_loopback_on_gpu(n_ranks, text_first):
-    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first)
+@pytest.mark.parametrize("rotated", [False, True])
+def test_fused_loopback_on_gpu(n_ranks, text_first, rotated):
+    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, rotated)

@@ -1,9 +1,9 @@
-"""`xstage-dit`: command-line tools. `xstage-dit info` prints what this machine offers xstage_dit."""
+"""`xstage-dit`: command-line tools. `info` prints what this machine offers xstage_dit; `calibrate` measures its
+store path and kernels for the Burst-Gap planner."""
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from .sp.backends import available_backends
-
-CALIBRATION_DIR = Path(os.environ.get("XSTAGE_CALIBRATION_DIR", Path.home() / ".cache" / "xstage_dit"))
+from .xstage.calibrate import calibrate, describe
+from .xstage.calibration import Calibration, calibration_dir
 
 
 def _version(package: str) -> str:
@@ -51,9 +51,10 @@ def info() -> str:
                   "links:", _topology()]
     else:
         lines.append("GPUs: none (the reference and overlap backends run on CPU with gloo)")
-    calibrations = sorted(CALIBRATION_DIR.glob("calibration-*.json")) if CALIBRATION_DIR.is_dir() else []
-    lines.append("Burst-Gap calibrations: " + (", ".join(str(p) for p in calibrations) if calibrations
-                                                else f"none in {CALIBRATION_DIR}"))
+    directory = calibration_dir()
+    calibrations = sorted(directory.glob("calibration-*.json")) if directory.is_dir() else []
+    lines.append(f"Burst-Gap calibrations in {directory}: " + ("" if calibrations else "none (xstage-dit calibrate)"))
+    lines += [f"  {describe(Calibration.load(p))}" for p in calibrations]
     return "\n".join(lines)
 
 
@@ -61,9 +62,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="xstage-dit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="GPUs, links, NVSHMEM, backends and calibrations found")
+    run = commands.add_parser("calibrate", help="measure the store path and kernels, fit the Burst-Gap model")
+    run.add_argument("--out", type=Path, default=None, help="directory for the JSON (default: the calibration "
+                     "directory the planner reads, $XSTAGE_CALIBRATION_DIR or ~/.cache/xstage_dit)")
+    run.add_argument("--quick", action="store_true", help="a small sweep (a smoke test, not a calibration)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
+    elif args.command == "calibrate":
+        calibrate(args.out or calibration_dir(), quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,17 @@ import triton.language as tl
 
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr):
-    """One key tile of the online softmax: k is (HEAD_DIM, BLOCK_N), v is (BLOCK_N, HEAD_DIM)."""
-    scores = tl.dot(q, k) * qk_scale
+    """One key tile of the online softmax: k is (HEAD_DIM, BLOCK_N), v is (BLOCK_N, HEAD_DIM).
+
+    The scale is applied to the row maximum and folded into the exponent's argument (one fused multiply-add
+    per score instead of a multiply and a subtract: the softmax, not the tensor cores, bounds this loop).
+    Masked scores get a large finite negative, not -inf, so a tile whose keys are all masked cannot produce
+    (-inf) - (-inf); its weights vanish once a real key raises the row maximum."""
+    scores = tl.dot(q, k)
     if MASKED:
-        scores = tl.where(key_ok[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.math.exp2(scores - m_new[:, None])
+        scores = tl.where(key_ok[None, :], scores, -1.0e30)
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -59,12 +64,13 @@ def _attention_kernel(
     stride_ob, stride_os, stride_oh,
     stride_mb,
     heads,
-    text_len, local_len, n_dest, dest_text_row0, dest_image_row0, dest_head0,
+    text_len, local_len, n_dest, dest_text_row0, dest_image_row0, dest_head0, tile_shift,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # the schedule knob: programs start at Q tile `tile_shift` and wrap around (see Scatter.first_row)
+    pid_m = (tl.program_id(0) + tile_shift) % tl.num_programs(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // heads).to(tl.int64)
     h = pid_bh % heads
@@ -145,6 +151,10 @@ class Scatter:
     local_len: int
     text_first: bool
     head0: int
+    # the tile order, chosen by the Burst-Gap planner: programs start at the Q tile holding this row and wrap
+    # around. Ranks that all start at row 0 store into the same destination at the same moment (incast: that
+    # rank's ingress is shared by N - 1 senders); starting each rank at its successor's rows spreads them out.
+    first_row: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,10 +230,10 @@ def flash_attention(
     if scatter is not None:
         dest_text_row0, dest_image_row0 = (0, scatter.text_len) if scatter.text_first else (scatter.local_len, 0)
         scatter_args = (scatter.text_len, scatter.local_len, scatter.destinations.numel(), dest_text_row0,
-                        dest_image_row0, scatter.head0)
+                        dest_image_row0, scatter.head0, scatter.first_row // cfg.block_m)
         destinations = scatter.destinations
     else:
-        scatter_args = (0, 1, 0, 0, 0, 0)
+        scatter_args = (0, 1, 0, 0, 0, 0, 0)
         destinations = out
     use_tma = cfg.tma and all(_flattens(t) for t in (q, k, v))
     descriptors = _descriptors(q, k, v, cfg) if use_tma else (None, None, None)

@@ -38,10 +38,12 @@ class LoopbackUlysses:
             self.qkv[rank][i][:, : self.text_len] = text[:, :, rank * self.share : (rank + 1) * self.share]
 
     def attention(self, rank: int, seq_len: int, scale: float | None = None,
-                  key_mask: torch.Tensor | None = None) -> None:
-        """Rank `rank`'s heads over the whole sequence, each output row stored into its owner's buffer."""
+                  key_mask: torch.Tensor | None = None, first_row: int = 0) -> None:
+        """Rank `rank`'s heads over the whole sequence, each output row stored into its owner's buffer; the
+        kernel's programs start at the tile of `first_row` (Scatter.first_row)."""
         q, k, v = self.qkv[rank]
-        scatter = Scatter(self.out_table, self.text_len, self.local_len, self.text_first, rank * self.share)
+        scatter = Scatter(self.out_table, self.text_len, self.local_len, self.text_first, rank * self.share,
+                          first_row)
         flash_attention(q, k, v, scale=scale, kv_len=self.text_len + seq_len, key_mask=key_mask,
                         out=self.out[rank], scatter=scatter)
 

@@ -72,6 +72,10 @@ class SymmetricPool:
         return _POOLS[group.group_name]
 
     @classmethod
+    def exists(cls, group_name: str) -> bool:
+        return group_name in _POOLS
+
+    @classmethod
     def of(cls, group: dist.ProcessGroup) -> "SymmetricPool":
         """The pool `enable` created for `group`."""
         return _POOLS[group.group_name]

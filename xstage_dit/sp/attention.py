@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .auto import choose_local
 from .backends import UlyssesLayout, get_backend
 from .ops import ulysses_attention
 from .sharding import SequenceShard
@@ -15,7 +16,6 @@ class UlyssesAttention:
         self.shard = shard
         self.text_first = text_first
         self.backend_name = backend
-        self._backend = get_backend(backend)
 
     def __call__(
         self,
@@ -31,7 +31,8 @@ class UlyssesAttention:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
         shard = self.shard
         if shard.degree == 1:
-            return self._backend.local(query, key, value, attn_mask, scale)
+            local = choose_local(query) if self.backend_name == "auto" else get_backend(self.backend_name).local
+            return local(query, key, value, attn_mask, scale)
         layout = UlyssesLayout(
             text_len=query.shape[1] - shard.local_len,
             seq_len=shard.seq_len,

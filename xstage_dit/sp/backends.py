@@ -102,10 +102,10 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """The concrete backend for a requested name on `device`; "auto" picks the best one available (the
-    reference until the Burst-Gap planner measures the others). Raises before any collective."""
+    """The backend a requested name runs on `device`; "auto" stays "auto" (sp/auto.py chooses per call where
+    this GPU has a Burst-Gap calibration, else runs the reference). Raises before any collective."""
     if name == "auto":
-        return "reference"
+        return name
     if name not in _BACKENDS:
         raise ValueError(f"unknown xstage_dit backend {name!r}; choose one of {available_backends()}")
     if _BACKENDS[name].needs_cuda and device.type != "cuda":

@@ -5,7 +5,8 @@ from the kernels themselves.
    the owning rank's head-sharded buffer (text heads are copied locally: text is replicated);
 2. barrier (system-scope release/acquire signals): every rank's rows have landed;
 3. attention with the scatter epilogue: each output tile's owner stores it into the buffer of the rank that owns
-   those tokens, in that rank's (B, T + L, H, D) layout, and moves on to its next tile;
+   those tokens, in that rank's (B, T + L, H, D) layout, and moves on to its next tile; the tile order is the
+   Burst-Gap planner's (rotated so that ranks do not all store into one destination at once);
 4. barrier: every rank's output rows have landed; the pooled output buffer is returned (the custom op in
    sp/ops.py copies it out).
 
@@ -21,6 +22,7 @@ from ..kernels.all_to_all import scatter_heads
 from ..kernels.attention import SUPPORTED_HEAD_DIMS, Scatter, flash_attention
 from ..logging_utils import warn_once
 from ..runtime.symmetric import SymmetricPool
+from .auto import rotated_tile_order
 from .backends import UlyssesLayout, register_backend
 from .local_attention import sdpa_bshd
 from .reference import reference_ulysses
@@ -80,7 +82,9 @@ def fused_ulysses(
             buffer.tensor[:, :text_len] = text[:, :, rank * share : (rank + 1) * share]
     pool.barrier("fused attention (pre-all-to-all)")
     q, k, v = (b.tensor for b in buffers)
-    scatter = Scatter(out.table, text_len, local_len, layout.text_first, rank * share)
+    # the gathered buffers hold [text, image of rank 0, 1, ...]: a rotated order starts at rank + 1's rows
+    first_row = text_len + (rank + 1) % n_ranks * local_len if rotated_tile_order(query, layout) else 0
+    scatter = Scatter(out.table, text_len, local_len, layout.text_first, rank * share, first_row)
     flash_attention(q, k, v, scale=scale, kv_len=text_len + layout.seq_len, key_mask=_key_mask(text_mask),
                     out=out.tensor, scatter=scatter)
     pool.barrier("fused attention (post-all-to-all)")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ..runtime.symmetric import SymmetricPool
+from .auto import choose
 from .backends import UlyssesLayout, get_backend
 
 
@@ -26,6 +28,8 @@ def ulysses_attention(
     scale: float | None,
 ) -> torch.Tensor:
     layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first)
+    if backend == "auto":
+        backend = choose(query, layout, fused_ready=SymmetricPool.exists(group_name))
     out = get_backend(backend).ulysses(query, key, value, layout, _resolve_process_group(group_name), scale,
                                        text_mask)
     # a custom op owns its output: the fused backend's is a reused symmetric buffer

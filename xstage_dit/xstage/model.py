@@ -6,6 +6,7 @@ wait in a finite downstream queue of capacity Q that drains at R; once it is ful
 
     free_issue_time(V, K)       = t0 + V / I(K)                        (T0_iss: backpressure-free)
     steady_issue_time(G, V, K)  = max(T0_iss(K, V), V / R - G)         (T_iss: long train of bursts)
+    delivery_time(V, K)         = t0 + V / min(I(K), R)                 (an isolated burst lands)
 
 `simulate` runs the fluid queue exactly for any train; `fit` recovers the parameters from measured trains.
 All quantities in SI units: seconds, bytes, bytes per second."""
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -37,6 +39,11 @@ class BurstGapModel:
     def steady_issue_time(self, gap: float, volume: float, producers: int) -> float:
         """T_iss(G; K, V) = max(T0_iss(K, V), V / R - G)."""
         return max(self.free_issue_time(volume, producers), volume / self.drain_rate - gap)
+
+    def delivery_time(self, volume: float, producers: int) -> float:
+        """Time until the last byte of an isolated burst has left the queue (the destination sees the data):
+        bytes enter at I(K) and leave at R, so the slower of the two sets the pace after t0."""
+        return self.issue_latency + volume / min(self.injection_rate(producers), self.drain_rate)
 
     def simulate(self, bursts: Iterable[tuple[float, float]], producers: int) -> list[float]:
         """Issuer-visible issue time of each burst of a train of (gap_before_seconds, volume_bytes), starting
@@ -70,8 +77,11 @@ class BurstGapModel:
     def fit(cls, samples: Sequence[dict]) -> "BurstGapModel":
         """Least-squares fit (relative errors) to records {"producers", "volume", "gap", "bursts",
         "issue_time"}: `issue_time` is the measured issue time of the last burst of a train of `bursts`
-        identical bursts each preceded by `gap`, from an empty queue."""
-        start = _initial_guess(samples)
+        identical bursts each preceded by `gap`, from an empty queue.
+
+        The loss has flat regions (a capacity no burst reaches, rates no burst is limited by) where a simplex
+        stalls, so the fit starts from several capacities and restarts the simplex from its best point until
+        the loss stops improving."""
         names = ("issue_latency", "producer_rate", "max_issue_rate", "drain_rate", "capacity")
 
         def loss(log_params: list[float]) -> float:
@@ -79,7 +89,18 @@ class BurstGapModel:
             return sum(math.log(model.predict(s["producers"], s["volume"], s["gap"], s["bursts"])
                                 / s["issue_time"]) ** 2 for s in samples)
 
-        best = _nelder_mead(loss, [math.log(getattr(start, n)) for n in names])
+        best, best_loss = None, math.inf
+        for start in _initial_guesses(samples):
+            point = [math.log(getattr(start, n)) for n in names]
+            value = loss(point)
+            for _ in range(8):
+                point = _nelder_mead(loss, point)
+                improved = loss(point)
+                if improved > value * (1 - 1e-6):
+                    break
+                value = improved
+            if value < best_loss:
+                best, best_loss = point, value
         return cls(**dict(zip(names, (math.exp(p) for p in best))))
 
     def to_dict(self) -> dict[str, float]:
@@ -98,18 +119,30 @@ class BurstGapModel:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def _initial_guess(samples: Sequence[dict]) -> BurstGapModel:
-    """Rough parameters from the samples' extremes, for the fit to start near the answer:
-    isolated small bursts give t0 and the injection rates, saturated trains the drain rate."""
+def _initial_guesses(samples: Sequence[dict]) -> list[BurstGapModel]:
+    """Starting points near the answer. Isolated bursts: per producer count, the line through the two smallest
+    volumes gives t0 (intercept) and I(K) (inverse slope), so b and Bmax; gap-free trains: the slowest rate
+    V/T_iss is at most R (it equals R where they are drain-limited). The capacity is the least identifiable
+    parameter: one start per volume scale of the samples."""
     isolated = [s for s in samples if s["bursts"] == 1] or list(samples)
-    smallest = min(isolated, key=lambda s: s["volume"])
-    t0 = 0.5 * smallest["issue_time"]
-    rates = [s["volume"] / max(s["issue_time"] - t0, 1e-12) for s in isolated]
-    per_producer = max(r / s["producers"] for r, s in zip(rates, isolated))
-    trains = [s for s in samples if s["bursts"] > 1] or list(samples)
-    drain = max(s["volume"] / (s["issue_time"] + s["gap"]) for s in trains)
-    largest = max(isolated, key=lambda s: s["volume"])
-    return BurstGapModel(t0, per_producer, max(rates), drain, 0.5 * largest["volume"])
+    intercepts, rates = [], {}
+    for producers in sorted({s["producers"] for s in isolated}):
+        points = sorted((s["volume"], s["issue_time"]) for s in isolated if s["producers"] == producers)
+        if len(points) >= 2 and points[1][0] > points[0][0] and points[1][1] > points[0][1]:
+            (v0, t0), (v1, t1) = points[:2]
+            slope = (t1 - t0) / (v1 - v0)
+            intercepts.append(t0 - slope * v0)
+            rates[producers] = 1.0 / slope
+        else:
+            rates[producers] = points[0][0] / points[0][1]
+    latency = max(statistics.median(intercepts), 1e-8) if intercepts else 0.5 * min(s["issue_time"] for s in isolated)
+    per_producer = max(rate / k for k, rate in rates.items())
+    peak = max(rates.values())
+    trains = [s for s in samples if s["bursts"] > 1 and s["gap"] <= min(t["gap"] for t in samples)] or list(samples)
+    drain = min(s["volume"] / s["issue_time"] for s in trains)
+    volumes = sorted({s["volume"] for s in samples})
+    scales = {volumes[0], volumes[len(volumes) // 2], volumes[-1], 4 * volumes[-1]}
+    return [BurstGapModel(latency, per_producer, peak, drain, q) for q in sorted(scales)]
 
 
 def _nelder_mead(f, x0: list[float], step: float = 0.5, iterations: int = 4000, tol: float = 1e-12

@@ -1,0 +1,125 @@
+"""The planner and calibrations on CPU: predictions follow the model's regimes, the tile-order knob, JSON keys and
+lookup, backend="auto" without a calibration, and `xstage-dit calibrate` refusing to run without a GPU."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from xstage_dit.xstage import AttentionShape, BurstGapModel, Calibration, KernelCosts, Planner, find_calibration
+
+MiB = 2**20
+NVLINK_LIKE = BurstGapModel(issue_latency=0.8e-6, producer_rate=12e9, max_issue_rate=1.4e12, drain_rate=400e9,
+                            capacity=4 * MiB)
+COSTS = KernelCosts(own_tflops={128: [(4096, 480.0), (65536, 520.0)], 64: [(4096, 340.0), (65536, 390.0)]},
+                    vendor_tflops={128: [(4096, 590.0), (65536, 560.0)], 64: [(4096, 440.0), (65536, 460.0)]},
+                    copy_rate=1.9e12, alltoall_rate=350e9, launch=4e-6, sms=132)
+
+
+def _calibration(topology: str, world_size: int, gpu: str = "NVIDIA H200") -> Calibration:
+    return Calibration(gpu, topology, world_size, NVLINK_LIKE, COSTS, {"median": 0.01, "max": 0.05, "samples": 3})
+
+
+def test_attention_time_interpolates_in_log_tokens_and_clamps():
+    flops = 1e12
+    mid = COSTS.attention_time(flops, 16384, 128, own=True)
+    rate_mid = 480 + (520 - 480) * (math.log(16384) - math.log(4096)) / (math.log(65536) - math.log(4096))
+    assert mid == pytest.approx(COSTS.launch + flops / (rate_mid * 1e12))
+    assert COSTS.attention_time(flops, 100, 128, own=True) == pytest.approx(COSTS.launch + flops / 480e12)
+    assert COSTS.attention_time(flops, 10**6, 96, own=False) == pytest.approx(COSTS.launch + flops / 560e12)
+
+
+def test_degree_one_predicts_the_kernels_alone():
+    planner = Planner(NVLINK_LIKE, COSTS)
+    shape = AttentionShape(1, 4096, 512, 24, 128, 1)
+    predicted = planner.predict(shape)
+    assert predicted["reference"] == predicted["overlap"] == planner.attention(shape, own=False)
+    assert predicted["fused"] == planner.attention(shape, own=True)
+    assert planner.choose(shape) == "reference"  # cuDNN is the faster kernel in these costs
+
+
+@pytest.mark.parametrize("seq", [8192, 65536])
+def test_every_backend_costs_more_than_its_attention(seq):
+    planner = Planner(NVLINK_LIKE, COSTS)
+    shape = AttentionShape(1, seq, 0, 24, 128, 8)
+    predicted = planner.predict(shape)
+    assert predicted["reference"] > planner.attention(shape, own=False)
+    assert predicted["fused"] > planner.attention(shape, own=True)
+    assert planner.attention(shape, own=False) < predicted["overlap"] <= predicted["reference"]
+
+
+def test_fused_epilogue_is_free_when_the_q_loop_covers_the_drain():
+    # long sequence: each tile's Q loop is far longer than draining a wave of tiles; only the tail remains
+    planner = Planner(NVLINK_LIKE, COSTS)
+    shape = AttentionShape(1, 65536, 0, 24, 128, 8)
+    compute = planner.attention(shape, own=True)
+    overhead = planner.fused_kernel(shape, rotated=True) / compute - 1
+    assert 0 < overhead < 0.01
+
+
+def test_rank_major_order_pays_for_incast_when_drain_limited():
+    slow = replace(NVLINK_LIKE, drain_rate=20e9)  # a drain far slower than the waves' stores
+    planner = Planner(slow, COSTS)
+    shape = AttentionShape(1, 8192, 0, 24, 128, 8)
+    assert planner.fused_kernel(shape, rotated=False) > planner.fused_kernel(shape, rotated=True)
+    assert planner.tile_order(shape) is True
+    two = AttentionShape(1, 8192, 0, 24, 128, 2)  # one peer: both orders see the same drain
+    assert planner.fused_kernel(two, rotated=False) == planner.fused_kernel(two, rotated=True)
+
+
+def test_calibration_round_trip_and_lookup(tmp_path):
+    for topology, world in (("loopback", 1), ("same-gpu", 2), ("nvlink", 8)):
+        _calibration(topology, world).save(tmp_path)
+    _calibration("nvlink", 8, gpu="NVIDIA B200").save(tmp_path)
+    loaded = Calibration.load(tmp_path / "calibration-h200-nvlink-n8.json")
+    assert loaded.to_dict() == _calibration("nvlink", 8).to_dict()
+    assert find_calibration("NVIDIA H200", 4, "nvlink", tmp_path).topology == "nvlink"
+    assert find_calibration("NVIDIA H200", 2, "same-gpu", tmp_path).topology == "same-gpu"
+    assert find_calibration("NVIDIA H200", 1, "loopback", tmp_path).world_size == 1
+    assert find_calibration("NVIDIA H100", 8, None, tmp_path) is None
+
+
+def test_auto_without_calibration_runs_the_reference_on_cpu():
+    from xstage_dit.sp.auto import choose
+    from xstage_dit.sp.backends import UlyssesLayout
+
+    query = torch.randn(1, 8, 4, 16)
+    assert choose(query, UlyssesLayout(0, 16, 8, 2, 0), fused_ready=False) == "reference"
+    assert choose(query, None, fused_ready=False) == "reference"
+
+
+def test_calibrate_command_needs_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from xstage_dit.cli import main
+
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        main(["calibrate", "--out", str(tmp_path)])
+
+
+class _SimulatedStorePath:
+    """A stand-in for BurstProbe whose trains take the times a known model gives (no GPU)."""
+
+    def __init__(self, model: BurstGapModel) -> None:
+        self.model = model
+
+    def train(self, destination, producers, volume, bursts, gap, fence=False):
+        from xstage_dit.xstage.probes import Train
+
+        times = self.model.simulate([(gap, volume)] * bursts, producers)
+        if fence:
+            times = [self.model.delivery_time(volume, producers)] * bursts
+        return Train(producers, volume, gap, times, [gap] * bursts)
+
+
+def test_the_calibration_sweep_and_fit_recover_a_simulated_store_path():
+    from xstage_dit.xstage.calibrate import fit, sweep
+
+    samples, visibility = sweep(_SimulatedStorePath(NVLINK_LIKE), None, sms=132, quick=False)
+    model, error = fit(samples)
+    assert error["median"] < 0.01 and error["samples"] == len(samples) > 100
+    for name in ("issue_latency", "producer_rate", "drain_rate"):
+        assert getattr(model, name) == pytest.approx(getattr(NVLINK_LIKE, name), rel=0.05), name
+    assert all(v["visible_time"] >= v["issue_time"] for v in visibility)

@@ -1,0 +1,87 @@
+"""backend="auto": per attention shape, the backend the Burst-Gap planner predicts fastest on this machine.
+
+The planner needs this GPU's calibration (`xstage-dit calibrate`); without one, auto runs the reference
+backend and says so once. Every rank reads the same calibration and sees the same shape, so every rank of a
+group makes the same choice (they must: the backends' collectives differ)."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from ..logging_utils import logger, warn_once
+from ..xstage.calibration import find_calibration
+from ..xstage.planner import AttentionShape, Planner
+from .backends import LocalAttention, UlyssesLayout, get_backend
+
+FALLBACK = "reference"
+
+
+@lru_cache(maxsize=None)
+def planner_for(device: torch.device, world_size: int) -> Planner | None:
+    if device.type != "cuda":
+        return None
+    gpu = torch.cuda.get_device_name(device)
+    shared = world_size > torch.cuda.device_count() or bool(os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"))
+    calibration = find_calibration(gpu, world_size, "same-gpu" if shared else None)
+    if calibration is None:
+        warn_once(f"xstage_dit: no Burst-Gap calibration for {gpu}; backend='auto' runs {FALLBACK!r} "
+                  "(run `xstage-dit calibrate` once on this machine)")
+        return None
+    logger.info("xstage_dit: backend='auto' plans with the %s calibration (%d ranks)", calibration.topology,
+                calibration.world_size)
+    return Planner.from_calibration(calibration)
+
+
+def _candidates(query: torch.Tensor, fused_ready: bool) -> tuple[str, ...]:
+    names = ("reference", "overlap")
+    if fused_ready and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        from ..kernels.attention import SUPPORTED_HEAD_DIMS
+
+        if query.shape[-1] in SUPPORTED_HEAD_DIMS:
+            names += ("fused",)
+    return names
+
+
+def _shape(query: torch.Tensor, layout: UlyssesLayout | None) -> AttentionShape:
+    batch, tokens, heads, head_dim = query.shape
+    if layout is None:
+        return AttentionShape(batch, tokens, 0, heads, head_dim, 1, query.element_size())
+    return AttentionShape(batch, layout.seq_len, layout.text_len, heads, head_dim, layout.degree,
+                          query.element_size())
+
+
+def choose(query: torch.Tensor, layout: UlyssesLayout | None, fused_ready: bool) -> str:
+    """The backend for this call (layout None: degree 1). `fused_ready`: the group has a symmetric pool."""
+    planner = planner_for(query.device, layout.degree if layout else 1)
+    if planner is None:
+        return FALLBACK
+    shape = _shape(query, layout)
+    return _decide(planner, shape, _candidates(query, fused_ready or layout is None))
+
+
+@lru_cache(maxsize=256)
+def _decide(planner: Planner, shape: AttentionShape, candidates: tuple[str, ...]) -> str:
+    predicted = planner.predict(shape)
+    name = min(candidates, key=predicted.__getitem__)
+    logger.info("xstage_dit auto: %s -> %s (predicted ms: %s)", shape, name,
+                ", ".join(f"{n} {predicted[n] * 1e3:.3f}" for n in candidates))
+    return name
+
+
+def choose_local(query: torch.Tensor) -> LocalAttention:
+    """Degree 1: the attention kernel of the backend the planner picks."""
+    return get_backend(choose(query, None, fused_ready=False)).local
+
+
+def rotated_tile_order(query: torch.Tensor, layout: UlyssesLayout) -> bool:
+    """The fused kernel's tile order for this call: rotated unless the planner predicts rank-major faster
+    (rotated is the default without a calibration: the model never predicts it slower)."""
+    planner = planner_for(query.device, layout.degree)
+    return True if planner is None else _tile_order(planner, _shape(query, layout))
+
+
+@lru_cache(maxsize=256)
+def _tile_order(planner: Planner, shape: AttentionShape) -> bool:
+    return planner.tile_order(shape)

@@ -1,0 +1,118 @@
+"""A machine's calibration: the fitted Burst-Gap model plus the measured kernel costs the planner needs, stored as
+JSON keyed by GPU name, topology and world size (`xstage-dit calibrate` writes it, the planner reads it).
+
+topology: "loopback" (peers simulated in one process: stores stay in local memory), "same-gpu" (several
+processes on one GPU), "nvlink" or "pcie" (real peers)."""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .model import BurstGapModel
+
+
+def calibration_dir() -> Path:
+    return Path(os.environ.get("XSTAGE_CALIBRATION_DIR", Path.home() / ".cache" / "xstage_dit"))
+
+
+@dataclass(frozen=True)
+class KernelCosts:
+    """Measured on the machine: attention throughput of our kernel ("own") and the vendor's (cuDNN SDPA) by head
+    dim at a few sequence lengths, device-to-device copy rate, all-to-all rate, one small kernel's cost."""
+
+    own_tflops: dict[int, list[tuple[int, float]]]  # head_dim -> [(tokens, TFLOP/s)], tokens ascending
+    vendor_tflops: dict[int, list[tuple[int, float]]]
+    copy_rate: float  # bytes copied per second
+    alltoall_rate: float  # bytes per second leaving one rank in an all-to-all (a local copy in loopback)
+    launch: float  # seconds
+    sms: int
+
+    def attention_time(self, flops: float, tokens: int, head_dim: int, own: bool) -> float:
+        """`flops` of attention over `tokens` keys at the measured throughput, interpolated in log(tokens)
+        (clamped outside the measured range; the nearest measured head_dim stands in for others)."""
+        table = self.own_tflops if own else self.vendor_tflops
+        points = table[min(table, key=lambda d: abs(d - head_dim))]
+        xs = [math.log(t) for t, _ in points]
+        x = min(max(math.log(max(tokens, 1)), xs[0]), xs[-1])
+        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        (x0, y0), (x1, y1) = (xs[i - 1], points[i - 1][1]), (xs[i], points[i][1])
+        rate = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return self.launch + flops / (rate * 1e12)
+
+    def to_dict(self) -> dict:
+        return {"own_tflops": {str(d): p for d, p in self.own_tflops.items()},
+                "vendor_tflops": {str(d): p for d, p in self.vendor_tflops.items()},
+                "copy_rate": self.copy_rate, "alltoall_rate": self.alltoall_rate, "launch": self.launch,
+                "sms": self.sms}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KernelCosts":
+        def table(raw: dict) -> dict[int, list[tuple[int, float]]]:
+            return {int(d): sorted((int(t), float(r)) for t, r in points) for d, points in raw.items()}
+
+        return cls(table(data["own_tflops"]), table(data["vendor_tflops"]), float(data["copy_rate"]),
+                   float(data["alltoall_rate"]), float(data["launch"]), int(data["sms"]))
+
+
+@dataclass
+class Calibration:
+    gpu: str
+    topology: str
+    world_size: int
+    model: BurstGapModel
+    costs: KernelCosts
+    fit_error: dict[str, float]  # median and max relative error of the model over the samples
+    samples: list[dict] = field(default_factory=list)  # the fit's inputs (BurstGapModel.fit records)
+    visibility: list[dict] = field(default_factory=list)  # isolated bursts timed until visible
+    meta: dict = field(default_factory=dict)  # date, versions, command
+
+    @property
+    def filename(self) -> str:
+        return f"calibration-{slug(self.gpu)}-{self.topology}-n{self.world_size}.json"
+
+    def to_dict(self) -> dict:
+        return {"key": {"gpu": self.gpu, "topology": self.topology, "world_size": self.world_size},
+                "model": self.model.to_dict(), "fit_error": self.fit_error, "kernel_costs": self.costs.to_dict(),
+                "meta": self.meta, "samples": self.samples, "visibility": self.visibility}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Calibration":
+        key = data["key"]
+        return cls(key["gpu"], key["topology"], int(key["world_size"]), BurstGapModel.from_dict(data["model"]),
+                   KernelCosts.from_dict(data["kernel_costs"]), data.get("fit_error", {}), data.get("samples", []),
+                   data.get("visibility", []), data.get("meta", {}))
+
+    def save(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / self.filename
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> "Calibration":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-").removeprefix("nvidia-")
+
+
+def find_calibration(gpu: str, world_size: int, topology: str | None = None,
+                     directory: Path | None = None) -> Calibration | None:
+    """The calibration of this GPU kind that fits best: the same topology and world size if present, then the
+    same topology, then any of this GPU (kernel costs carry over; the store path may not)."""
+    directory = directory or calibration_dir()
+    found = [Calibration.load(p) for p in sorted(directory.glob(f"calibration-{slug(gpu)}-*.json"))]
+    if not found:
+        return None
+
+    def rank(c: Calibration) -> tuple[int, int]:
+        return (c.topology != topology, abs(c.world_size - world_size))
+
+    return min(found, key=rank)

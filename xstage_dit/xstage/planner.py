@@ -1,0 +1,170 @@
+"""The planner: predicted time of one Ulysses attention call per backend, from a machine's calibration (the
+fitted Burst-Gap model and measured kernel costs), and the fused kernel's schedule.
+
+Per rank, for a layer of H heads over T text + S image tokens split over N ranks (L = S/N tokens each), with V
+the bytes of one of this rank's q, k, v or output tensors (B * L * H * D elements):
+
+- reference: vendor attention of H/N heads over T + S tokens, plus four exchanges (q, k, v, out), each a pack
+  copy, the all-to-all of the send buffer and an unpack copy (a third copy joins the text rows back in);
+- overlap: the same work in head chunks on two streams (compute: copies and attention; communication: the
+  all-to-alls), simulated in the order sp/overlap.py issues it;
+- fused: the pre-all-to-all store kernel (remote bytes V (N-1)/N per tensor, delivered at the model's rate),
+  a barrier, our attention kernel whose epilogue stores each finished tile remotely, a barrier, one copy out.
+  The epilogue costs what the Burst-Gap model says a train of bursts costs beyond its backpressure-free issue:
+  one burst per wave of K = #SMs tiles (V_w = K * tile bytes * (N-1)/N), gap G = one tile's Q loop, so each
+  wave stalls max(0, V_w/R - G - T0_iss(K, V_w)), and the last wave's bytes must land before the barrier
+  (delivery minus issue time).
+
+The schedule knob is the fused kernel's tile order (Scatter.first_row). In rank-major order every rank stores
+into the same destination at the same moment, so that destination's ingress, R, is shared by the N - 1
+senders (R / (N - 1) each); rotated, rank r starts at rank r + 1's rows and each destination hears one sender
+at a time (R each). The planner predicts both and picks the faster (rotated on ties)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .calibration import Calibration, KernelCosts
+from .model import BurstGapModel
+
+BACKENDS = ("reference", "overlap", "fused")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One Ulysses attention call: `heads` of the whole layer, `image_tokens` of the whole sequence."""
+
+    batch: int
+    image_tokens: int
+    text_tokens: int
+    heads: int
+    head_dim: int
+    degree: int
+    element_bytes: int = 2
+
+    @property
+    def local_tokens(self) -> int:
+        return -(-self.image_tokens // self.degree)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.heads // self.degree
+
+    @property
+    def keys(self) -> int:
+        return self.text_tokens + self.image_tokens
+
+    @property
+    def query_rows(self) -> int:
+        return self.text_tokens + self.local_tokens * self.degree
+
+    def flops(self, heads: int | None = None) -> float:
+        heads = self.heads_per_rank if heads is None else heads
+        return 4.0 * self.batch * heads * self.query_rows * self.keys * self.head_dim
+
+    def tensor_bytes(self) -> float:
+        """One of this rank's image q, k, v or output tensors, every head."""
+        return float(self.batch * self.local_tokens * self.heads * self.head_dim * self.element_bytes)
+
+    def text_bytes(self, heads: int) -> float:
+        return float(self.batch * self.text_tokens * heads * self.head_dim * self.element_bytes)
+
+
+class Planner:
+    def __init__(self, model: BurstGapModel, costs: KernelCosts, tile_rows: int = 128) -> None:
+        self.model = model
+        self.costs = costs
+        self.tile_rows = tile_rows  # the attention kernel's BLOCK_M
+
+    @classmethod
+    def from_calibration(cls, calibration: Calibration) -> "Planner":
+        return cls(calibration.model, calibration.costs)
+
+    # -- pieces -----------------------------------------------------------------------------------------------
+    def copy(self, nbytes: float) -> float:
+        return self.costs.launch + nbytes / self.costs.copy_rate
+
+    def exchange(self, nbytes: float, text: bool) -> float:
+        """One tensor's trip through an all-to-all of the reference path: pack, all-to-all, unpack (+ join)."""
+        transfer = self.costs.launch + nbytes / self.costs.alltoall_rate
+        return transfer + (3 if text else 2) * self.copy(nbytes)
+
+    def attention(self, shape: AttentionShape, own: bool, heads: int | None = None) -> float:
+        return self.costs.attention_time(shape.flops(heads), shape.keys, shape.head_dim, own)
+
+    def fused_kernel(self, shape: AttentionShape, rotated: bool) -> float:
+        """Our attention kernel with the scatter epilogue (the post-all-to-all), alone."""
+        compute = self.attention(shape, own=True)
+        n = shape.degree
+        if n == 1:
+            return compute
+        tiles = shape.batch * shape.heads_per_rank * math.ceil(shape.query_rows / self.tile_rows)
+        producers = min(self.costs.sms, tiles)
+        waves = tiles / producers
+        remote = (n - 1) / n
+        wave_bytes = producers * self.tile_rows * shape.head_dim * shape.element_bytes * remote
+        drain = self.model.drain_rate if rotated else self.model.drain_rate / (n - 1)
+        path = replace(self.model, drain_rate=drain)
+        gap = compute / waves
+        stall = max(0.0, path.steady_issue_time(gap, wave_bytes, producers)
+                    - path.free_issue_time(wave_bytes, producers))
+        tail = path.delivery_time(wave_bytes, producers) - path.free_issue_time(wave_bytes, producers)
+        return compute + max(0.0, math.ceil(waves) - 1) * stall + tail
+
+    def pre_all_to_all(self, shape: AttentionShape) -> float:
+        """The fused path's store kernels for q, k, v plus the local copy of this rank's text heads."""
+        volume = 3 * shape.tensor_bytes()
+        remote = volume * (shape.degree - 1) / shape.degree
+        delivery = self.model.delivery_time(remote, self.costs.sms) if remote else 0.0
+        stores = 3 * self.costs.launch + max(volume / self.costs.copy_rate, delivery)
+        text = self.copy(3 * shape.text_bytes(shape.heads_per_rank)) if shape.text_tokens else 0.0
+        return stores + text
+
+    def tile_order(self, shape: AttentionShape) -> bool:
+        """True: rotated (each rank starts at its successor's rows); False: rank-major."""
+        return self.fused_kernel(shape, True) <= self.fused_kernel(shape, False)
+
+    # -- whole calls --------------------------------------------------------------------------------------------
+    def predict(self, shape: AttentionShape) -> dict[str, float]:
+        """Predicted seconds of one attention call per backend."""
+        if shape.degree == 1:
+            vendor = self.attention(shape, own=False)
+            return {"reference": vendor, "overlap": vendor, "fused": self.attention(shape, own=True)}
+        tensor, text = shape.tensor_bytes(), shape.text_tokens > 0
+        reference = self.attention(shape, own=False) + 4 * self.exchange(tensor, text)
+        out_bytes = tensor + shape.text_bytes(shape.heads)
+        fused = (self.pre_all_to_all(shape) + 2 * self.costs.launch
+                 + self.fused_kernel(shape, self.tile_order(shape)) + self.copy(out_bytes))
+        return {"reference": reference, "overlap": self.overlap(shape), "fused": fused}
+
+    def overlap(self, shape: AttentionShape, max_chunks: int = 4) -> float:
+        """Two streams, in sp/overlap.py's issue order: the compute stream packs, unpacks and attends, the
+        communication stream runs the all-to-alls, each waiting for what it consumes."""
+        count = min(shape.heads_per_rank, max_chunks)
+        tensor, text = shape.tensor_bytes() / count, shape.text_tokens > 0
+        pack, unpack = self.copy(tensor), (2 if text else 1) * self.copy(tensor)
+        transfer = self.costs.launch + tensor / self.costs.alltoall_rate
+        attend = self.attention(shape, own=False, heads=shape.heads_per_rank / count)
+        compute = comm = 0.0
+        pre_done, post_done = [], []
+
+        def send(ready: float, tensors: int) -> float:
+            nonlocal comm
+            comm = max(comm, ready) + tensors * transfer
+            return comm
+
+        compute += 3 * pack
+        pre_done.append(send(compute, 3))
+        for i in range(count):
+            if i + 1 < count:
+                compute += 3 * pack
+                pre_done.append(send(compute, 3))
+            compute = max(compute, pre_done[i]) + 3 * unpack + attend + pack
+            post_done.append(send(compute, 1))
+        for done in post_done:
+            compute = max(compute, done) + unpack
+        return compute
+
+    def choose(self, shape: AttentionShape, candidates: tuple[str, ...] = BACKENDS) -> str:
+        predicted = self.predict(shape)
+        return min(candidates, key=lambda name: predicted[name])
