@@ -71,8 +71,7 @@ def tune_attention(shape=(1, 24, 16896, 128)) -> tuple[TileConfig, list[dict]]:
     b, h, s, d = shape
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     candidates = [TileConfig(128, 128, 8, 3)] + [
-        TileConfig(128, block_n, warps, stages, tma=True)
-        for block_n in (64, 128) for warps in (4, 8) for stages in (2, 3, 4)] + [
+        TileConfig(128, block_n, 8, stages, tma=True) for block_n in (64, 128) for stages in (2, 3, 4)] + [
         TileConfig(128, 128, 8, 3, tma=True, warp_specialize=True)]
     results = []
     for cfg in candidates:
@@ -124,7 +123,7 @@ class LoopbackRank:
     # -- fused ------------------------------------------------------------------------------------------------
     def fused_pre(self) -> None:
         for i, t in enumerate(self.qkv):
-            scatter_heads(t, self.fused.qkv_tables[i], self.fused.qkv[0][i], row0=0)
+            scatter_heads(t, self.fused.qkv_offsets[0][i], self.fused.qkv[0][i], row0=0)
 
     def fused_kernel(self, first_row: int, seq: int) -> None:
         self.fused.attention(0, seq, first_row=first_row)

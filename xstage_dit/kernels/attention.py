@@ -7,8 +7,9 @@ sequence), optionally also keys a per-batch mask rejects (padded prompt tokens).
 The scatter epilogue is the X-Stage piggyback of the Ulysses post-attention all-to-all: instead of writing its
 tile locally, the tile's owner stores each finished row straight into the buffer of the rank that owns that
 token, in that rank's (B, T + L, H, D) layout (text rows go to every rank), then moves on to its next tile: the
-stores drain while the next tile's Q loop computes. Destinations are a table of base addresses (symmetric-memory
-peers, or local buffers in loopback), all with the strides of `out`."""
+stores drain while the next tile's Q loop computes. Destinations are a table of element offsets from `out` (this
+rank's own buffer; kernels/tables.py: symmetric-memory peers, or local buffers in loopback), all with the strides
+of `out`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .tables import ALIGN_ELEMENTS
 
 
 @triton.jit
@@ -67,7 +70,7 @@ def _attention_kernel(
     text_len, local_len, n_dest, dest_text_row0, dest_image_row0, dest_head0, tile_shift,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, ALIGN: tl.constexpr,
 ):
     # the schedule knob: programs start at Q tile `tile_shift` and wrap around (see Scatter.first_row)
     pid_m = (tl.program_id(0) + tile_shift) % tl.num_programs(0)
@@ -127,15 +130,15 @@ def _attention_kernel(
         dest = tl.where(is_image, r // local_len, 0)
         dest_row = tl.where(is_image, dest_image_row0 + r % local_len, 0)
         column = batch * stride_ob + (dest_head0 + h) * stride_oh + offs_d[None, :]
-        base = tl.load(Dest + dest).to(tl.pointer_type(Out.dtype.element_ty))
-        tl.store(base[:, None] + column + dest_row[:, None] * stride_os, out, mask=is_image[:, None])
+        to_rank = tl.multiple_of(tl.load(Dest + dest), ALIGN)
+        tl.store(Out + to_rank[:, None] + column + dest_row[:, None] * stride_os, out, mask=is_image[:, None])
         if pid_m * BLOCK_M < text_len:
             # text rows: every rank needs every head of them
             is_text = offs_m < text_len
             text_row = dest_text_row0 + offs_m
             for j in range(n_dest):
-                base_j = tl.load(Dest + j).to(tl.pointer_type(Out.dtype.element_ty))
-                tl.store(base_j + column + text_row[:, None] * stride_os, out, mask=is_text[:, None])
+                to_j = tl.multiple_of(tl.load(Dest + j), ALIGN)
+                tl.store(Out + to_j + column + text_row[:, None] * stride_os, out, mask=is_text[:, None])
     else:
         tl.store(Out + batch * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], out,
                  mask=row_ok[:, None])
@@ -143,8 +146,8 @@ def _attention_kernel(
 
 @dataclass(frozen=True)
 class Scatter:
-    """Where the scatter epilogue sends rows: `destinations` holds the base address of every rank's
-    (B, T + L, H, D) output buffer (int64, on the device); this rank's heads start at `head0` there."""
+    """Where the scatter epilogue sends rows: `destinations` holds every rank's (B, T + L, H, D) output buffer as
+    an element offset from the kernel's `out` (kernels/tables.py); this rank's heads start at `head0` there."""
 
     destinations: torch.Tensor
     text_len: int
@@ -250,7 +253,7 @@ def flash_attention(
         heads, *scatter_args,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WRITE_LSE=return_lse, HAS_KEY_MASK=key_mask is not None, SCATTER=scatter is not None,
-        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
+        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, ALIGN=ALIGN_ELEMENTS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, lse) if return_lse else out

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..logging_utils import logger, warn_once
 from ..kernels.signals import barrier_kernel_launch
+from ..kernels.tables import offset_table
 
 _POOLS: dict[str, "SymmetricPool"] = {}
 
@@ -34,10 +35,12 @@ def _choose_backend(world_size: int) -> str:
 
 @dataclass
 class SymmetricBuffer:
-    """This rank's tensor and the int64 table of every rank's base address (on the device)."""
+    """This rank's tensor, the int64 tables of every rank's base address and of every rank's buffer as an element
+    offset from this rank's (what the store kernels take: kernels/tables.py), on the device."""
 
     tensor: torch.Tensor
     table: torch.Tensor
+    offsets: torch.Tensor
     handle: object
 
 
@@ -90,7 +93,7 @@ class SymmetricPool:
                 tensor.zero_()
             handle = symm_mem.rendezvous(tensor, self.group)
             table = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
-            self._buffers[key] = SymmetricBuffer(tensor, table, handle)
+            self._buffers[key] = SymmetricBuffer(tensor, table, offset_table(handle.buffer_ptrs, tensor), handle)
         return self._buffers[key]
 
     def barrier(self, what: str) -> None:

@@ -77,14 +77,14 @@ def fused_ulysses(
 
     for buffer, tensor in zip(buffers, (query, key, value)):
         text, image = layout.split(tensor)
-        scatter_heads(image, buffer.table, buffer.tensor, row0=text_len + rank * local_len)
+        scatter_heads(image, buffer.offsets, buffer.tensor, row0=text_len + rank * local_len)
         if text_len:
             buffer.tensor[:, :text_len] = text[:, :, rank * share : (rank + 1) * share]
     pool.barrier("fused attention (pre-all-to-all)")
     q, k, v = (b.tensor for b in buffers)
     # the gathered buffers hold [text, image of rank 0, 1, ...]: a rotated order starts at rank + 1's rows
     first_row = text_len + (rank + 1) % n_ranks * local_len if rotated_tile_order(query, layout) else 0
-    scatter = Scatter(out.table, text_len, local_len, layout.text_first, rank * share, first_row)
+    scatter = Scatter(out.offsets, text_len, local_len, layout.text_first, rank * share, first_row)
     flash_attention(q, k, v, scale=scale, kv_len=text_len + layout.seq_len, key_mask=_key_mask(text_mask),
                     out=out.tensor, scatter=scatter)
     pool.barrier("fused attention (post-all-to-all)")
