@@ -55,9 +55,21 @@ def ensure_process_group(timeout_s: float) -> None:
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" and not ranks_share_gpus() else "gloo"
+    if device.type == "cuda" and backend == "gloo":
+        # NCCL refuses two ranks on one GPU; gloo stages through the host and symmetric memory's CUDA backend
+        # maps the ranks' buffers into each other: correct, and useful for testing, but no measure of speed
+        os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+        logger.warning("xstage_dit: %s ranks on this node share %d GPU(s): gloo process group (for testing: its "
+                       "timings say nothing about multi-GPU speed)", os.environ.get("LOCAL_WORLD_SIZE"),
+                       torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     logger.info("started process group: %s, world size %d", backend, dist.get_world_size())
+
+
+def ranks_share_gpus() -> bool:
+    """More ranks on this node (torchrun's LOCAL_WORLD_SIZE) than GPUs."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
 
 
 _group_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
