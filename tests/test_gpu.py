@@ -97,6 +97,7 @@ def _record_auto_choices() -> list[str]:
 @pytest.mark.parametrize(
     "name, backend, world_size",
     [(name, "reference", 2) for name in ("tiny-flux", "tiny-wan", "tiny-hunyuan-video")]
+    + [("tiny-flux", "overlap", 2), ("tiny-wan", "overlap", 4)]
     # head_dim 64 runs the fused kernels; head_dim 16 (tiny-hunyuan-video) checks the fallback to reference
     + [(name, "fused", n) for name in ("tiny-flux-d64", "tiny-wan-d64", "tiny-hunyuan-video") for n in (2, 4)],
 )
