@@ -113,3 +113,24 @@ def test_info_command_describes_this_machine(capsys):
     printed = capsys.readouterr().out
     assert "backends: auto, fused, overlap, reference" in printed
     assert ("GPUs: none" in printed) != torch.cuda.is_available()
+
+
+def test_the_package_works_without_triton():
+    """Triton is optional (the fused backend's kernels): without it the package imports and `auto` runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, xstage_dit\n"
+        "from xstage_dit import zoo\n"
+        "from xstage_dit.sp.backends import available_backends\n"
+        "assert 'fused' not in available_backends(), available_backends()\n"
+        "pipe = zoo.build_pipeline('tiny-flux')\n"
+        "pipe.set_progress_bar_config(disable=True)\n"
+        "xstage_dit.enable(pipe)\n"
+        "kwargs = zoo.call_kwargs('tiny-flux', height=32, width=48, num_frames=1, steps=1, guidance=1.0)\n"
+        "pipe(**kwargs, **zoo.text_embeddings('tiny-flux', 1, seed=0), output_type='latent')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

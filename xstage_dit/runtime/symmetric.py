@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from ..logging_utils import logger, warn_once
-from ..kernels.signals import barrier_kernel_launch
 from ..kernels.tables import offset_table
 
 _POOLS: dict[str, "SymmetricPool"] = {}
@@ -99,6 +98,8 @@ class SymmetricPool:
     def barrier(self, what: str) -> None:
         """Every rank's preceding stores (in stream order) are visible to every rank after this returns on the
         stream. A rank that waits longer than the timeout for a peer raises at its next barrier."""
+        from ..kernels.signals import barrier_kernel_launch  # Triton: imported where a pool is in use
+
         self._raise_if_timed_out(what)
         self._epoch += 1
         barrier_kernel_launch(self._signals.table, self.rank, self.world_size, self._epoch,
