@@ -123,3 +123,15 @@ def test_the_calibration_sweep_and_fit_recover_a_simulated_store_path():
     for name in ("issue_latency", "producer_rate", "drain_rate"):
         assert getattr(model, name) == pytest.approx(getattr(NVLINK_LIKE, name), rel=0.05), name
     assert all(v["visible_time"] >= v["issue_time"] for v in visibility)
+
+
+def test_plan_command_prints_predictions_and_the_choice(tmp_path, capsys):
+    from xstage_dit.cli import main
+
+    path = _calibration("nvlink", 8).save(tmp_path)
+    main(["plan", "--tokens", "65536", "--heads", "24", "--ranks", "8", "--calibration", str(path)])
+    printed = capsys.readouterr().out
+    assert all(f"{name}:" in printed for name in ("reference", "overlap", "fused"))
+    assert "auto runs" in printed and "tile order: rotated" in printed
+    with pytest.raises(SystemExit):
+        main(["plan", "--tokens", "4096", "--heads", "24", "--ranks", "5", "--calibration", str(path)])

@@ -1,5 +1,6 @@
 """`xstage-dit`: command-line tools. `info` prints what this machine offers xstage_dit; `calibrate` measures its
-store path and kernels for the Burst-Gap planner."""
+store path and kernels for the Burst-Gap planner; `plan` prints what the planner predicts for one attention
+layer (what backend="auto" would run, and the fused kernel's tile order)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,8 @@ import torch
 
 from .sp.backends import available_backends
 from .xstage.calibrate import calibrate, describe
-from .xstage.calibration import Calibration, calibration_dir
+from .xstage.calibration import Calibration, calibration_dir, find_calibration
+from .xstage.planner import AttentionShape, Planner
 
 
 def _version(package: str) -> str:
@@ -58,6 +60,16 @@ def info() -> str:
     return "\n".join(lines)
 
 
+def plan(calibration: Calibration, shape: AttentionShape) -> str:
+    planner = Planner.from_calibration(calibration)
+    predicted = planner.predict(shape)
+    order = "rotated" if planner.tile_order(shape) else "rank-major"
+    lines = [f"{shape} with {calibration.filename}:"]
+    lines += [f"  {name:>9}: {seconds * 1e3:.3f} ms predicted" for name, seconds in predicted.items()]
+    lines.append(f"  auto runs {planner.choose(shape)}; the fused kernel's tile order: {order}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="xstage-dit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -66,11 +78,36 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--out", type=Path, default=None, help="directory for the JSON (default: the calibration "
                      "directory the planner reads, $XSTAGE_CALIBRATION_DIR or ~/.cache/xstage_dit)")
     run.add_argument("--quick", action="store_true", help="a small sweep (a smoke test, not a calibration)")
+    layer = commands.add_parser("plan", help="predicted time per backend for one attention layer")
+    layer.add_argument("--tokens", type=int, required=True, help="image/video tokens of the whole sequence")
+    layer.add_argument("--text", type=int, default=0, help="joint text tokens (replicated)")
+    layer.add_argument("--heads", type=int, required=True)
+    layer.add_argument("--head-dim", type=int, default=128)
+    layer.add_argument("--ranks", type=int, required=True, help="Ulysses degree")
+    layer.add_argument("--batch", type=int, default=1)
+    layer.add_argument("--calibration", type=Path, help="a calibration JSON (default: the best match for this "
+                       "machine's GPU and --ranks in the calibration directory)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
     elif args.command == "calibrate":
         calibrate(args.out or calibration_dir(), quick=args.quick)
+    elif args.command == "plan":
+        if args.heads % args.ranks:
+            parser.error(f"{args.heads} heads do not split over {args.ranks} ranks")
+        calibration = Calibration.load(args.calibration) if args.calibration else _this_machine(args.ranks)
+        shape = AttentionShape(args.batch, args.tokens, args.text, args.heads, args.head_dim, args.ranks)
+        print(plan(calibration, shape))
+
+
+def _this_machine(ranks: int) -> Calibration:
+    if not torch.cuda.is_available():
+        raise SystemExit("xstage-dit plan: no GPU here; pass --calibration FILE")
+    found = find_calibration(torch.cuda.get_device_name(), ranks)
+    if found is None:
+        raise SystemExit(f"xstage-dit plan: no calibration for {torch.cuda.get_device_name()} in "
+                         f"{calibration_dir()} (run `xstage-dit calibrate`)")
+    return found
 
 
 if __name__ == "__main__":

@@ -26,8 +26,6 @@ def planner_for(device: torch.device, world_size: int) -> Planner | None:
     shared = world_size > torch.cuda.device_count() or bool(os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"))
     calibration = find_calibration(gpu, world_size, "same-gpu" if shared else None)
     if calibration is None:
-        warn_once(f"xstage_dit: no Burst-Gap calibration for {gpu}; backend='auto' runs {FALLBACK!r} "
-                  "(run `xstage-dit calibrate` once on this machine)")
         return None
     logger.info("xstage_dit: backend='auto' plans with the %s calibration (%d ranks)", calibration.topology,
                 calibration.world_size)
@@ -56,6 +54,9 @@ def choose(query: torch.Tensor, layout: UlyssesLayout | None, fused_ready: bool)
     """The backend for this call (layout None: degree 1). `fused_ready`: the group has a symmetric pool."""
     planner = planner_for(query.device, layout.degree if layout else 1)
     if planner is None:
+        if query.is_cuda:
+            warn_once(f"xstage_dit: no Burst-Gap calibration for {torch.cuda.get_device_name(query.device)}; "
+                      f"backend='auto' runs {FALLBACK!r} (run `xstage-dit calibrate` once on this machine)")
         return FALLBACK
     shape = _shape(query, layout)
     return _decide(planner, shape, _candidates(query, fused_ready or layout is None))
