@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The multi-GPU run (issue 6), one script for one machine with G GPUs; results under $OUT, a timing line per part.
-#   bash .ci/multi_gpu.sh            # on 2, 4 or 8 H200s: the real run (~20 min on 8)
+#   bash .ci/multi_gpu.sh            # on 2, 4 or 8 H200s: the real run (estimated 20-25 min on 8; never run)
 #   DRY_RUN=1 bash .ci/multi_gpu.sh  # on one GPU: 2 processes share it, tiny models, short sweeps, no
 #                                    # calibration (the committed same-GPU one plans); checks the scripts end to
 #                                    # end, its timings mean nothing
