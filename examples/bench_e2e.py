@@ -175,18 +175,35 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
         f"torch {env['torch']} (CUDA {env['cuda']}), diffusers {env['diffusers']}, xstage_dit {env['xstage_dit']}. "
         "Random weights, real configs; medians over interleaved repeats.",
         "",
-        "| config | size (h×w×frames) | tokens | ranks | variant | per step (ms) | ratio | end to end (s) | peak (GiB) | command |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Scaling (several ranks): per-step speedup over stock diffusers on one GPU at the same size (its latest "
+        "run), and that speedup divided by the ranks.",
+        "",
+        "| config | size (h×w×frames) | tokens | ranks | variant | per step (ms) | ratio | end to end (s) | peak (GiB) "
+        "| speedup vs 1-GPU stock | efficiency | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        speedup = scaling(r, rows)
+        scaled = f"{speedup:.2f}x | {speedup / r['world_size']:.0%}" if speedup else "- | -"
         lines.append(
             f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['tokens']} | {r['world_size']} | "
             f"{r['variant']} | {r['step_ms']:.1f} | {r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
-            f"{r['e2e_s']:.2f} | {peak} | `{r['command']}` |"
+            f"{r['e2e_s']:.2f} | {peak} | {scaled} | `{r['command']}` |"
         )
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, prefix.with_suffix(".png"))
+
+
+def scaling(row: dict, rows: list[dict]) -> float | None:
+    """Per-step speedup of a several-rank `row` over the latest one-GPU stock run of the same config and size, if
+    any (one-rank rows have their ratio to stock of the same run)."""
+    if row["world_size"] == 1:
+        return None
+    size = ("config", "height", "width", "num_frames")
+    stock = [r for r in rows if r["variant"] == "stock" and r["world_size"] == 1
+             and all(r[k] == row[k] for k in size)]
+    return stock[-1]["step_ms"] / row["step_ms"] if stock else None
 
 
 def plot(rows: list[dict], path: Path) -> None:
