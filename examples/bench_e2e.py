@@ -41,8 +41,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", nargs="+", default=["reference"], help="xstage_dit backends to time")
     parser.add_argument("--diffusers-cp", action="store_true",
                         help="with several ranks on GPUs, also time diffusers' own "
-                             "ContextParallelConfig(ulysses_degree=N) on its cuDNN attention backend (a second copy "
-                             "of the pipeline)")
+                             "ContextParallelConfig(ulysses_degree=N) on its cuDNN attention backend (a fresh copy "
+                             "of the pipeline, timed after the other variants)")
     parser.add_argument("--decode", action="store_true", help="include the VAE decode in end-to-end time")
     parser.add_argument("--out", default="bench-e2e", help="output path prefix (.json, .md, .png)")
     return parser.parse_args()
@@ -85,9 +85,29 @@ def time_call(pipe, call: dict, device: torch.device) -> tuple[list[float], floa
     return timer.step_seconds, timer.total_seconds
 
 
+def measure(pipe, variants: list[str], call: dict, device: torch.device, repeats: int) -> dict[str, dict]:
+    """Per variant: step times, call totals and peak memory over `repeats` calls after one warm-up call, the
+    variants interleaved; "xstage-<backend>" variants enable xstage_dit around their call."""
+    samples: dict[str, dict[str, list]] = {v: {"steps": [], "totals": [], "peak": []} for v in variants}
+    for repeat in range(repeats + 1):  # repeat 0 warms up every variant
+        for variant in variants:
+            if variant.startswith("xstage-"):
+                xstage_dit.enable(pipe, backend=variant.removeprefix("xstage-"))
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            steps, total = time_call(pipe, call, device)
+            if repeat:
+                samples[variant]["steps"] += steps
+                samples[variant]["totals"].append(total)
+                if device.type == "cuda":
+                    samples[variant]["peak"].append(torch.cuda.max_memory_allocated(device) / 2**30)
+            if variant.startswith("xstage-"):
+                xstage_dit.disable(pipe)
+    return samples
+
+
 def diffusers_context_parallel(name: str, world_size: int, device: torch.device, dtype: torch.dtype):
-    """A second copy of the pipeline under diffusers' own Ulysses context parallelism (it cannot be undone, so it
-    cannot share the pipeline the other variants run), on diffusers' cuDNN attention backend."""
+    """The pipeline under diffusers' own Ulysses context parallelism, on diffusers' cuDNN attention backend."""
     from diffusers import ContextParallelConfig
 
     from xstage_dit.runtime import ensure_process_group
@@ -114,36 +134,22 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> list[d
 
     tokens = CountTokens(pipe.transformer)
     variants = (["stock"] if world_size == 1 else []) + [f"xstage-{b}" for b in args.backend]
-    pipes = {v: pipe for v in variants}
-    if args.diffusers_cp and world_size > 1 and device.type == "cuda":  # diffusers' device mesh needs GPUs
-        variants.append("diffusers-cp")
-        pipes["diffusers-cp"] = diffusers_context_parallel(name, world_size, device, dtype)
-    samples: dict[str, dict[str, list]] = {v: {"steps": [], "totals": [], "peak": []} for v in variants}
-    for repeat in range(args.repeats + 1):  # repeat 0 warms up every variant
-        for variant in list(variants):
-            if variant.startswith("xstage-"):
-                xstage_dit.enable(pipe, backend=variant.removeprefix("xstage-"))
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            try:
-                steps, total = time_call(pipes[variant], call, device)
-            except AssertionError as error:
-                # diffusers' Ulysses asserts (on every rank, before any collective) on lengths N does not divide
-                if variant != "diffusers-cp":
-                    raise
-                if xstage_dit.is_main_process():
-                    print(f"{name}: diffusers-cp cannot run this shape at {world_size} ranks: {error}")
-                variants.remove(variant)
-                continue
-            if repeat:
-                samples[variant]["steps"] += steps
-                samples[variant]["totals"].append(total)
-                if device.type == "cuda":
-                    samples[variant]["peak"].append(torch.cuda.max_memory_allocated(device) / 2**30)
-            if variant.startswith("xstage-"):
-                xstage_dit.disable(pipe)
+    samples = measure(pipe, variants, call, device, args.repeats)
     tokens.remove()
-    del pipe, pipes
+    del pipe
+    if args.diffusers_cp and world_size > 1 and device.type == "cuda":  # diffusers' device mesh needs GPUs
+        # its own copy of the pipeline (context parallelism cannot be undone), built after ours is freed so that
+        # peak memory stays comparable; timed after the others, not interleaved with them
+        torch.cuda.empty_cache()
+        cp_pipe = diffusers_context_parallel(name, world_size, device, dtype)
+        try:
+            samples.update(measure(cp_pipe, ["diffusers-cp"], call, device, args.repeats))
+            variants.append("diffusers-cp")
+        except AssertionError as error:
+            # diffusers' Ulysses asserts (on every rank, before any collective) on lengths N does not divide
+            if xstage_dit.is_main_process():
+                print(f"{name}: diffusers-cp cannot run this shape at {world_size} ranks: {error}")
+        del cp_pipe
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
