@@ -24,6 +24,7 @@ from .probes import BurstProbe, round_volume
 KiB, MiB = 1024, 1024 * 1024
 DESTINATION_BYTES = 512 * MiB  # bursts rotate through it: more than L2 holds
 ISOLATED_REPEATS = 5
+PEER_TIMEOUT_S = 600  # the idle ranks wait at a barrier while rank 0 sweeps: bounded, never a hang
 
 
 def sweep_grid(sms: int, quick: bool) -> dict[str, tuple]:
@@ -139,6 +140,7 @@ def _peer_worker(rank: int, world_size: int, port: int, same_gpu: bool, quick: b
     device = torch.device("cuda", 0 if same_gpu else rank)
     torch.cuda.set_device(device)
     dist.init_process_group("gloo" if same_gpu else "nccl", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S),
                             **({} if same_gpu else {"device_id": device}))
     try:
         buffer = symm_mem.empty(DESTINATION_BYTES, dtype=torch.uint8, device=device)

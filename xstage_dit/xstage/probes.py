@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 
-def extension():
+def extension() -> ModuleType:
     """The compiled probes; a clear error where they were not built."""
     try:
         from .. import _C
