@@ -16,7 +16,6 @@ PLANS = {
         family="CogVideoX",
         call_site=("diffusers.models.attention_processor", routing.SDPA),
         attention_modules=lambda model: [block.attn1 for block in model.transformer_blocks],
-        num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(BATCH, batch_inputs={"hidden_states": 0, "encoder_hidden_states": 0, "timestep": 0,
                                          "ofs": 0}),
         shard_inputs={"": {"image_rotary_emb": 0}, "transformer_blocks.0": {"hidden_states": 1}},

@@ -32,7 +32,6 @@ PLANS = {
         family="Flux",
         call_site=("diffusers.models.transformers.transformer_flux", routing.DISPATCH),
         attention_modules=_attention_modules,
-        num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(
             PAIRS,
             output_shape=cfg_rules.token_output_shape,

@@ -74,7 +74,6 @@ PLANS = {
         family="HiDream",
         call_site=("diffusers.models.transformers.transformer_hidream_image", routing.SDPA),
         attention_modules=_attention_modules,
-        num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(BATCH, batch_inputs={
             "hidden_states": 0, "timesteps": 0, "encoder_hidden_states_t5": 0, "encoder_hidden_states_llama3": 1,
             "pooled_embeds": 0, "img_ids": 0, "img_sizes": 0, "hidden_states_masks": 0}),

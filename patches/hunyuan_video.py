@@ -24,7 +24,6 @@ PLANS = {
         family="HunyuanVideo",
         call_site=("diffusers.models.transformers.transformer_hunyuan_video", routing.DISPATCH),
         attention_modules=lambda model: [b.attn for b in (*model.transformer_blocks, *model.single_transformer_blocks)],
-        num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.video_output_shape,
                     pipeline_uses_cfg=cfg_rules.true_cfg_with_pooled_negatives),
         shard_outputs={"x_embedder": {0: 1}, "rope": {0: 0, 1: 0}},

@@ -24,7 +24,6 @@ PLANS = {
         family="LTX-Video",
         call_site=("diffusers.models.transformers.transformer_ltx", routing.DISPATCH),
         attention_modules=lambda model: [block.attn1 for block in model.transformer_blocks],
-        num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(BATCH, batch_inputs={"hidden_states": 0, "encoder_hidden_states": 0, "timestep": 0,
                                          "encoder_attention_mask": 0}),
         shard_inputs={"": {"hidden_states": 1}},

@@ -30,7 +30,6 @@ PLANS = {
         family="QwenImage",
         call_site=("diffusers.models.transformers.transformer_qwenimage", routing.DISPATCH),
         attention_modules=lambda model: [block.attn for block in model.transformer_blocks],
-        num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.token_output_shape, pipeline_uses_cfg=cfg_rules.true_cfg),
         shard_inputs={"": {"hidden_states": 1}},
         shard_outputs={"pos_embed": {0: 0}},

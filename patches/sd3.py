@@ -35,7 +35,6 @@ PLANS = {
         family="SD3",
         call_site=("diffusers.models.attention_processor", routing.SDPA),
         attention_modules=_attention_modules,
-        num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(BATCH, batch_inputs={"hidden_states": 0, "encoder_hidden_states": 0,
                                          "pooled_projections": 0, "timestep": 0}),
         shard_outputs={"pos_embed": {0: 1}},

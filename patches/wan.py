@@ -25,7 +25,6 @@ PLANS = {
         family="Wan",
         call_site=("diffusers.models.transformers.transformer_wan", routing.DISPATCH),
         attention_modules=lambda model: [block.attn1 for block in model.blocks],
-        num_heads=lambda model: model.config.num_attention_heads,
         cfg=CfgPlan(
             PAIRS,
             output_shape=cfg_rules.video_output_shape,

@@ -25,7 +25,8 @@ class SequenceParallelPlan:
         returning one tensor uses index 0.
     gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence.
     attention_modules: the attention modules whose attention must see the whole sequence.
-    num_heads: attention heads per layer, to check the Ulysses degree.
+    num_heads: attention heads per layer, to check the Ulysses degree (default: the config's
+        `num_attention_heads`, which every diffusers DiT has).
     cfg: how the family's pipelines run classifier-free guidance, for CFG parallelism.
     call_site: (diffusers module, routing.DISPATCH or routing.SDPA): the name the processors call attention by.
     text_first: joint attention puts the replicated text tokens before the image tokens (else after).
@@ -37,8 +38,8 @@ class SequenceParallelPlan:
     family: str
     call_site: tuple[str, str]
     attention_modules: Callable[[nn.Module], list[nn.Module]]
-    num_heads: Callable[[nn.Module], int]
     cfg: CfgPlan
+    num_heads: Callable[[nn.Module], int] = lambda model: model.config.num_attention_heads
     shard_inputs: dict[str, dict[str, int]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_outputs: dict[str, int] = field(default_factory=dict)
