@@ -86,8 +86,8 @@ def test_auto_without_calibration_runs_the_reference_on_cpu():
     from xstage_dit.sp.backends import UlyssesLayout
 
     query = torch.randn(1, 8, 4, 16)
-    assert choose(query, UlyssesLayout(0, 16, 8, 2, 0), fused_ready=False) == "reference"
-    assert choose(query, None, fused_ready=False) == "reference"
+    assert choose(query, UlyssesLayout(0, 16, 8, 2, 0), pool_ready=False) == "reference"
+    assert choose(query, None, pool_ready=False) == "reference"
 
 
 def test_calibrate_command_needs_a_gpu(tmp_path):

@@ -20,7 +20,7 @@ try:
 except ImportError:  # without Triton the other backends still work
     pass
 from .sp.attention import UlyssesAttention
-from .sp.backends import available_backends, resolve_backend
+from .sp.backends import needs_symmetric_memory, resolve_backend
 from .sp.plan import AppliedPlan
 from .sp.sharding import SequenceShard
 
@@ -87,11 +87,6 @@ def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.dev
         target.to(device)
 
 
-def _needs_symmetric_memory(backend: str, device: torch.device) -> bool:
-    """fused always; auto where the planner may pick fused (a CUDA device with Triton)."""
-    return backend == "fused" or (backend == "auto" and device.type == "cuda" and "fused" in available_backends())
-
-
 def enable(
     pipe: Any,
     *,
@@ -114,7 +109,7 @@ def enable(
     ensure_process_group(config.timeout_s)
     groups = build_groups(config.cfg_degree, config.ulysses_degree)
     _move_to_rank_device(pipe, models, groups.device)
-    if _needs_symmetric_memory(config.backend, groups.device) and groups.ulysses_group is not None:
+    if needs_symmetric_memory(config.backend, groups.device) and groups.ulysses_group is not None:
         # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
         from .runtime.symmetric import SymmetricPool
 

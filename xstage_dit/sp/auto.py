@@ -12,8 +12,8 @@ import torch
 
 from ..logging_utils import logger, warn_once
 from ..xstage.calibration import find_calibration
-from ..xstage.planner import AttentionShape, Planner
-from .backends import LocalAttention, UlyssesLayout, get_backend
+from ..xstage.planner import BACKENDS, AttentionShape, Planner
+from .backends import LocalAttention, UlyssesLayout, get_backend, runnable
 
 FALLBACK = "reference"
 
@@ -32,14 +32,9 @@ def planner_for(device: torch.device, world_size: int) -> Planner | None:
     return Planner.from_calibration(calibration)
 
 
-def _candidates(query: torch.Tensor, fused_ready: bool) -> tuple[str, ...]:
-    names = ("reference", "overlap")
-    if fused_ready and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        from ..kernels.attention import SUPPORTED_HEAD_DIMS
-
-        if query.shape[-1] in SUPPORTED_HEAD_DIMS:
-            names += ("fused",)
-    return names
+def _candidates(query: torch.Tensor, pool_ready: bool) -> tuple[str, ...]:
+    """The backends the planner predicts that can run these inputs here."""
+    return tuple(name for name in BACKENDS if runnable(name, query, pool_ready))
 
 
 def _shape(query: torch.Tensor, layout: UlyssesLayout | None) -> AttentionShape:
@@ -50,8 +45,8 @@ def _shape(query: torch.Tensor, layout: UlyssesLayout | None) -> AttentionShape:
                           query.element_size())
 
 
-def choose(query: torch.Tensor, layout: UlyssesLayout | None, fused_ready: bool) -> str:
-    """The backend for this call (layout None: degree 1). `fused_ready`: the group has a symmetric pool."""
+def choose(query: torch.Tensor, layout: UlyssesLayout | None, pool_ready: bool) -> str:
+    """The backend for this call (layout None: degree 1). `pool_ready`: the group has a symmetric pool."""
     planner = planner_for(query.device, layout.degree if layout else 1)
     if planner is None:
         if query.is_cuda:
@@ -59,7 +54,8 @@ def choose(query: torch.Tensor, layout: UlyssesLayout | None, fused_ready: bool)
                       f"backend='auto' runs {FALLBACK!r} (run `xstage-dit calibrate` once on this machine)")
         return FALLBACK
     shape = _shape(query, layout)
-    return _decide(planner, shape, _candidates(query, fused_ready or layout is None))
+    # degree 1 runs the backends' local kernels: no pool needed
+    return _decide(planner, shape, _candidates(query, pool_ready or layout is None))
 
 
 @lru_cache(maxsize=256)
@@ -73,7 +69,7 @@ def _decide(planner: Planner, shape: AttentionShape, candidates: tuple[str, ...]
 
 def choose_local(query: torch.Tensor) -> LocalAttention:
     """Degree 1: the attention kernel of the backend the planner picks."""
-    return get_backend(choose(query, None, fused_ready=False)).local
+    return get_backend(choose(query, None, pool_ready=False)).local
 
 
 def rotated_tile_order(query: torch.Tensor, layout: UlyssesLayout) -> bool:

@@ -82,18 +82,39 @@ class Backend:
     ulysses: UlyssesBackend
     local: LocalAttention  # what the backend runs at degree 1
     needs_cuda: bool
+    # runs on the group's symmetric-memory pool (`enable` creates it); its output is a pooled buffer, which the
+    # custom op copies out
+    symmetric: bool = False
+    # whether its kernels take these inputs (dtype, head_dim); where not, the backend itself falls back
+    accepts: Callable[[torch.Tensor], bool] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
 
 
-def register_backend(name: str, local: LocalAttention, needs_cuda: bool = False
+def register_backend(name: str, local: LocalAttention, needs_cuda: bool = False, symmetric: bool = False,
+                     accepts: Callable[[torch.Tensor], bool] | None = None
                      ) -> Callable[[UlyssesBackend], UlyssesBackend]:
     def decorator(fn: UlyssesBackend) -> UlyssesBackend:
-        _BACKENDS[name] = Backend(fn, local, needs_cuda)
+        _BACKENDS[name] = Backend(fn, local, needs_cuda, symmetric, accepts)
         return fn
 
     return decorator
+
+
+def needs_symmetric_memory(name: str, device: torch.device) -> bool:
+    """Whether `enable` must set up the group's symmetric pool for backend `name` on `device` ("auto": if any
+    backend it may pick there needs one)."""
+    names = list(_BACKENDS) if name == "auto" else [name]
+    return any(_BACKENDS[n].symmetric and (device.type == "cuda" or not _BACKENDS[n].needs_cuda) for n in names)
+
+
+def runnable(name: str, query: torch.Tensor, pool_ready: bool) -> bool:
+    """Whether backend `name` runs these inputs as itself (not through a fallback); `pool_ready`: the group
+    has a symmetric pool."""
+    backend = _BACKENDS.get(name)
+    return (backend is not None and (query.is_cuda or not backend.needs_cuda)
+            and (pool_ready or not backend.symmetric) and (backend.accepts is None or backend.accepts(query)))
 
 
 def available_backends() -> list[str]:

@@ -28,8 +28,13 @@ from .local_attention import sdpa_bshd
 from .reference import reference_ulysses
 
 
+def kernels_accept(query: torch.Tensor) -> bool:
+    """Our kernels' head dims and dtypes."""
+    return query.shape[-1] in SUPPORTED_HEAD_DIMS and query.dtype in (torch.bfloat16, torch.float16)
+
+
 def _supported(query: torch.Tensor) -> bool:
-    if query.shape[-1] in SUPPORTED_HEAD_DIMS and query.dtype in (torch.bfloat16, torch.float16):
+    if kernels_accept(query):
         return True
     warn_once(f"xstage_dit fused backend: head_dim {query.shape[-1]} / {query.dtype} is not supported by its "
               "kernels (head_dim 64 or 128, bf16 or fp16); falling back to the reference backend")
@@ -55,7 +60,7 @@ def _key_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return flat if flat.dtype == torch.bool else flat > torch.finfo(flat.dtype).min / 2
 
 
-@register_backend("fused", local=flash_attention_bshd, needs_cuda=True)
+@register_backend("fused", local=flash_attention_bshd, needs_cuda=True, symmetric=True, accepts=kernels_accept)
 def fused_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,

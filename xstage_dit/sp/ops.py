@@ -29,11 +29,11 @@ def ulysses_attention(
 ) -> torch.Tensor:
     layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first)
     if backend == "auto":
-        backend = choose(query, layout, fused_ready=SymmetricPool.exists(group_name))
-    out = get_backend(backend).ulysses(query, key, value, layout, _resolve_process_group(group_name), scale,
-                                       text_mask)
-    # a custom op owns its output: the fused backend's is a reused symmetric buffer
-    return out.clone() if backend == "fused" else out
+        backend = choose(query, layout, pool_ready=SymmetricPool.exists(group_name))
+    chosen = get_backend(backend)
+    out = chosen.ulysses(query, key, value, layout, _resolve_process_group(group_name), scale, text_mask)
+    # a custom op owns its output: a symmetric backend's is a reused pooled buffer
+    return out.clone() if chosen.symmetric else out
 
 
 @ulysses_attention.register_fake
