@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
 from .sp.backends import available_backends
-from .xstage.calibrate import calibrate, describe
+from .xstage.calibrate import calibrate, describe, topology_matrix
 from .xstage.calibration import Calibration, calibration_dir, find_calibration
 from .xstage.planner import AttentionShape, Planner
 
@@ -33,14 +31,6 @@ def _nvshmem() -> str:
         return f"not available ({error})"
 
 
-def _topology() -> str:
-    """The GPU interconnect matrix, as nvidia-smi prints it."""
-    if not shutil.which("nvidia-smi"):
-        return "nvidia-smi not found"
-    result = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
-    return result.stdout.strip() or result.stderr.strip()
-
-
 def info() -> str:
     lines = [
         f"xstage_dit {_version('xstage_dit')}: torch {torch.__version__} (CUDA {torch.version.cuda}), "
@@ -50,7 +40,7 @@ def info() -> str:
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         lines += [f"GPUs: {len(names)} x {', '.join(sorted(set(names)))}", f"NVSHMEM: {_nvshmem()}",
-                  "links:", _topology()]
+                  "links:", topology_matrix()]
     else:
         lines.append("GPUs: none (the reference and overlap backends run on CPU with gloo)")
     directory = calibration_dir()

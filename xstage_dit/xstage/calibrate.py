@@ -9,14 +9,17 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from ..runtime.distributed import SAFE_ENV
 from .calibration import Calibration, KernelCosts
 from .model import BurstGapModel
 from .probes import BurstProbe, round_volume
@@ -133,8 +136,7 @@ def _peer_worker(rank: int, world_size: int, port: int, same_gpu: bool, quick: b
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **SAFE_ENV)
     if same_gpu:
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     device = torch.device("cuda", 0 if same_gpu else rank)
@@ -174,12 +176,17 @@ def _alltoall_rate(device: torch.device) -> float:
     return 64 * MiB * 10 / (start.elapsed_time(end) * 1e-3)
 
 
+def topology_matrix() -> str:
+    """The GPU interconnect matrix, as `nvidia-smi topo -m` prints it."""
+    if not shutil.which("nvidia-smi"):
+        return "nvidia-smi not found"
+    result = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+    return result.stdout.strip() or result.stderr.strip()
+
+
 def topology() -> str:
     """The store path between GPU 0 and GPU 1 (NVLink when nvidia-smi's matrix says NV#)."""
-    import subprocess
-
-    matrix = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
-    gpu0 = next((line.split() for line in matrix.splitlines() if line.startswith("GPU0")), [])
+    gpu0 = next((line.split() for line in topology_matrix().splitlines() if line.startswith("GPU0")), [])
     return "nvlink" if len(gpu0) > 2 and gpu0[2].startswith("NV") else "pcie"
 
 
