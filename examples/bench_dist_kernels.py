@@ -26,7 +26,7 @@ from xstage_dit.runtime import ensure_process_group
 from xstage_dit.runtime.distributed import local_device, ranks_share_gpus
 from xstage_dit.runtime.symmetric import SymmetricPool
 from xstage_dit.sp.backends import UlyssesLayout
-from xstage_dit.sp.exchange import finish_gather, start_gather
+from xstage_dit.sp.exchange import all_to_all, finish_gather, start_gather
 from xstage_dit.xstage import AttentionShape, Planner, find_calibration
 
 # (name, text tokens, image tokens, heads): the paper's lengths, then Flux 1024² and Wan 14B 720p
@@ -70,7 +70,7 @@ def bench_shape(name: str, text: int, seq: int, heads: int, group: dist.ProcessG
         flash_attention(q, k, v, kv_len=kv_len)
 
     def serial():
-        finish_gather(start_gather(flash_attention(q, k, v, kv_len=kv_len), layout, group), layout)
+        finish_gather(start_gather(flash_attention(q, k, v, kv_len=kv_len), layout, all_to_all(group)), layout)
 
     def fused():
         flash_attention(q, k, v, kv_len=kv_len, out=out.tensor, scatter=scatter)

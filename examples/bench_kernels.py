@@ -8,9 +8,9 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
   local memory): the fused post-all-to-all kernel (scatter epilogue) vs the same kernel storing locally; the
   fused pre-all-to-all store kernels vs a device-to-device copy of the same bytes; and the whole call for
-  serial (the reference backend's copies and all-to-alls, the all-to-alls as copies of the send buffer, around
-  cuDNN attention), overlap (the same in head chunks, the all-to-alls on a second stream) and fused (store
-  kernels, fused attention, copy out), each vs cuDNN attention alone.
+  serial (the reference backend's own exchange code around its SDPA, each all-to-all a copy of the send buffer),
+  overlap (the overlap backend's own chunked schedule, the all-to-alls as copies on a second stream) and fused
+  (store kernels, fused attention, copy out), each vs cuDNN attention alone.
 Loopback shows what the kernels and their stores cost on this GPU, not NVLink drain, and nothing about scaling.
 Medians of triton.testing.do_bench. Writes OUT.json (a list of records) and OUT.md."""
 from __future__ import annotations
@@ -31,6 +31,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from xstage_dit.kernels.all_to_all import scatter_heads
 from xstage_dit.kernels.attention import TileConfig, flash_attention
 from xstage_dit.kernels.loopback import LoopbackUlysses
+from xstage_dit.sp.backends import UlyssesLayout
+from xstage_dit.sp.exchange import InFlight
+from xstage_dit.sp.overlap import chunked_exchange
+from xstage_dit.sp.reference import serial_exchange
 from xstage_dit.xstage import AttentionShape, Calibration, Planner, find_calibration
 
 ATTENTION_SHAPES = [  # (B, H, S, D)
@@ -112,22 +116,54 @@ def bench_attention(config: TileConfig, planner: Planner | None) -> list[dict]:
     return records
 
 
+class StreamCopy:
+    """A loopback transport with the all-to-all in flight: a copy of the send buffer on a second stream (every
+    simulated peer "sends" rank 0's data back, which times the same bytes)."""
+
+    def __init__(self) -> None:
+        self.stream = torch.cuda.Stream()
+
+    def __call__(self, send: torch.Tensor) -> InFlight:
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            recv = send.clone()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        send.record_stream(self.stream)
+        recv.record_stream(main)
+        return InFlight(recv, EventWait(done))
+
+
+class EventWait:
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+def copy_now(send: torch.Tensor) -> InFlight:
+    """The loopback transport of the serial path: the all-to-all as a copy, in stream order."""
+    return InFlight(send.clone(), None)
+
+
 class LoopbackRank:
-    """Rank 0 of N-rank Ulysses attention on one GPU: its joint inputs, the fused path's buffers, and the
-    reference path's send/receive buffers (the all-to-all of a send buffer emulated by a copy of it)."""
+    """Rank 0 of N-rank Ulysses attention on one GPU: its joint inputs and the fused path's buffers. The serial
+    and overlap calls run the reference and overlap backends' own exchange code over a loopback transport."""
 
     def __init__(self, n_ranks: int, seq: int, heads: int, head_dim: int) -> None:
         self.n, self.local, self.share = n_ranks, seq // n_ranks, heads // n_ranks
-        make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-        self.qkv = [make(1, self.local, heads, head_dim) for _ in range(3)]
+        self.layout = UlyssesLayout(0, seq, self.local, n_ranks, 0)
+        self.qkv = [torch.randn(1, self.local, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(3)]
         self.fused = LoopbackUlysses(n_ranks, 1, 0, self.local, heads, head_dim, torch.bfloat16, "cuda")
         for buffers in self.fused.qkv:
             for t in buffers:
                 t.normal_()
         self.gathered = self.fused.qkv[0]  # (1, seq, H/N, D): this rank's heads of the whole sequence
-        self.side = torch.cuda.Stream()  # the overlap path's all-to-alls
+        self.in_flight = StreamCopy()
 
-    # -- fused ------------------------------------------------------------------------------------------------
     def fused_pre(self) -> None:
         for i, t in enumerate(self.qkv):
             scatter_heads(t, self.fused.qkv_offsets[0][i], self.fused.qkv[0][i], row0=0)
@@ -140,68 +176,14 @@ class LoopbackRank:
         self.fused_kernel(self.local, seq)  # rotated: rank 0 starts at rank 1's rows
         return self.fused.out[0].clone()
 
-    # -- reference path, chunk by chunk ---------------------------------------------------------------------
-    def pack(self, heads: slice) -> torch.Tensor:
-        """q, k, v of this rank's tokens, head chunk `heads` of every rank's share: the pre send buffer."""
-        parts = [t.unflatten(2, (self.n, -1))[:, :, :, heads] for t in self.qkv]
-        send = parts[0].new_empty(self.n, 3, *parts[0].shape[:2], parts[0].shape[3], parts[0].shape[4])
-        for i, part in enumerate(parts):
-            send[:, i].copy_(part.permute(2, 0, 1, 3, 4))
-        return send
-
-    @staticmethod
-    def unpack(recv: torch.Tensor) -> list[torch.Tensor]:
-        return [x.contiguous() for x in recv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3).unbind(0)]
-
-    def pack_out(self, out: torch.Tensor) -> torch.Tensor:
-        return out.unflatten(1, (self.n, self.local)).transpose(0, 1).contiguous()
-
-    @staticmethod
-    def unpack_out(recv: torch.Tensor) -> torch.Tensor:
-        """(B, L, N, h, D): this rank's rows of every rank's head chunk."""
-        return recv.permute(1, 2, 0, 3, 4).contiguous()
-
     def serial_call(self) -> torch.Tensor:
-        every = slice(0, self.share)
-        send = self.pack(every)
-        recv = send.clone()  # the all-to-all
-        out = cudnn(*self.unpack(recv))
-        send_out = self.pack_out(out)
-        return self.unpack_out(send_out.clone()).flatten(2, 3)
+        return serial_exchange(*self.qkv, self.layout, copy_now, None, None)
 
-    def overlap_call(self, chunks: list[slice]) -> torch.Tensor:
-        """Head chunks; chunk i+1's all-to-all (a copy on the second stream) runs while chunk i attends."""
-        main, side = torch.cuda.current_stream(), self.side
-
-        def transfer(send: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                recv = send.clone()
-                done = torch.cuda.Event()
-                done.record(side)
-            send.record_stream(side)
-            recv.record_stream(main)
-            return recv, done
-
-        incoming = transfer(self.pack(chunks[0]))
-        outgoing = []
-        for i in range(len(chunks)):
-            current = incoming
-            if i + 1 < len(chunks):
-                incoming = transfer(self.pack(chunks[i + 1]))
-            main.wait_event(current[1])
-            out = cudnn(*self.unpack(current[0]))
-            outgoing.append(transfer(self.pack_out(out)))
-        parts = []
-        for recv, done in outgoing:
-            main.wait_event(done)
-            parts.append(self.unpack_out(recv))
-        return torch.cat(parts, dim=3).flatten(2, 3)
+    def overlap_call(self) -> torch.Tensor:
+        return chunked_exchange(*self.qkv, self.layout, self.in_flight, None, None)
 
 
 def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[dict]:
-    from xstage_dit.sp.overlap import head_chunks
-
     records = []
     for seq in LOOPBACK_SEQ:
         rank = LoopbackRank(n_ranks, seq, heads, 128)
@@ -223,8 +205,7 @@ def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[di
         records.append(record("pre_a2a_loopback", [1, rank.local, heads, 128], pre, "d2d_copy_same_bytes", copy,
                               planner.pre_all_to_all(shape) * 1e3 if planner else None, n_ranks=n_ranks))
         predicted = planner.predict(shape) if planner else {}
-        calls = {"serial": rank.serial_call, "overlap": lambda: rank.overlap_call(head_chunks(rank.share)),
-                 "fused": lambda: rank.fused_call(seq)}
+        calls = {"serial": rank.serial_call, "overlap": rank.overlap_call, "fused": lambda: rank.fused_call(seq)}
         fused_loopback = (planner.pre_all_to_all(shape) + planner.fused_kernel(shape, True)
                           + planner.copy(shape.tensor_bytes())) if planner else None
         expected = {"serial": predicted.get("reference"), "overlap": predicted.get("overlap"),
@@ -234,7 +215,7 @@ def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[di
             guess = expected[name] * 1e3 if expected[name] is not None else None
             records.append(record(f"{name}_call_loopback", dims, ms, "cudnn_attention_alone", vendor, guess,
                                   n_ranks=n_ranks))
-        check = (rank.serial_call() - rank.overlap_call(head_chunks(rank.share))).abs().max().item()
+        check = (rank.serial_call() - rank.overlap_call()).abs().max().item()
         assert check < 1e-2, f"loopback overlap differs from serial by {check}"
     return records
 

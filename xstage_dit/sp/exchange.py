@@ -1,11 +1,14 @@
 """The two Ulysses all-to-alls, for all heads or a chunk of them, synchronous or in flight.
 
 Heads are chunked inside each rank's share: chunk `heads` (a slice of 0..H/N) of the exchange moves, for every
-rank j, heads j*H/N + heads. Both exchanges run as one `all_to_all_single` each (q, k, v together; output with
-the text rows riding along), on whatever group backend (NCCL, gloo)."""
+rank j, heads j*H/N + heads. Each exchange packs one send buffer (q, k, v together; output with the text rows
+riding along) whose chunk j goes to rank j, hands it to a transport, and unpacks what comes back. The transport
+of the backends is `all_to_all_single` on the group (NCCL, gloo); the kernel benchmark's loopback gives its own
+(a copy), so it runs exactly the backends' packing and schedule."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -13,12 +16,16 @@ import torch.distributed as dist
 from .backends import UlyssesLayout
 
 
+class Waitable(Protocol):
+    def wait(self) -> object: ...
+
+
 @dataclass
 class InFlight:
-    """An all-to-all that was started: its receive buffer and, if asynchronous, its work handle."""
+    """An exchange that was started: its receive buffer and, if asynchronous, what to wait on."""
 
     recv: torch.Tensor
-    work: dist.Work | None
+    work: Waitable | None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -26,8 +33,22 @@ class InFlight:
         return self.recv
 
 
-def start_scatter(tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout, group: dist.ProcessGroup,
-                  heads: slice, async_op: bool = False) -> InFlight:
+# starts moving a send buffer (N, ...): chunk j to rank j; the receive buffer holds chunk j from rank j
+Transport = Callable[[torch.Tensor], InFlight]
+
+
+def all_to_all(group: dist.ProcessGroup, async_op: bool = False) -> Transport:
+    def start(send: torch.Tensor) -> InFlight:
+        recv = torch.empty_like(send)
+        with torch.no_grad():  # inference only: collectives are not differentiable
+            work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+        return InFlight(recv, work)
+
+    return start
+
+
+def start_scatter(tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout, transport: Transport,
+                  heads: slice) -> InFlight:
     """Send chunk `heads` of every rank's head share of the image tokens of (B, T + L, H, D) tensors."""
     n_ranks = layout.degree
     parts = [layout.split(t)[1].unflatten(2, (n_ranks, -1))[:, :, :, heads] for t in tensors]  # (B, L, N, h, D)
@@ -35,10 +56,7 @@ def start_scatter(tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout, grou
     send = parts[0].new_empty(n_ranks, len(parts), batch, local_len, chunk, head_dim)
     for i, part in enumerate(parts):
         send[:, i].copy_(part.permute(2, 0, 1, 3, 4))  # chunk j of the heads goes to rank j
-    recv = torch.empty_like(send)
-    with torch.no_grad():  # inference only: collectives are not differentiable
-        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
-    return InFlight(recv, work)
+    return transport(send)
 
 
 def finish_scatter(flight: InFlight, tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout,
@@ -54,8 +72,7 @@ def finish_scatter(flight: InFlight, tensors: tuple[torch.Tensor, ...], layout: 
     return [torch.cat([layout.split(t)[0][:, :, text_heads], x], dim=1) for t, x in zip(tensors, image)]
 
 
-def start_gather(out: torch.Tensor, layout: UlyssesLayout, group: dist.ProcessGroup,
-                 async_op: bool = False) -> InFlight:
+def start_gather(out: torch.Tensor, layout: UlyssesLayout, transport: Transport) -> InFlight:
     """Send each rank its image rows of this rank's heads, and every rank this rank's text rows."""
     n_ranks, text_len = layout.degree, layout.text_len
     image = out[:, text_len:].unflatten(1, (n_ranks, layout.local_len)).transpose(0, 1)  # (N, B, L, h, D)
@@ -64,10 +81,7 @@ def start_gather(out: torch.Tensor, layout: UlyssesLayout, group: dist.ProcessGr
         send = torch.cat([text, image], dim=2)
     else:
         send = image.contiguous()
-    recv = torch.empty_like(send)
-    with torch.no_grad():
-        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
-    return InFlight(recv, work)
+    return transport(send)
 
 
 def finish_gather(flight: InFlight, layout: UlyssesLayout) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import UlyssesLayout, register_backend
-from .exchange import finish_gather, finish_scatter, start_gather, start_scatter
+from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .local_attention import sdpa_bshd
 from .reference import attend_gathered
 
@@ -33,18 +33,24 @@ def overlap_ulysses(
     scale: float | None,
     text_mask: torch.Tensor | None,
 ) -> torch.Tensor:
+    return chunked_exchange(query, key, value, layout, all_to_all(group, async_op=True), scale, text_mask)
+
+
+def chunked_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                     transport: Transport, scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
+    """Head chunks over an asynchronous `transport`: chunk i+1's exchange and chunk i-1's way back are in flight
+    while chunk i attends."""
     qkv = (query, key, value)
     n_ranks = layout.degree
     chunks = head_chunks(query.shape[2] // n_ranks)
-    incoming = start_scatter(qkv, layout, group, chunks[0], async_op=True)
+    incoming = start_scatter(qkv, layout, transport, chunks[0])
     outgoing = []
     for i, heads in enumerate(chunks):
         current = incoming
         if i + 1 < len(chunks):
-            incoming = start_scatter(qkv, layout, group, chunks[i + 1], async_op=True)
+            incoming = start_scatter(qkv, layout, transport, chunks[i + 1])
         q, k, v = finish_scatter(current, qkv, layout, heads)
-        outgoing.append(start_gather(attend_gathered(q, k, v, layout, scale, text_mask), layout, group,
-                                     async_op=True))
+        outgoing.append(start_gather(attend_gathered(q, k, v, layout, scale, text_mask), layout, transport))
     out = torch.empty_like(query)
     by_rank = out.unflatten(2, (n_ranks, -1))  # (B, T + L, N, H/N, D)
     for heads, flight in zip(chunks, outgoing):

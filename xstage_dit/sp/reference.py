@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import UlyssesLayout, key_mask, register_backend
-from .exchange import finish_gather, finish_scatter, start_gather, start_scatter
+from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .local_attention import sdpa_bshd
 
 
@@ -30,8 +30,14 @@ def reference_ulysses(
     scale: float | None,
     text_mask: torch.Tensor | None,
 ) -> torch.Tensor:
+    return serial_exchange(query, key, value, layout, all_to_all(group), scale, text_mask)
+
+
+def serial_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                    transport: Transport, scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
+    """Exchange, attend, exchange back, one after the other, over `transport`."""
     qkv = (query, key, value)
     every_head = slice(0, query.shape[2] // layout.degree)
-    q, k, v = finish_scatter(start_scatter(qkv, layout, group, every_head), qkv, layout, every_head)
+    q, k, v = finish_scatter(start_scatter(qkv, layout, transport, every_head), qkv, layout, every_head)
     out = attend_gathered(q, k, v, layout, scale, text_mask)
-    return finish_gather(start_gather(out, layout, group), layout)
+    return finish_gather(start_gather(out, layout, transport), layout)
