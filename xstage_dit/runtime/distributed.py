@@ -68,8 +68,10 @@ def ensure_process_group(timeout_s: float) -> None:
 
 
 def ranks_share_gpus() -> bool:
-    """More ranks on this node (torchrun's LOCAL_WORLD_SIZE) than GPUs."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
+    """This job's ranks share GPUs: the job says so (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES, as tests and the
+    calibration set it), or there are more ranks on this node (torchrun's LOCAL_WORLD_SIZE) than GPUs."""
+    return (bool(os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"))
+            or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count())
 
 
 _group_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}

@@ -14,17 +14,18 @@ import torch.distributed as dist
 
 from ..logging_utils import logger, warn_once
 from ..kernels.tables import offset_table
+from .distributed import ranks_share_gpus
 
 _POOLS: dict[str, "SymmetricPool"] = {}
 
 
-def _choose_backend(world_size: int) -> str:
+def _choose_backend() -> str:
     import torch.distributed._symmetric_memory as symm_mem
 
     forced = os.environ.get("XSTAGE_SYMM_MEM_BACKEND")
     if forced:
         return forced
-    shared_gpu = world_size > torch.cuda.device_count() or os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES")
+    shared_gpu = ranks_share_gpus()
     if not shared_gpu and symm_mem.is_nvshmem_available():
         return "NVSHMEM"
     if not shared_gpu:
@@ -55,7 +56,7 @@ class SymmetricPool:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = timeout_s
-        backend = _choose_backend(self.world_size)
+        backend = _choose_backend()
         if backend == "NVSHMEM":  # CUDA is torch's default allocation backend (and not selectable by name)
             symm_mem.set_backend(backend)
         logger.info("xstage_dit: symmetric memory backend %s for a group of %d ranks", backend, self.world_size)

@@ -5,12 +5,12 @@ backend and says so once. Every rank reads the same calibration and sees the sam
 group makes the same choice (they must: the backends' collectives differ)."""
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 
 from ..logging_utils import logger, warn_once
+from ..runtime.distributed import ranks_share_gpus
 from ..xstage.calibration import find_calibration
 from ..xstage.planner import BACKENDS, AttentionShape, Planner
 from .backends import LocalAttention, UlyssesLayout, get_backend, runnable
@@ -23,8 +23,7 @@ def planner_for(device: torch.device, world_size: int) -> Planner | None:
     if device.type != "cuda":
         return None
     gpu = torch.cuda.get_device_name(device)
-    shared = world_size > torch.cuda.device_count() or bool(os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"))
-    calibration = find_calibration(gpu, world_size, "same-gpu" if shared else None)
+    calibration = find_calibration(gpu, world_size, "same-gpu" if ranks_share_gpus() else None)
     if calibration is None:
         return None
     logger.info("xstage_dit: backend='auto' plans with the %s calibration (%d ranks)", calibration.topology,
