@@ -3,18 +3,13 @@ variables, the way torchrun starts them; fail the calling test with the workers'
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from xstage_dit.runtime.distributed import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
@@ -43,7 +38,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
 def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 300.0) -> None:
     """Call fn(*args) on `world_size` spawned processes; re-raise the first worker failure."""
     context = mp.start_processes(
-        _worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=False, start_method="spawn"
+        _worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False, start_method="spawn"
     )
     end = time.monotonic() + deadline_s
     while not context.join(timeout=1.0):

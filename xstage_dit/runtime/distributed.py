@@ -3,6 +3,7 @@ and derive the Ulysses group for the requested degrees."""
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -65,6 +66,13 @@ def ensure_process_group(timeout_s: float) -> None:
                        torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     logger.info("started process group: %s, world size %d", backend, dist.get_world_size())
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for the rendezvous of processes this library or its tests spawn."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ranks_share_gpus() -> bool:

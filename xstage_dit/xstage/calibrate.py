@@ -10,7 +10,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.distributed import SAFE_ENV
+from ..runtime.distributed import SAFE_ENV, free_port
 from .calibration import Calibration, KernelCosts
 from .model import BurstGapModel
 from .probes import BurstProbe, round_volume
@@ -125,12 +124,6 @@ def calibrate_loopback(quick: bool) -> Calibration:
                        samples, visibility, _meta())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _peer_worker(rank: int, world_size: int, port: int, same_gpu: bool, quick: bool, result: str) -> None:
     """Rank 0 probes the store path into rank 1's symmetric buffer; the others hold theirs and wait."""
     import torch.distributed as dist
@@ -199,7 +192,7 @@ def calibrate_peers(quick: bool) -> Calibration:
     world_size = 2 if same_gpu else gpus
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        mp.start_processes(_peer_worker, args=(world_size, _free_port(), same_gpu, quick, result),
+        mp.start_processes(_peer_worker, args=(world_size, free_port(), same_gpu, quick, result),
                            nprocs=world_size, start_method="spawn")
         measured = json.loads(Path(result).read_text())
     model, error = fit(measured["samples"])
