@@ -5,6 +5,7 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 REPO=$PWD; OUT=${OUT:-$REPO/out}; mkdir -p "$OUT"
 export XSTAGE_CALIBRATION_DIR=${XSTAGE_CALIBRATION_DIR:-$OUT/calibration}
+rm -rf /tmp/site  # a warm machine keeps the last call's install: pip --target would not replace it
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || exit 1
 if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1; then
   # a broken csrc/ build must not cost the rest of the run: report it, install without the probes

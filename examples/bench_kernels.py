@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xstage_dit.kernels.all_to_all import scatter_heads
 from xstage_dit.kernels.attention import TileConfig, flash_attention
+from xstage_dit.kernels.attention_hopper import HopperConfig
 from xstage_dit.kernels.loopback import LoopbackUlysses
 from xstage_dit.sp.backends import UlyssesLayout
 from xstage_dit.sp.exchange import InFlight
@@ -74,13 +75,14 @@ def record(kernel: str, shape, ms: float, baseline: str, baseline_ms: float | No
 TUNING_SHAPES = [(1, 24, 4608, 128), (1, 24, 16896, 128)]  # (B, H, S, D): the short lengths, where we trail most
 
 
-def tune_attention() -> tuple[TileConfig, list[dict]]:
-    """Time every candidate tile config at each tuning shape; the best at the longest one is used below.
-    64-row tiles with one warpgroup double the grid (less wave quantization, two CTAs per SM) at short lengths."""
-    candidates = [TileConfig(128, 128, 8, 3)] + [
-        TileConfig(128, block_n, 8, stages, tma=True) for block_n in (64, 128) for stages in (2, 3, 4)] + [
-        TileConfig(64, block_n, 4, stages, tma=True) for block_n in (64, 128) for stages in (2, 3)] + [
-        TileConfig(128, 128, 8, 3, tma=True, warp_specialize=True)]
+def tune_attention() -> tuple[TileConfig | HopperConfig, list[dict]]:
+    """Time every candidate config at each tuning shape; the best at the longest one is used below. Candidates:
+    the Hopper (Gluon) kernel's key tile and ring depth, and the Triton kernel's configurations (64-row tiles
+    with one warpgroup double the grid: less wave quantization at short lengths)."""
+    candidates = [HopperConfig(), HopperConfig(pingpong=False), HopperConfig(stages=2)] + [
+        HopperConfig(block_n=64, stages=stages, pingpong=False) for stages in (3, 4)] + [
+        TileConfig(128, block_n, 8, 3, tma=True) for block_n in (64, 128)] + [
+        TileConfig(64, 64, 4, 3, tma=True), TileConfig(128, 128, 8, 3, tma=True, warp_specialize=True)]
     results = []
     for b, h, s, d in TUNING_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -90,14 +92,17 @@ def tune_attention() -> tuple[TileConfig, list[dict]]:
             except Exception as error:  # out of shared memory, unsupported on this chip: skip the config
                 print(f"config {cfg} failed: {type(error).__name__}: {str(error)[:200]}")
                 continue
-            results.append({"kernel": "xstage_attention_tuning", "shape": [b, s, h, d], "config": vars(cfg),
-                            "ms": ms, "baseline": "none", "baseline_ms": None})
+            print(f"tuning {(b, s, h, d)} {cfg}: {ms:.3f} ms")
+            results.append({"kernel": "xstage_attention_tuning", "shape": [b, s, h, d],
+                            "config": {"kernel": type(cfg).__name__, **vars(cfg)}, "ms": ms, "baseline": "none",
+                            "baseline_ms": None})
     longest = [r for r in results if r["shape"][1] == TUNING_SHAPES[-1][2]]
-    best = min(longest, key=lambda r: r["ms"])
-    return TileConfig(**best["config"]), results
+    best = dict(min(longest, key=lambda r: r["ms"])["config"])
+    kind = best.pop("kernel")
+    return (HopperConfig if kind == HopperConfig.__name__ else TileConfig)(**best), results
 
 
-def bench_attention(config: TileConfig, planner: Planner | None) -> list[dict]:
+def bench_attention(config: TileConfig | HopperConfig, planner: Planner | None) -> list[dict]:
     records = []
     for b, h, s, d in ATTENTION_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -256,6 +261,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--calibration", type=Path, help="default: this GPU's loopback calibration, if any")
+    parser.add_argument("--attention-only", action="store_true", help="tuning and attention rows, no loopback")
     args = parser.parse_args()
     card = torch.cuda.get_device_name()
     calibration = (Calibration.load(args.calibration) if args.calibration
@@ -263,7 +269,9 @@ def main() -> None:
     planner = Planner.from_calibration(calibration) if calibration else None
     config, tuning = tune_attention()
     print("best tile config", config)
-    records = tuning + bench_attention(config, planner) + bench_loopback(args.ranks, args.heads, planner)
+    records = tuning + bench_attention(config, planner)
+    if not args.attention_only:
+        records += bench_loopback(args.ranks, args.heads, planner)
     env = {"card": card, "date": datetime.date.today().isoformat(), "command": shlex.join(["python", *sys.argv]),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
     write([{**r, **env} for r in records], Path(args.out), calibration)

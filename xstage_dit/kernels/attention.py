@@ -9,7 +9,11 @@ tile locally, the tile's owner stores each finished row straight into the buffer
 token, in that rank's (B, T + L, H, D) layout (text rows go to every rank), then moves on to its next tile: the
 stores drain while the next tile's Q loop computes. Destinations are a table of element offsets from `out` (this
 rank's own buffer; kernels/tables.py: symmetric-memory peers, or local buffers in loopback), all with the strides
-of `out`."""
+of `out`.
+
+This Triton kernel is the portable one (any CUDA GPU, and Triton's CPU interpreter in the tests). On Hopper,
+flash_attention runs kernels/attention_hopper.py instead (same interface and epilogue, warp-specialized in Gluon),
+whenever the inputs are contiguous (B, S, H, D) tensors that TMA can load."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..logging_utils import warn_once
+from . import attention_hopper
+from .attention_hopper import HopperConfig
 from .tables import ALIGN_ELEMENTS
 
 
@@ -170,18 +177,23 @@ class TileConfig:
     warp_specialize: bool = False
 
 
-def _default_config(head_dim: int, interpret: bool) -> TileConfig:
-    if interpret:
+def _default_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TileConfig | HopperConfig:
+    if q.device.type == "cpu":  # Triton's interpreter
         return TileConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    # the fastest measured on an H200 (docs/benchmarks/kernels-h200.json); pointer loads where TMA cannot view
-    # the tensors as rows
+    if attention_hopper.is_available(q):
+        if all(_flattens(t) for t in (q, k, v)):
+            return HopperConfig()
+        warn_once("attention inputs are not contiguous (B, S, H, D) tensors: the Hopper kernel cannot load them "
+                  "through TMA, running the slower Triton kernel")
+    # the fastest Triton configuration measured on an H200 (docs/benchmarks/kernels-h200.json); pointer loads
+    # where TMA cannot view the tensors as rows
     return TileConfig(tma=True)
 
 
 def _flattens(t: torch.Tensor) -> bool:
-    """(B, S, H, D) viewable as (B * S, H * D) rows, as a TMA descriptor needs."""
+    """(B, S, H, D) viewable as (B * S, H * D) rows from a 16-byte aligned start, as a TMA descriptor needs."""
     b, s, h, d = t.shape
-    return t.is_cuda and t.stride() == (s * h * d, h * d, d, 1)
+    return t.is_cuda and t.stride() == (s * h * d, h * d, d, 1) and t.data_ptr() % 16 == 0
 
 
 def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileConfig) -> tuple:
@@ -208,7 +220,7 @@ def flash_attention(
     out: torch.Tensor | None = None,
     scatter: Scatter | None = None,
     return_lse: bool = False,
-    config: TileConfig | None = None,
+    config: TileConfig | HopperConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale) v over the first `kv_len` keys, for (B, S, H, D) tensors (last dim contiguous).
 
@@ -224,12 +236,13 @@ def flash_attention(
         if t.stride(-1) != 1:
             raise ValueError("flash_attention needs the head_dim axis contiguous")
     kv_len = k.shape[1] if kv_len is None else kv_len
+    if not 0 < kv_len <= k.shape[1]:
+        raise ValueError(f"kv_len must be in [1, {k.shape[1]}] (the keys given), got {kv_len}")
     scale = head_dim**-0.5 if scale is None else scale
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32) if return_lse else out
     mask = key_mask.to(torch.int8) if key_mask is not None else out
-    interpret = q.device.type == "cpu"
-    cfg = config or _default_config(head_dim, interpret)
+    cfg = config or _default_config(q, k, v)
     if scatter is not None:
         dest_text_row0, dest_image_row0 = (0, scatter.text_len) if scatter.text_first else (scatter.local_len, 0)
         scatter_args = (scatter.text_len, scatter.local_len, scatter.destinations.numel(), dest_text_row0,
@@ -238,6 +251,14 @@ def flash_attention(
     else:
         scatter_args = (0, 1, 0, 0, 0, 0, 0)
         destinations = out
+    if isinstance(cfg, HopperConfig):
+        if not (attention_hopper.is_available(q) and all(_flattens(t) for t in (q, k, v))):
+            raise ValueError("HopperConfig needs an sm_90 GPU, bf16/fp16, head_dim 64/128 and contiguous "
+                             "16-byte aligned (B, S, H, D) inputs")
+        attention_hopper.launch(q, k, v, out, lse, mask, destinations, scale, kv_len,
+                                mask.shape[1] if key_mask is not None else 0, scatter_args, return_lse,
+                                key_mask is not None, scatter is not None, ALIGN_ELEMENTS, cfg)
+        return (out, lse) if return_lse else out
     use_tma = cfg.tma and all(_flattens(t) for t in (q, k, v))
     descriptors = _descriptors(q, k, v, cfg) if use_tma else (None, None, None)
     grid = (triton.cdiv(q_len, cfg.block_m), batch * heads)

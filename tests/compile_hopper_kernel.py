@@ -1,0 +1,48 @@
+"""Compile kernels/attention_hopper.py for sm_90a without a GPU (test_kernels.test_hopper_kernel_compiles runs
+this in a subprocess): Triton is pointed at a stand-in driver that reports an sm_90 target, and every variant of
+the kernel's constexpr switches is compiled through ptxas. Exits non-zero on the first failure."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class Sm90Driver:
+    """Just what JITFunction.warmup asks of a driver."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+
+def main() -> None:
+    driver.set_active(Sm90Driver())
+    from xstage_dit.kernels import attention_hopper as hopper
+
+    batch, seq, heads = 2, 1000, 3
+    for head_dim, (lse, masked, scatter), pingpong in itertools.product(
+            (64, 128), [(False, False, False), (True, True, True)], (False, True)):
+        # fp16 and 64-key tiles once each, with the other switches on
+        dtype, block_n = (torch.float16, 64) if lse and not pingpong else (torch.bfloat16, 128)
+        config = hopper.HopperConfig(block_n=block_n, pingpong=pingpong)
+        q = torch.empty(batch, seq, heads, head_dim, dtype=dtype)
+        hopper._attention_kernel.warmup(
+            hopper._descriptor(q, hopper.ROWS_PER_WARPGROUP), hopper._descriptor(q, block_n), hopper._descriptor(q, block_n),
+            q, torch.empty(1), torch.empty(batch, 8, dtype=torch.int8), torch.zeros(4, dtype=torch.int64),
+            0.1, seq, seq, seq, 8, 1, 1, 1, 1, heads, 7, 250, 4, 0, 7, 0, 0,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=config.stages, PINGPONG=pingpong,
+            CONSUMER_REGS=config.consumer_regs, WRITE_LSE=lse, HAS_KEY_MASK=masked, SCATTER=scatter, ALIGN=16,
+            num_warps=4, grid=(1,))
+        print("compiled", head_dim, dtype, lse, masked, scatter, block_n, pingpong)
+
+
+if __name__ == "__main__":
+    main()
