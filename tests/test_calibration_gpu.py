@@ -59,3 +59,20 @@ def test_calibrate_writes_fits_and_info_lists_them(tmp_path, monkeypatch, capsys
         assert all(0 < t < 1 for t in predicted.values()), predicted
     main(["info"])
     assert "loopback" in capsys.readouterr().out
+
+
+def test_kernels_only_remeasures_costs_and_keeps_the_fit(tmp_path):
+    from xstage_dit.cli import main
+    from xstage_dit.xstage import BurstGapModel, Calibration, KernelCosts
+
+    model = BurstGapModel(issue_latency=1e-6, producer_rate=10e9, max_issue_rate=1e12, drain_rate=300e9,
+                          capacity=2 * MiB)
+    stale = KernelCosts({128: [(4096, 1.0)]}, {128: [(4096, 1.0)]}, 1e9, 123e9, 1e-6, 1)
+    fit = {"median": 0.01, "max": 0.05, "samples": 3}
+    old = Calibration(torch.cuda.get_device_name(), "nvlink", 2, model, stale, fit).save(tmp_path / "in")
+    main(["calibrate", "--kernels-only", str(old), "--out", str(tmp_path / "out")])
+    new = Calibration.load(tmp_path / "out" / old.name)
+    assert new.model == model and new.costs.alltoall_rate == 123e9, "the fit and the all-to-all rate are kept"
+    assert set(new.costs.own_tflops) == {64, 128} and new.costs.own_tflops[128][0][1] > 100
+    assert new.costs.sms == torch.cuda.get_device_properties(0).multi_processor_count
+    assert "kernel_costs" in new.meta

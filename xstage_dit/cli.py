@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .sp.backends import available_backends
-from .xstage.calibrate import calibrate, describe, topology_matrix
+from .xstage.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
 from .xstage.calibration import Calibration, calibration_dir, find_calibration
 from .xstage.planner import AttentionShape, Planner
 
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--out", type=Path, default=None, help="directory for the JSON (default: the calibration "
                      "directory the planner reads, $XSTAGE_CALIBRATION_DIR or ~/.cache/xstage_dit)")
     run.add_argument("--quick", action="store_true", help="a small sweep (a smoke test, not a calibration)")
+    run.add_argument("--kernels-only", type=Path, nargs="+", metavar="CALIBRATION",
+                     help="after a kernel change: measure only the kernel costs again, into these calibrations "
+                          "of this GPU (their Burst-Gap fit is kept), written to --out")
     layer = commands.add_parser("plan", help="predicted time per backend for one attention layer")
     layer.add_argument("--tokens", type=int, required=True, help="image/video tokens of the whole sequence")
     layer.add_argument("--text", type=int, default=0, help="joint text tokens (replicated)")
@@ -81,7 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "info":
         print(info())
     elif args.command == "calibrate":
-        calibrate(args.out or calibration_dir(), quick=args.quick)
+        if args.kernels_only:
+            remeasure_kernel_costs(args.kernels_only, args.out or calibration_dir())
+        else:
+            calibrate(args.out or calibration_dir(), quick=args.quick)
     elif args.command == "plan":
         if args.heads % args.ranks:
             parser.error(f"{args.heads} heads do not split over {args.ranks} ranks")

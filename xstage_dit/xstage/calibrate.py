@@ -6,6 +6,7 @@ the GPU, rank 0 storing into rank 1's symmetric buffer through its CUDA IPC mapp
 "pcie" (rank 0 storing into rank 1's symmetric buffer on the next GPU; NCCL all-to-all rate measured too)."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -209,6 +210,27 @@ def describe(calibration: Calibration) -> str:
             f"Bmax {m.max_issue_rate / 1e9:.0f} GB/s, R {m.drain_rate / 1e9:.0f} GB/s, "
             f"Q {m.capacity / MiB:.2f} MiB; fit error median {e['median']:.1%}, max {e['max']:.1%} "
             f"over {e['samples']} samples")
+
+
+def remeasure_kernel_costs(paths: list[Path], out: Path) -> list[Path]:
+    """After a kernel changed: measure the kernel-cost table again and write it into existing calibrations of
+    this GPU, keeping their Burst-Gap fit and all-to-all rate (no probes, no peers). meta["kernel_costs"] says
+    when and how the table was measured."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("xstage-dit calibrate needs a CUDA GPU")
+    calibrations = [Calibration.load(path) for path in paths]
+    card = torch.cuda.get_device_name()
+    for path, calibration in zip(paths, calibrations):
+        if calibration.gpu != card:
+            raise ValueError(f"{path} calibrates {calibration.gpu}, this GPU is {card}")
+    fresh = measure_kernel_costs(torch.device("cuda", torch.cuda.current_device()))
+    saved = []
+    for calibration in calibrations:
+        calibration.costs = dataclasses.replace(fresh, alltoall_rate=calibration.costs.alltoall_rate)
+        calibration.meta = {**calibration.meta, "kernel_costs": _meta()}
+        saved.append(calibration.save(out))
+        print(describe(calibration), "->", saved[-1])
+    return saved
 
 
 def calibrate(out: Path, quick: bool = False) -> list[Path]:
