@@ -4,14 +4,16 @@
 #   bash .ci/device.sh [tests] [calibrate] [kernels] ["BENCH_E2E ARGS" ...]
 # in the order given (no argument: tests): "tests" runs the GPU tests, "calibrate" `xstage-dit calibrate`
 # into $XSTAGE_CALIBRATION_DIR (default $OUT/calibration, where the benchmarks and backend="auto" look),
-# "kernels" examples/bench_kernels.py (extra arguments in $XSTAGE_KERNELS_ARGS), every other argument is one quoted bench_e2e.py argument list
+# "kernels" examples/bench_kernels.py (extra arguments in $XSTAGE_KERNELS_ARGS), every other argument is one
+# quoted bench_e2e.py argument list
 set -uo pipefail
 source .ci/device_setup.sh
 [ $# -eq 0 ] && set -- tests
 for bench_args in "$@"; do
   if [ "$bench_args" = tests ]; then
     # XSTAGE_GPU_TESTS narrows the run with a pytest -k expression; XSTAGE_TEST_TIMEOUT bounds each test (s)
-    python3 -m pytest -q -m gpu -p no:cacheprovider --timeout "${XSTAGE_TEST_TIMEOUT:-300}" -k "${XSTAGE_GPU_TESTS:-}" "$REPO/tests" 2>&1 \
+    python3 -m pytest -q -m gpu -p no:cacheprovider --timeout "${XSTAGE_TEST_TIMEOUT:-300}" \
+      -k "${XSTAGE_GPU_TESTS:-}" "$REPO/tests" 2>&1 \
       | tee "$OUT/pytest-gpu.log" \
       | grep -v "^  " | tail -25
     continue
@@ -21,7 +23,9 @@ for bench_args in "$@"; do
     continue
   fi
   if [ "$bench_args" = kernels ]; then
-    python3 "$REPO/examples/bench_kernels.py" --out "$OUT/kernels-h200" ${XSTAGE_KERNELS_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | tail -25
+    # shellcheck disable=SC2086  # a list of arguments
+    python3 "$REPO/examples/bench_kernels.py" --out "$OUT/kernels-h200" ${XSTAGE_KERNELS_ARGS:-} 2>&1 \
+      | tee -a "$OUT/bench.log" | tail -25
     continue
   fi
   # shellcheck disable=SC2086  # each argument is a list of bench_e2e.py arguments

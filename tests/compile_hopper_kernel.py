@@ -1,6 +1,7 @@
 """Compile kernels/attention_hopper.py for sm_90a without a GPU (test_kernels.test_hopper_kernel_compiles runs
-this in a subprocess): Triton is pointed at a stand-in driver that reports an sm_90 target, and every variant of
-the kernel's constexpr switches is compiled through ptxas. Exits non-zero on the first failure."""
+this in a subprocess): Triton is pointed at a stand-in driver that reports an sm_90 target, and the kernel is
+compiled through ptxas by its own launch() with every switch on and off (head_dim, LSE + key mask + scatter,
+ping-pong; fp16 and 64-key tiles once). Exits non-zero on the first failure."""
 from __future__ import annotations
 
 import itertools
@@ -34,13 +35,10 @@ def main() -> None:
         dtype, block_n = (torch.float16, 64) if lse and not pingpong else (torch.bfloat16, 128)
         config = hopper.HopperConfig(block_n=block_n, pingpong=pingpong)
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype)
-        hopper._attention_kernel.warmup(
-            hopper._descriptor(q, hopper.ROWS_PER_WARPGROUP), hopper._descriptor(q, block_n), hopper._descriptor(q, block_n),
-            q, torch.empty(1), torch.empty(batch, 8, dtype=torch.int8), torch.zeros(4, dtype=torch.int64),
-            0.1, seq, seq, seq, 8, 1, 1, 1, 1, heads, 7, 250, 4, 0, 7, 0, 0,
-            HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=config.stages, PINGPONG=pingpong,
-            CONSUMER_REGS=config.consumer_regs, WRITE_LSE=lse, HAS_KEY_MASK=masked, SCATTER=scatter, ALIGN=16,
-            num_warps=4, grid=(1,))
+        scatter_args = (7, 250, 4, 0, 7, 0, 0)  # text rows, rows per rank, ranks, row offsets, head 0, tile shift
+        hopper.launch(q, q, q, q, torch.empty(1), torch.empty(batch, 8, dtype=torch.int8),
+                      torch.zeros(4, dtype=torch.int64), 0.1, seq, 8, scatter_args, lse, masked, scatter, 16,
+                      config, warmup=True)
         print("compiled", head_dim, dtype, lse, masked, scatter, block_n, pingpong)
 
 

@@ -177,12 +177,12 @@ class TileConfig:
     warp_specialize: bool = False
 
 
-def _default_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TileConfig | HopperConfig:
+def _default_config(q: torch.Tensor, hopper_runs: bool) -> TileConfig | HopperConfig:
     if q.device.type == "cpu":  # Triton's interpreter
         return TileConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if hopper_runs:
+        return HopperConfig()
     if attention_hopper.is_available(q):
-        if all(_flattens(t) for t in (q, k, v)):
-            return HopperConfig()
         warn_once("attention inputs are not contiguous (B, S, H, D) tensors: the Hopper kernel cannot load them "
                   "through TMA, running the slower Triton kernel")
     # the fastest Triton configuration measured on an H200 (docs/benchmarks/kernels-h200.json); pointer loads
@@ -242,7 +242,9 @@ def flash_attention(
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32) if return_lse else out
     mask = key_mask.to(torch.int8) if key_mask is not None else out
-    cfg = config or _default_config(q, k, v)
+    # checked once per call: the Hopper kernel needs sm_90, bf16/fp16 and TMA-loadable inputs
+    hopper_runs = attention_hopper.is_available(q) and all(_flattens(t) for t in (q, k, v))
+    cfg = config or _default_config(q, hopper_runs)
     if scatter is not None:
         dest_text_row0, dest_image_row0 = (0, scatter.text_len) if scatter.text_first else (scatter.local_len, 0)
         scatter_args = (scatter.text_len, scatter.local_len, scatter.destinations.numel(), dest_text_row0,
@@ -252,7 +254,7 @@ def flash_attention(
         scatter_args = (0, 1, 0, 0, 0, 0, 0)
         destinations = out
     if isinstance(cfg, HopperConfig):
-        if not (attention_hopper.is_available(q) and all(_flattens(t) for t in (q, k, v))):
+        if not hopper_runs:
             raise ValueError("HopperConfig needs an sm_90 GPU, bf16/fp16, head_dim 64/128 and contiguous "
                              "16-byte aligned (B, S, H, D) inputs")
         attention_hopper.launch(q, k, v, out, lse, mask, destinations, scale, kv_len,
