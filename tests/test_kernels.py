@@ -66,13 +66,17 @@ def test_attention_on_gpu(dtype, head_dim, masked, loads):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("lengths", [(1000, 1100, 1031), (300, 64, 50), (256, 512, 512), (129, 4000, 3999)],
-                         ids=["uneven", "one-partial-tile", "whole-tiles", "long"])
-@pytest.mark.parametrize("config", [HopperConfig(), HopperConfig(pingpong=False, stages=2), HopperConfig(block_n=64)],
-                         ids=["default", "no-pingpong", "64-key-tiles"])
+@pytest.mark.parametrize("lengths", [(1000, 1100, 1031), (300, 64, 50), (256, 512, 512), (129, 4000, 3999),
+                                     (8000, 700, 613)],
+                         ids=["uneven", "one-partial-tile", "whole-tiles", "long", "many-work-tiles"])
+@pytest.mark.parametrize("config", [HopperConfig(), HopperConfig(persistent=False),
+                                    HopperConfig(pingpong=False, stages=2), HopperConfig(block_n=64)],
+                         ids=["default", "program-per-tile", "no-pingpong", "64-key-tiles"])
 def test_hopper_attention(dtype, head_dim, masked, lengths, config):
     """The Gluon kernel (the default on sm_90) against the reference: rows and keys past a tile, batches whose
-    TMA tiles run into the next batch's rows, a key tile that is the only one and partial."""
+    TMA tiles run into the next batch's rows, a key tile that is the only one and partial, and more work tiles
+    (2 x 3 x 63) than an H200 has SMs, so that a persistent program walks several, its ring and ping-pong turns
+    running on across them."""
     q_len, kv_rows, kv_len = lengths
     _check_attention("cuda", dtype, 2, q_len, kv_rows, kv_len, 3, head_dim, masked, config)
 
