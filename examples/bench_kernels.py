@@ -12,11 +12,14 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
   overlap (the overlap backend's own chunked schedule, the all-to-alls as copies on a second stream) and fused
   (store kernels, fused attention, copy out), each vs cuDNN attention alone.
 Loopback shows what the kernels and their stores cost on this GPU, not NVLink drain, and nothing about scaling.
-Medians of triton.testing.do_bench. Writes OUT.json (a list of records) and OUT.md."""
+Each variant and its baselines are timed in alternating rounds of triton.testing.do_bench (every call after an L2
+flush), so that clock and power drift weigh on all of them alike; a row gives the median over all its samples.
+Writes OUT.json (a list of records) and OUT.md."""
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import shlex
 import statistics
@@ -45,8 +48,16 @@ ATTENTION_SHAPES = [  # (B, H, S, D)
 LOOPBACK_SEQ = [8192, 16384, 32768, 65536]
 
 
-def median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+ROUNDS = 8
+
+
+def compare_ms(fns: dict) -> dict:
+    """Median ms of each function, timed in ROUNDS alternating rounds (A B C A B C ...)."""
+    samples = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            samples[name] += triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="all")
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def cudnn(q, k, v):
@@ -77,21 +88,25 @@ TUNING_SHAPES = [(1, 24, 4608, 128), (1, 24, 16896, 128)]  # (B, H, S, D): the s
 
 def tune_attention() -> list[dict]:
     """Time candidate configs at each tuning shape, side by side with the library's default (on Hopper the Gluon
-    kernel's HopperConfig()): its key tile, ring depth and ping-pong, and the Triton kernel's configurations
-    (64-row tiles with one warpgroup double the grid: less wave quantization at short lengths)."""
-    candidates = [HopperConfig(), HopperConfig(pingpong=False), HopperConfig(stages=2)] + [
+    kernel's HopperConfig()): its persistence, key tile, ring depth and ping-pong, and the Triton kernel's
+    configurations (64-row tiles with one warpgroup double the grid: less wave quantization at short lengths)."""
+    candidates = [HopperConfig(), HopperConfig(persistent=False), HopperConfig(pingpong=False),
+                  HopperConfig(stages=2)] + [
         HopperConfig(block_n=64, stages=stages, pingpong=False) for stages in (3, 4)] + [
         TileConfig(128, block_n, 8, 3, tma=True) for block_n in (64, 128)] + [
         TileConfig(64, 64, 4, 3, tma=True), TileConfig(128, 128, 8, 3, tma=True, warp_specialize=True)]
     results = []
     for b, h, s, d in TUNING_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        runs = {}
         for cfg in candidates:
             try:
-                ms = median_ms(lambda: flash_attention(q, k, v, config=cfg))
+                flash_attention(q, k, v, config=cfg)
             except Exception as error:  # out of shared memory, unsupported on this chip: skip the config
                 print(f"config {cfg} failed: {type(error).__name__}: {str(error)[:200]}")
                 continue
+            runs[cfg] = functools.partial(flash_attention, q, k, v, config=cfg)
+        for cfg, ms in compare_ms(runs).items():
             print(f"tuning {(b, s, h, d)} {cfg}: {ms:.3f} ms")
             results.append({"kernel": "xstage_attention_tuning", "shape": [b, s, h, d],
                             "config": {"kernel": type(cfg).__name__, **vars(cfg)}, "ms": ms, "baseline": "none",
@@ -104,46 +119,46 @@ def bench_attention(planner: Planner | None) -> list[dict]:
     records = []
     for b, h, s, d in ATTENTION_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        ours = median_ms(lambda: flash_attention(q, k, v))
+        ms = compare_ms({"ours": lambda: flash_attention(q, k, v), "cudnn": lambda: cudnn(q, k, v),
+                         "fa2": lambda: fa2(q, k, v)})
         shape = AttentionShape(b, s, 0, h, d, 1)
         flops = shape.flops()
-        base = median_ms(lambda: cudnn(q, k, v))
         predicted = (planner.attention(shape, own=True) * 1e3, planner.attention(shape, own=False) * 1e3) \
             if planner else (None, None)
-        records.append(record("xstage_attention", (b, s, h, d), ours, "cudnn_sdpa", base, predicted[0],
-                              tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9))
-        records.append(record("cudnn_sdpa", (b, s, h, d), base, "none", None, predicted[1]))
-        base = median_ms(lambda: fa2(q, k, v))
-        records.append(record("xstage_attention", (b, s, h, d), ours, "fa2_sdpa", base,
-                              tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9))
+        for name, baseline in (("cudnn", "cudnn_sdpa"), ("fa2", "fa2_sdpa")):
+            records.append(record("xstage_attention", (b, s, h, d), ms["ours"], baseline, ms[name],
+                                  predicted[0] if name == "cudnn" else None, tflops=flops / ms["ours"] / 1e9,
+                                  baseline_tflops=flops / ms[name] / 1e9))
+        records.append(record("cudnn_sdpa", (b, s, h, d), ms["cudnn"], "none", None, predicted[1]))
     return records
 
 
 class StreamCopy:
     """A loopback transport with the all-to-all in flight: a copy of the send buffer on a second stream (every
-    simulated peer "sends" rank 0's data back, which times the same bytes)."""
+    simulated peer "sends" rank 0's data back, which times the same bytes). Like NCCL's stashing of a collective's
+    tensors, the send buffer stays referenced until the main stream waited for the copy: no record_stream, whose
+    deferred frees would make the caching allocator allocate afresh on every call."""
 
     def __init__(self) -> None:
         self.stream = torch.cuda.Stream()
 
     def __call__(self, send: torch.Tensor) -> InFlight:
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
+        recv = torch.empty_like(send)  # allocated on the main stream, which reads it after the wait
+        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            recv = send.clone()
+            recv.copy_(send)
             done = torch.cuda.Event()
             done.record(self.stream)
-        send.record_stream(self.stream)
-        recv.record_stream(main)
-        return InFlight(recv, EventWait(done))
+        return InFlight(recv, EventWait(done, send))
 
 
 class EventWait:
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
+    def __init__(self, event: torch.cuda.Event, send: torch.Tensor) -> None:
+        self.event, self.send = event, send
 
     def wait(self) -> None:
         torch.cuda.current_stream().wait_event(self.event)
+        self.send = None  # later frees of it are ordered after the copy
 
 
 def copy_now(send: torch.Tensor) -> InFlight:
@@ -193,31 +208,29 @@ def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[di
         shape = AttentionShape(1, seq, 0, heads, 128, n_ranks)
         dims = [1, seq, rank.share, 128]
         q, k, v = rank.gathered
-        alone = median_ms(lambda: flash_attention(q, k, v))  # the default config, as the fused kernel runs
-        vendor = median_ms(lambda: cudnn(q, k, v))
-        for rotated in (False, True):
-            fused = median_ms(lambda: rank.fused_kernel(rank.local if rotated else 0, seq))
-            predicted = planner.fused_kernel(shape, rotated) * 1e3 if planner else None
-            records.append(record("fused_post_a2a_loopback", dims, fused, "xstage_attention_alone", alone, predicted,
-                                  n_ranks=n_ranks, tile_order="rotated" if rotated else "rank-major"))
-        pre = median_ms(rank.fused_pre)
+        ms = compare_ms({"alone": lambda: flash_attention(q, k, v),  # the default config, as the fused kernel runs
+                         "rank-major": lambda: rank.fused_kernel(0, seq),
+                         "rotated": lambda: rank.fused_kernel(rank.local, seq)})
+        for order in ("rank-major", "rotated"):
+            predicted = planner.fused_kernel(shape, order == "rotated") * 1e3 if planner else None
+            records.append(record("fused_post_a2a_loopback", dims, ms[order], "xstage_attention_alone", ms["alone"],
+                                  predicted, n_ranks=n_ranks, tile_order=order))
         volume = 3 * shape.tensor_bytes()
         src = torch.empty(int(volume), dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        copy = median_ms(lambda: dst.copy_(src))
-        records.append(record("pre_a2a_loopback", [1, rank.local, heads, 128], pre, "d2d_copy_same_bytes", copy,
-                              planner.pre_all_to_all(shape) * 1e3 if planner else None, n_ranks=n_ranks))
+        ms = compare_ms({"pre": rank.fused_pre, "copy": lambda: dst.copy_(src)})
+        records.append(record("pre_a2a_loopback", [1, rank.local, heads, 128], ms["pre"], "d2d_copy_same_bytes",
+                              ms["copy"], planner.pre_all_to_all(shape) * 1e3 if planner else None, n_ranks=n_ranks))
         predicted = planner.predict(shape) if planner else {}
-        calls = {"serial": rank.serial_call, "overlap": rank.overlap_call, "fused": lambda: rank.fused_call(seq)}
+        ms = compare_ms({"serial": rank.serial_call, "overlap": rank.overlap_call,
+                         "fused": lambda: rank.fused_call(seq), "vendor": lambda: cudnn(q, k, v)})
         fused_loopback = (planner.pre_all_to_all(shape) + planner.fused_kernel(shape, True)
                           + planner.copy(shape.tensor_bytes())) if planner else None
         expected = {"serial": predicted.get("reference"), "overlap": predicted.get("overlap"),
                     "fused": fused_loopback}  # loopback has no barriers
-        for name, call in calls.items():
-            ms = median_ms(call)
-            guess = expected[name] * 1e3 if expected[name] is not None else None
-            records.append(record(f"{name}_call_loopback", dims, ms, "cudnn_attention_alone", vendor, guess,
-                                  n_ranks=n_ranks))
+        for name, guess in expected.items():
+            records.append(record(f"{name}_call_loopback", dims, ms[name], "cudnn_attention_alone", ms["vendor"],
+                                  guess * 1e3 if guess is not None else None, n_ranks=n_ranks))
         check = (rank.serial_call() - rank.overlap_call()).abs().max().item()
         assert check < 1e-2, f"loopback overlap differs from serial by {check}"
     return records
