@@ -75,9 +75,14 @@ def _median_seconds(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e-3
 
 
+# heads of the attention-rate samples: enough that the shortest (4096 tokens) runs longer than a launch's host
+# time plus do_bench's cache flush; with 8 heads our kernel's rate at 4096 tokens came out host-bound (2026-11-29)
+RATE_HEADS = 24
+
+
 def measure_kernel_costs(device: torch.device, alltoall_rate: float | None = None) -> KernelCosts:
-    """Attention throughput of our kernel and cuDNN SDPA (bf16, 8 heads) at a few lengths per head_dim, the
-    device-to-device copy rate, and one small kernel's cost. alltoall_rate defaults to the copy rate (one GPU:
+    """Attention throughput of our kernel and cuDNN SDPA (bf16, RATE_HEADS heads) at a few lengths per head_dim,
+    the device-to-device copy rate, and one small kernel's cost. alltoall_rate defaults to the copy rate (one GPU:
     an all-to-all among simulated ranks is a local copy)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -88,8 +93,9 @@ def measure_kernel_costs(device: torch.device, alltoall_rate: float | None = Non
     vendor: dict[int, list] = {}
     for head_dim in (64, 128):
         for tokens in (4096, 16384, 65536):
-            q, k, v = (torch.randn(1, tokens, 8, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3))
-            flops = 4.0 * 8 * tokens * tokens * head_dim
+            q, k, v = (torch.randn(1, tokens, RATE_HEADS, head_dim, device=device, dtype=torch.bfloat16)
+                       for _ in range(3))
+            flops = 4.0 * RATE_HEADS * tokens * tokens * head_dim
             mine = _median_seconds(lambda: flash_attention(q, k, v))
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 theirs = _median_seconds(lambda: F.scaled_dot_product_attention(
