@@ -27,6 +27,7 @@ from xstage_dit.runtime.distributed import local_device, ranks_share_gpus
 from xstage_dit.runtime.symmetric import SymmetricPool
 from xstage_dit.sp.backends import UlyssesLayout
 from xstage_dit.sp.exchange import all_to_all, finish_gather, start_gather
+from xstage_dit.sp.fused import first_row
 from xstage_dit.xstage import AttentionShape, Planner, find_calibration
 
 # (name, text tokens, image tokens, heads): the paper's lengths, then Flux 1024² and Wan 14B 720p
@@ -63,8 +64,9 @@ def bench_shape(name: str, text: int, seq: int, heads: int, group: dist.ProcessG
                            generator=generator) for _ in range(3))
     kv_len = text + seq
     out = pool.buffer("dist-bench-out", (1, text + local, heads, 128), torch.bfloat16)
-    rotated = True if planner is None else planner.tile_order(AttentionShape(1, seq, text, heads, 128, n))
-    scatter = Scatter(out.offsets, text, local, True, rank * share, text + (rank + 1) % n * local if rotated else 0)
+    shape = AttentionShape(1, seq, text, heads, 128, n)
+    rotated = True if planner is None else planner.tile_order(shape)
+    scatter = Scatter(out.offsets, text, local, True, rank * share, first_row(layout, rotated))
 
     def attention_only():
         flash_attention(q, k, v, kv_len=kv_len)
@@ -78,7 +80,6 @@ def bench_shape(name: str, text: int, seq: int, heads: int, group: dist.ProcessG
 
     ms = {label: timed(fn, group, iterations) * 1e3
           for label, fn in (("attention_only", attention_only), ("serial", serial), ("fused", fused))}
-    shape = AttentionShape(1, seq, text, heads, 128, n)
     predicted = {}
     if planner:
         predicted = {"attention_only": planner.attention(shape, own=True),

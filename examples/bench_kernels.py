@@ -37,6 +37,7 @@ from xstage_dit.kernels.attention_hopper import HopperConfig
 from xstage_dit.kernels.loopback import LoopbackUlysses
 from xstage_dit.sp.backends import UlyssesLayout
 from xstage_dit.sp.exchange import InFlight
+from xstage_dit.sp.fused import first_row
 from xstage_dit.sp.overlap import chunked_exchange
 from xstage_dit.sp.reference import serial_exchange
 from xstage_dit.xstage import AttentionShape, Calibration, Planner, find_calibration
@@ -186,12 +187,12 @@ class LoopbackRank:
         for i, t in enumerate(self.qkv):
             scatter_heads(t, self.fused.qkv_offsets[0][i], self.fused.qkv[0][i], row0=0)
 
-    def fused_kernel(self, first_row: int, seq: int) -> None:
-        self.fused.attention(0, seq, first_row=first_row)
+    def fused_kernel(self, rotated: bool, seq: int) -> None:
+        self.fused.attention(0, seq, first_row=first_row(self.layout, rotated))
 
     def fused_call(self, seq: int) -> torch.Tensor:
         self.fused_pre()
-        self.fused_kernel(self.local, seq)  # rotated: rank 0 starts at rank 1's rows
+        self.fused_kernel(True, seq)
         return self.fused.out[0].clone()
 
     def serial_call(self) -> torch.Tensor:
@@ -209,8 +210,8 @@ def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[di
         dims = [1, seq, rank.share, 128]
         q, k, v = rank.gathered
         ms = compare_ms({"alone": lambda: flash_attention(q, k, v),  # the default config, as the fused kernel runs
-                         "rank-major": lambda: rank.fused_kernel(0, seq),
-                         "rotated": lambda: rank.fused_kernel(rank.local, seq)})
+                         "rank-major": lambda: rank.fused_kernel(False, seq),
+                         "rotated": lambda: rank.fused_kernel(True, seq)})
         for order in ("rank-major", "rotated"):
             predicted = planner.fused_kernel(shape, order == "rotated") * 1e3 if planner else None
             records.append(record("fused_post_a2a_loopback", dims, ms[order], "xstage_attention_alone", ms["alone"],

@@ -90,6 +90,18 @@ def test_auto_without_calibration_runs_the_reference_on_cpu():
     assert choose(query, None, pool_ready=False) == "reference"
 
 
+def test_auto_picks_the_fastest_predicted_backend_it_can_run():
+    from xstage_dit.sp.auto import _decide
+
+    planner = Planner(NVLINK_LIKE, COSTS)
+    shape = AttentionShape(1, 65536, 0, 24, 128, 8)
+    predicted = planner.predict(shape)
+    every = ("reference", "overlap", "fused")
+    assert _decide(planner, shape, every) == min(every, key=predicted.__getitem__)
+    slowest = max(every, key=predicted.__getitem__)
+    assert _decide(planner, shape, (slowest,)) == slowest  # a backend that cannot run here is never chosen
+
+
 def test_calibrate_command_needs_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

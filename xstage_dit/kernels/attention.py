@@ -242,8 +242,9 @@ def flash_attention(
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32) if return_lse else out
     mask = key_mask.to(torch.int8) if key_mask is not None else out
-    # checked once per call: the Hopper kernel needs sm_90, bf16/fp16 and TMA-loadable inputs
-    hopper_runs = attention_hopper.is_available(q) and all(_flattens(t) for t in (q, k, v))
+    # checked once per call: TMA loads (the Hopper kernel's, the Triton kernel's option) need row-viewable inputs
+    tma_loadable = all(_flattens(t) for t in (q, k, v))
+    hopper_runs = tma_loadable and attention_hopper.is_available(q)
     cfg = config or _default_config(q, hopper_runs)
     if scatter is not None:
         dest_text_row0, dest_image_row0 = (0, scatter.text_len) if scatter.text_first else (scatter.local_len, 0)
@@ -261,7 +262,7 @@ def flash_attention(
                                 mask.shape[1] if key_mask is not None else 0, scatter_args, return_lse,
                                 key_mask is not None, scatter is not None, ALIGN_ELEMENTS, cfg)
         return (out, lse) if return_lse else out
-    use_tma = cfg.tma and all(_flattens(t) for t in (q, k, v))
+    use_tma = cfg.tma and tma_loadable
     descriptors = _descriptors(q, k, v, cfg) if use_tma else (None, None, None)
     grid = (triton.cdiv(q_len, cfg.block_m), batch * heads)
     _attention_kernel[grid](

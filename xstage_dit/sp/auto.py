@@ -59,8 +59,8 @@ def choose(query: torch.Tensor, layout: UlyssesLayout | None, pool_ready: bool) 
 
 @lru_cache(maxsize=256)
 def _decide(planner: Planner, shape: AttentionShape, candidates: tuple[str, ...]) -> str:
+    name = planner.choose(shape, candidates)
     predicted = planner.predict(shape)
-    name = min(candidates, key=predicted.__getitem__)
     logger.info("xstage_dit auto: %s -> %s (predicted ms: %s)", shape, name,
                 ", ".join(f"{n} {predicted[n] * 1e3:.3f}" for n in candidates))
     return name

@@ -60,6 +60,12 @@ def _key_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return flat if flat.dtype == torch.bool else flat > torch.finfo(flat.dtype).min / 2
 
 
+def first_row(layout: UlyssesLayout, rotated: bool) -> int:
+    """Where this rank's attention programs start (Scatter.first_row). The gathered buffers hold [text, image of
+    rank 0, 1, ...]: the rotated order starts at rank + 1's rows, rank-major at row 0."""
+    return layout.text_len + (layout.rank + 1) % layout.degree * layout.local_len if rotated else 0
+
+
 @register_backend("fused", local=flash_attention_bshd, needs_cuda=True, symmetric=True, accepts=kernels_accept)
 def fused_ulysses(
     query: torch.Tensor,
@@ -87,9 +93,8 @@ def fused_ulysses(
             buffer.tensor[:, :text_len] = text[:, :, rank * share : (rank + 1) * share]
     pool.barrier("fused attention (pre-all-to-all)")
     q, k, v = (b.tensor for b in buffers)
-    # the gathered buffers hold [text, image of rank 0, 1, ...]: a rotated order starts at rank + 1's rows
-    first_row = text_len + (rank + 1) % n_ranks * local_len if rotated_tile_order(query, layout) else 0
-    scatter = Scatter(out.offsets, text_len, local_len, layout.text_first, rank * share, first_row)
+    scatter = Scatter(out.offsets, text_len, local_len, layout.text_first, rank * share,
+                      first_row(layout, rotated_tile_order(query, layout)))
     flash_attention(q, k, v, scale=scale, kv_len=text_len + layout.seq_len, key_mask=_key_mask(text_mask),
                     out=out.tensor, scatter=scatter)
     pool.barrier("fused attention (post-all-to-all)")
