@@ -12,6 +12,7 @@ Writes OUT.json (appending records), OUT.md (table) and OUT.png (plot) on the ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import shlex
@@ -26,6 +27,7 @@ import xstage_dit
 from xstage_dit import patches, zoo
 from xstage_dit.runtime import world_from_env
 
+from kernel_profile import kernel_times, write_profiles
 from step_timer import StepTimer
 
 
@@ -44,6 +46,9 @@ def parse_args() -> argparse.Namespace:
                              "ContextParallelConfig(ulysses_degree=N) on its cuDNN attention backend (a fresh copy "
                              "of the pipeline, timed after the other variants)")
     parser.add_argument("--decode", action="store_true", help="include the VAE decode in end-to-end time")
+    parser.add_argument("--profile", action="store_true",
+                        help="on a GPU, also run one call per variant under torch.profiler: GPU time by kernel per "
+                             "step, in OUT-profile.json and OUT-profile.md")
     parser.add_argument("--out", default="bench-e2e", help="output path prefix (.json, .md, .png)")
     return parser.parse_args()
 
@@ -85,25 +90,46 @@ def time_call(pipe, call: dict, device: torch.device) -> tuple[list[float], floa
     return timer.step_seconds, timer.total_seconds
 
 
+@contextlib.contextmanager
+def variant_of(pipe, variant: str):
+    """The pipeline as `variant` runs it: "xstage-<backend>" enables xstage_dit for the block."""
+    if not variant.startswith("xstage-"):
+        yield
+        return
+    xstage_dit.enable(pipe, backend=variant.removeprefix("xstage-"))
+    try:
+        yield
+    finally:
+        xstage_dit.disable(pipe)
+
+
 def measure(pipe, variants: list[str], call: dict, device: torch.device, repeats: int) -> dict[str, dict]:
     """Per variant: step times, call totals and peak memory over `repeats` calls after one warm-up call, the
-    variants interleaved; "xstage-<backend>" variants enable xstage_dit around their call."""
+    variants interleaved."""
     samples: dict[str, dict[str, list]] = {v: {"steps": [], "totals": [], "peak": []} for v in variants}
     for repeat in range(repeats + 1):  # repeat 0 warms up every variant
         for variant in variants:
-            if variant.startswith("xstage-"):
-                xstage_dit.enable(pipe, backend=variant.removeprefix("xstage-"))
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            steps, total = time_call(pipe, call, device)
+            with variant_of(pipe, variant):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                steps, total = time_call(pipe, call, device)
             if repeat:
                 samples[variant]["steps"] += steps
                 samples[variant]["totals"].append(total)
                 if device.type == "cuda":
                     samples[variant]["peak"].append(torch.cuda.max_memory_allocated(device) / 2**30)
-            if variant.startswith("xstage-"):
-                xstage_dit.disable(pipe)
     return samples
+
+
+def profile_variants(pipe, variants: list[str], call: dict, name: str, steps: int) -> list[dict]:
+    """One profiled call per variant (warm: after the timed ones): GPU time by kernel per step."""
+    records = []
+    for variant in variants:
+        with variant_of(pipe, variant):
+            kernels = kernel_times(lambda: pipe(**call), steps)
+        records.append({"config": name, "variant": variant, "kernels": kernels,
+                        "gpu_ms_per_step": sum(k["ms_per_step"] for k in kernels.values()), **environment()})
+    return records
 
 
 def diffusers_context_parallel(name: str, world_size: int, device: torch.device, dtype: torch.dtype):
@@ -120,7 +146,8 @@ def diffusers_context_parallel(name: str, world_size: int, device: torch.device,
     return pipe
 
 
-def bench_config(name: str, args: argparse.Namespace, world_size: int) -> list[dict]:
+def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[list[dict], list[dict]]:
+    """Timing records of config `name`'s variants, and their kernel profiles (with --profile on a GPU)."""
     device = xstage_dit.local_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     entry = zoo.ZOO[name]
@@ -136,6 +163,9 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> list[d
     variants = (["stock"] if world_size == 1 else []) + [f"xstage-{b}" for b in args.backend]
     samples = measure(pipe, variants, call, device, args.repeats)
     tokens.remove()
+    profiles = []
+    if args.profile and device.type == "cuda":  # torch.profiler's kernel times need a GPU
+        profiles = profile_variants(pipe, variants, call, name, args.steps)
     del pipe
     if args.diffusers_cp and world_size > 1 and device.type == "cuda":  # diffusers' device mesh needs GPUs
         # its own copy of the pipeline (context parallelism cannot be undone), built after ours is freed so that
@@ -166,7 +196,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> list[d
             "ratio_to_first_variant": step / baseline, "first_variant": variants[0],
             **environment(),
         })
-    return records
+    return records, profiles
 
 
 def write_outputs(records: list[dict], prefix: Path) -> None:
@@ -234,11 +264,17 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world_size, _ = world_from_env()
-    records = [record for name in args.config for record in bench_config(name, args, world_size)]
+    records, profiles = [], []
+    for name in args.config:
+        timed, profiled = bench_config(name, args, world_size)
+        records += timed
+        profiles += profiled
     if xstage_dit.is_main_process():
         prefix = Path(args.out)
         prefix.parent.mkdir(parents=True, exist_ok=True)
         write_outputs(records, prefix)
+        if profiles:
+            write_profiles(profiles, prefix)
         for r in records:
             print(f"{r['config']:>9} {r['variant']:>18} ranks={r['world_size']} step {r['step_ms']:9.1f} ms "
                   f"ratio {r['ratio_to_first_variant']:.3f} e2e {r['e2e_s']:.2f} s peak {r['peak_gib']} GiB")
