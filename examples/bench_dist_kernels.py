@@ -30,6 +30,8 @@ from xstage_dit.sp.exchange import all_to_all, finish_gather, start_gather
 from xstage_dit.sp.fused import first_row
 from xstage_dit.xstage import AttentionShape, Planner, find_calibration
 
+from bench_kernels import back_to_back_ms
+
 # (name, text tokens, image tokens, heads): the paper's lengths, then Flux 1024² and Wan 14B 720p
 SHAPES = [(f"seq-{s}", 0, s, 24) for s in (8192, 16384, 32768, 65536)] + [
     ("flux-1024", 512, 4096, 24), ("wan14b-720p", 0, 75600, 40)]
@@ -41,13 +43,7 @@ def timed(fn, group: dist.ProcessGroup, iterations: int) -> float:
         fn()
     torch.cuda.synchronize()
     dist.barrier(group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iterations):
-        fn()
-    end.record()
-    end.synchronize()
-    seconds = torch.tensor([start.elapsed_time(end) * 1e-3 / iterations], device="cuda")
+    seconds = torch.tensor([back_to_back_ms(fn, iterations) * 1e-3], device="cuda")
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
     return seconds.item()
 

@@ -4,7 +4,7 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
     python examples/bench_kernels.py --out docs/benchmarks/kernels-h200 [--calibration FILE]
 
 - own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
-  sweep of tile configurations;
+  sweep of tile configurations; at the e2e benchmark's attention shapes also vs cuDNN back to back (no L2 flush);
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
   local memory): the fused post-all-to-all kernel (scatter epilogue) vs the same kernel storing locally; the
   fused pre-all-to-all store kernels vs a device-to-device copy of the same bytes; and the whole call for
@@ -46,18 +46,34 @@ ATTENTION_SHAPES = [  # (B, H, S, D)
     (1, 24, 4608, 128), (1, 24, 16896, 128), (1, 40, 75600, 128), (1, 5, 75600, 128), (1, 3, 119056, 128),
     (1, 24, 4608, 64), (1, 48, 16896, 64),
 ]
+# the attention layers of the e2e benchmark (Flux 1024², Wan 1.3B 480p), also timed back to back
+IN_STEP_SHAPES = [(1, 24, 4608, 128), (1, 12, 32760, 128)]
 LOOPBACK_SEQ = [8192, 16384, 32768, 65536]
 
 
 ROUNDS = 8
 
 
-def compare_ms(fns: dict) -> dict:
-    """Median ms of each function, timed in ROUNDS alternating rounds (A B C A B C ...)."""
+def back_to_back_ms(fn, calls: int = 10) -> float:
+    """ms per call of `calls` calls issued back to back: no L2 flush in between, so a call finds what the one
+    before left in L2, as an attention call inside a model's step finds its just-written inputs."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def compare_ms(fns: dict, flush: bool = True) -> dict:
+    """Median ms of each function, timed in ROUNDS alternating rounds (A B C A B C ...): do_bench (an L2 flush
+    before every call), or with flush=False back to back."""
     samples = {name: [] for name in fns}
     for _ in range(ROUNDS):
         for name, fn in fns.items():
-            samples[name] += triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="all")
+            samples[name] += (triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="all") if flush
+                              else [back_to_back_ms(fn) for _ in range(5)])
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
@@ -131,6 +147,13 @@ def bench_attention(planner: Planner | None) -> list[dict]:
                                   predicted[0] if name == "cudnn" else None, tflops=flops / ms["ours"] / 1e9,
                                   baseline_tflops=flops / ms[name] / 1e9))
         records.append(record("cudnn_sdpa", (b, s, h, d), ms["cudnn"], "none", None, predicted[1]))
+    for b, h, s, d in IN_STEP_SHAPES:
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ms = compare_ms({"ours": lambda: flash_attention(q, k, v), "cudnn": lambda: cudnn(q, k, v)}, flush=False)
+        flops = AttentionShape(b, s, 0, h, d, 1).flops()
+        records.append(record("xstage_attention (back to back)", (b, s, h, d), ms["ours"],
+                              "cudnn_sdpa (back to back)", ms["cudnn"], tflops=flops / ms["ours"] / 1e9,
+                              baseline_tflops=flops / ms["cudnn"] / 1e9))
     return records
 
 
