@@ -8,7 +8,8 @@ real shapes (no text encoders). Every variant runs the same calls on the same pi
 (stock, xstage, stock, xstage, ...) so that drift of the machine hits both alike. Per step: median wall time
 between step-end callbacks; end to end: one pipeline call (denoising loop, and VAE decode with --decode).
 "stock" runs only in a one-process job: with several ranks it would just repeat the one-GPU work.
-Writes OUT.json (appending records), OUT.md (table) and OUT.png (plot) on the main rank."""
+Writes OUT.json (appending records), OUT.md (table) and OUT.png (plot) on the main rank; with --profile also
+OUT-profile.json and OUT-profile.md (GPU time per step by kernel, variants side by side)."""
 from __future__ import annotations
 
 import argparse
