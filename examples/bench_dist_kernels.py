@@ -11,15 +11,11 @@ Writes OUT.json, OUT.md and OUT.png on the main rank."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import triton
 
 from xstage_dit.kernels.attention import Scatter, flash_attention
 from xstage_dit.runtime import ensure_process_group
@@ -31,6 +27,7 @@ from xstage_dit.sp.fused import first_row
 from xstage_dit.xstage import AttentionShape, Planner, find_calibration
 
 from bench_kernels import back_to_back_ms
+from provenance import provenance
 
 # (name, text tokens, image tokens, heads): the paper's lengths, then Flux 1024² and Wan 14B 720p
 SHAPES = [(f"seq-{s}", 0, s, 24) for s in (8192, 16384, 32768, 65536)] + [
@@ -147,9 +144,7 @@ def main() -> None:
     records = [r for shape in SHAPES if shape[0] in args.shapes
                for r in bench_shape(*shape, group, pool, planner, args.iterations)]
     if dist.get_rank() == 0:
-        env = {"card": card, "date": datetime.date.today().isoformat(), "command": shlex.join(["torchrun", *sys.argv]),
-               "torch": torch.__version__, "triton": triton.__version__,
-               "calibration": calibration.filename if calibration else None,
+        env = {**provenance(), "calibration": calibration.filename if calibration else None,
                "ranks_note": ("ranks share one GPU (a dry run: no scaling or speed claim)" if ranks_share_gpus()
                               else "one rank per GPU")}
         write([{**r, **env} for r in records], Path(args.out))

@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import shlex
 import statistics
-import sys
 from pathlib import Path
 
-import diffusers
 import torch
 
 import xstage_dit
@@ -29,6 +25,7 @@ from xstage_dit import patches, zoo
 from xstage_dit.runtime import world_from_env
 
 from kernel_profile import kernel_times, write_profiles
+from provenance import provenance
 from step_timer import StepTimer
 
 
@@ -52,19 +49,6 @@ def parse_args() -> argparse.Namespace:
                              "step, in OUT-profile.json and OUT-profile.md")
     parser.add_argument("--out", default="bench-e2e", help="output path prefix (.json, .md, .png)")
     return parser.parse_args()
-
-
-def environment() -> dict[str, str]:
-    device = xstage_dit.local_device()
-    return {
-        "card": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", *sys.argv]),
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-        "diffusers": diffusers.__version__,
-        "xstage_dit": xstage_dit.__version__,
-    }
 
 
 class CountTokens:
@@ -129,7 +113,7 @@ def profile_variants(pipe, variants: list[str], call: dict, name: str, steps: in
         with variant_of(pipe, variant):
             kernels = kernel_times(lambda: pipe(**call), steps)
         records.append({"config": name, "variant": variant, "kernels": kernels,
-                        "gpu_ms_per_step": sum(k["ms_per_step"] for k in kernels.values()), **environment()})
+                        "gpu_ms_per_step": sum(k["ms_per_step"] for k in kernels.values()), **provenance()})
     return records
 
 
@@ -195,7 +179,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
             "e2e_s": statistics.median(samples[variant]["totals"]),
             "peak_gib": max(samples[variant]["peak"], default=None),
             "ratio_to_first_variant": step / baseline, "first_variant": variants[0],
-            **environment(),
+            **provenance(),
         })
     return records, profiles
 

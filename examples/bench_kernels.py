@@ -18,12 +18,9 @@ Writes OUT.json (a list of records) and OUT.md."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import shlex
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -41,6 +38,8 @@ from xstage_dit.sp.fused import first_row
 from xstage_dit.sp.overlap import chunked_exchange
 from xstage_dit.sp.reference import serial_exchange
 from xstage_dit.xstage import AttentionShape, Calibration, Planner, find_calibration
+
+from provenance import provenance
 
 ATTENTION_SHAPES = [  # (B, H, S, D)
     (1, 24, 4608, 128), (1, 24, 16896, 128), (1, 40, 75600, 128), (1, 5, 75600, 128), (1, 3, 119056, 128),
@@ -310,8 +309,7 @@ def main() -> None:
     records = tune_attention() + bench_attention(planner)
     if not args.attention_only:
         records += bench_loopback(args.ranks, args.heads, planner)
-    env = {"card": card, "date": datetime.date.today().isoformat(), "command": shlex.join(["python", *sys.argv]),
-           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
+    env = provenance()
     write([{**r, **env} for r in records], Path(args.out), calibration)
 
 

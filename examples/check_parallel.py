@@ -9,9 +9,7 @@ OUT.md on the main rank; exits non-zero if any backend is out of tolerance."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -21,6 +19,8 @@ import torch.distributed as dist
 import xstage_dit
 from xstage_dit import zoo
 from xstage_dit.runtime import world_from_env
+
+from provenance import provenance
 
 TOLERANCE = 3e-2
 
@@ -61,9 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     records = [r for name in args.config for r in check(name, args.backend, args.steps)]
     if xstage_dit.is_main_process():
-        env = {"card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "date": datetime.date.today().isoformat(), "command": shlex.join(["torchrun", *sys.argv]),
-               "torch": torch.__version__}
+        env = provenance()
         records = [{**r, **env} for r in records]
         prefix = Path(args.out)
         prefix.parent.mkdir(parents=True, exist_ok=True)
