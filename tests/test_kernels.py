@@ -13,6 +13,8 @@ pytest.importorskip("triton")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig  # noqa: E402
 from xstage_dit.kernels.loopback import LoopbackUlysses  # noqa: E402
+from xstage_dit.sp.backends import UlyssesLayout  # noqa: E402
+from xstage_dit.sp.fused import first_row  # noqa: E402
 
 # bf16 operands against a float64 reference land between 1e-3 and 1e-2 relative
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
@@ -121,9 +123,10 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
     for rank in range(n_ranks):
         loopback.pre_all_to_all(rank, *(j[rank] for j in joint))
     for rank in range(n_ranks):
-        # rotated: each rank's programs start at its successor's rows (the planner's incast-avoiding order)
-        first_row = text_len + (rank + 1) % n_ranks * local if rotated else 0
-        loopback.attention(rank, seq_len, key_mask=key_mask, first_row=first_row)
+        # rotated: each rank's programs start at its successor's rows (the planner's incast-avoiding order), as
+        # the fused backend places them
+        layout = UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first)
+        loopback.attention(rank, seq_len, key_mask=key_mask, first_row=first_row(layout, rotated))
 
     full = [torch.cat([t, i], dim=1) for t, i in zip(text, image)]
     keep = torch.cat([key_mask, torch.ones(batch, seq_len, dtype=torch.bool, device=device)], dim=1)
