@@ -31,6 +31,7 @@ PLANS = {
     FluxTransformer2DModel: SequenceParallelPlan(
         family="Flux",
         call_site=("diffusers.models.transformers.transformer_flux", routing.DISPATCH),
+        rotary_site="diffusers.models.transformers.transformer_flux",
         attention_modules=_attention_modules,
         cfg=CfgPlan(
             PAIRS,

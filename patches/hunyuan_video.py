@@ -23,6 +23,8 @@ PLANS = {
     HunyuanVideoTransformer3DModel: SequenceParallelPlan(
         family="HunyuanVideo",
         call_site=("diffusers.models.transformers.transformer_hunyuan_video", routing.DISPATCH),
+        # its processor imports apply_rotary_emb from embeddings inside the call
+        rotary_site="diffusers.models.embeddings",
         attention_modules=lambda model: [b.attn for b in (*model.transformer_blocks, *model.single_transformer_blocks)],
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.video_output_shape,
                     pipeline_uses_cfg=cfg_rules.true_cfg_with_pooled_negatives),

@@ -8,6 +8,7 @@ from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
 from xstage_dit import zoo
+from xstage_dit.sp import ops
 from xstage_dit.sp.sharding import SequenceShard
 
 
@@ -65,16 +66,19 @@ def test_bad_degrees_and_backends(flux_pipe, world, kwargs, message):
 def test_enable_twice_is_refused_and_disable_restores_exactly(flux_pipe):
     model = flux_pipe.transformer
     original_dispatch = transformer_flux.dispatch_attention_fn
+    original_rotary = transformer_flux.apply_rotary_emb
     attention = [block.attn for block in model.transformer_blocks]
     xstage_dit.enable(flux_pipe)
     try:
         assert transformer_flux.dispatch_attention_fn is not original_dispatch
+        assert transformer_flux.apply_rotary_emb is not original_rotary
         assert all(a._forward_pre_hooks for a in attention)
         with pytest.raises(RuntimeError, match="already called"):
             xstage_dit.enable(flux_pipe)
     finally:
         xstage_dit.disable(flux_pipe)
     assert transformer_flux.dispatch_attention_fn is original_dispatch
+    assert transformer_flux.apply_rotary_emb is original_rotary
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert not any(a._forward_pre_hooks or a._forward_hooks for a in attention)
 
@@ -93,6 +97,43 @@ def test_single_process_output_is_unchanged(flux_pipe):
         torch.testing.assert_close(generate(), stock, rtol=1e-5, atol=1e-6)
     finally:
         xstage_dit.disable(flux_pipe)
+
+
+@pytest.mark.parametrize("fuse_rope", [True, False])
+def test_rope_runs_our_kernel_unless_asked_not_to(flux_pipe, monkeypatch, fuse_rope):
+    """Under Triton's interpreter (no GPU) the routed apply_rotary_emb runs xstage::rotary_emb: the output stays
+    the stock one, and `fuse_rope=False` leaves diffusers' code in place."""
+    calls = []
+    kernel = ops.rotary_emb
+    monkeypatch.setattr(ops, "rotary_emb", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    kwargs = zoo.call_kwargs("tiny-flux", height=20, width=28, num_frames=1, steps=1, guidance=2.0)
+
+    def generate():
+        return flux_pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=0), output_type="latent",
+                         generator=torch.Generator().manual_seed(0), return_dict=False)[0]
+
+    stock = generate()
+    model = flux_pipe.transformer
+    model_calls = []
+    counter = model.register_forward_hook(lambda *_: model_calls.append(1))
+    xstage_dit.enable(flux_pipe, fuse_rope=fuse_rope)
+    try:
+        torch.testing.assert_close(generate(), stock, rtol=1e-5, atol=1e-6)
+    finally:
+        xstage_dit.disable(flux_pipe)
+        counter.remove()
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    # query and key of every block in every model call
+    assert len(calls) == (2 * blocks * len(model_calls) if fuse_rope else 0)
+
+
+def test_rope_inputs_the_kernel_cannot_take_run_diffusers_code(caplog):
+    """Float64 tables: the routed call warns once and runs diffusers' apply_rotary_emb."""
+    x = torch.randn(1, 6, 2, 8)
+    cos, sin = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    with caplog.at_level("WARNING", logger="xstage_dit"):
+        assert not ops.rotary_kernel_runs(x, cos, sin, 1)
+    assert "RoPE kernel does not take" in caplog.text
 
 
 @pytest.mark.parametrize("length, degree", [(12, 4), (35, 4), (5, 3), (2, 4)])

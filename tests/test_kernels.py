@@ -151,3 +151,40 @@ def test_fused_loopback_interpreted(n_ranks, seq_len, text_first, rotated):
 @pytest.mark.parametrize("rotated", [False, True])
 def test_fused_loopback_on_gpu(n_ranks, text_first, rotated):
     _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, rotated)
+
+
+def _check_rotary(device, dtype, shape, sequence_dim, strided, tolerance):
+    """Our RoPE kernel against diffusers' apply_rotary_emb on fresh random inputs."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    from xstage_dit.kernels.rotary import rotary_interleaved
+
+    x = torch.randn(*shape, device=device, dtype=torch.float32)
+    if strided:  # a slice along the tokens, as HunyuanVideo rotates its image tokens
+        x = x.narrow(sequence_dim, 1, shape[sequence_dim] - 2)
+    x = x.to(dtype)
+    tokens, head_dim = x.shape[sequence_dim], x.shape[-1]
+    cos, sin = (torch.randn(tokens, head_dim, device=device) for _ in range(2))
+    out = rotary_interleaved(x, cos, sin, sequence_dim)
+    # the float32 result diffusers' code rounds once, as the kernel does
+    ref = apply_rotary_emb(x.float(), (cos, sin), sequence_dim=sequence_dim)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    error = ((out.float() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+    assert error <= tolerance, f"max relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("shape, sequence_dim", [((2, 37, 3, 128), 1), ((1, 5, 19, 64), 2), ((1, 300, 4, 16), 1)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rotary_interpreted(shape, sequence_dim, strided):
+    _check_rotary("cpu", torch.float32, shape, sequence_dim, strided, tolerance=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, sequence_dim", [((1, 4608, 24, 128), 1), ((2, 24, 1001, 128), 2),
+                                                 ((1, 4097, 3, 64), 1)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rotary_on_gpu(dtype, shape, sequence_dim, strided):
+    # one rounding to bf16 / fp16 (half an ulp of the result), plus a margin for float32 reassociation
+    half_ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    _check_rotary("cuda", dtype, shape, sequence_dim, strided, tolerance=1.05 * half_ulp)

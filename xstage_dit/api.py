@@ -47,7 +47,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _resolve_config(
-    models: list[nn.Module], ulysses_degree: int | None, cfg_degree: int, backend: str, timeout_s: float
+    models: list[nn.Module], ulysses_degree: int | None, cfg_degree: int, backend: str, timeout_s: float,
+    fuse_rope: bool,
 ) -> XStageConfig:
     """Check every argument against the job and the models, before any collective."""
     world_size, _ = world_from_env()
@@ -76,7 +77,7 @@ def _resolve_config(
                 f"{type(model).__name__} has {heads} attention heads, which ulysses_degree={ulysses_degree} "
                 f"cannot split; degrees that divide {heads} and the world size {world_size}: {working}"
             )
-    return XStageConfig(ulysses_degree, cfg_degree, resolve_backend(backend, local_device()), timeout_s)
+    return XStageConfig(ulysses_degree, cfg_degree, resolve_backend(backend, local_device()), timeout_s, fuse_rope)
 
 
 def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.device) -> None:
@@ -94,18 +95,20 @@ def enable(
     cfg_degree: int = 1,
     backend: str = "auto",
     timeout_s: float = 600.0,
+    fuse_rope: bool = True,
 ) -> Any:
     """Run `pipe`'s transformer(s) with Ulysses sequence parallelism across the job's ranks; returns `pipe`.
 
     `pipe` is a diffusers pipeline (its `transformer` and `transformer_2` are patched) or a bare diffusers
     transformer. Under torchrun / accelerate the default process group is started if the caller has not;
     in a single process the model runs unsplit with xstage_dit's attention. Every rank must make the same
-    calls with the same inputs; every rank gets the whole result."""
+    calls with the same inputs; every rank gets the whole result. `fuse_rope=False` keeps diffusers' own
+    rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU)."""
     models = _transformers_of(pipe)
     for model in models:
         if hasattr(model, _STATE_ATTR):
             raise RuntimeError(f"xstage_dit.enable was already called on this {type(model).__name__}")
-    config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s)
+    config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope)
     ensure_process_group(config.timeout_s)
     groups = build_groups(config.cfg_degree, config.ulysses_degree)
     _move_to_rank_device(pipe, models, groups.device)
@@ -118,7 +121,7 @@ def enable(
     for model in models:
         plan = patches.plan_for(model)
         shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
-        attention = UlyssesAttention(shard, config.backend, plan.text_first)
+        attention = UlyssesAttention(shard, config.backend, plan.text_first, config.fuse_rope)
         parts: list[Any] = [AppliedPlan(model, plan, attention)]
         if groups.cfg_degree > 1:
             parts.append(CfgSplit(model, plan.cfg, groups, pairs))

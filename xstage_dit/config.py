@@ -12,9 +12,11 @@ class XStageConfig:
     cfg_degree: groups of ranks that split the classifier-free-guidance branches.
     backend: how Ulysses moves data; see `xstage_dit.sp.backends.available_backends()`.
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
+    fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU).
     """
 
     ulysses_degree: int
     cfg_degree: int = 1
     backend: str = "auto"
     timeout_s: float = 600.0
+    fuse_rope: bool = True

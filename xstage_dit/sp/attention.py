@@ -10,12 +10,14 @@ from .sharding import SequenceShard
 
 
 class UlyssesAttention:
-    """Ulysses attention for one model: knows the model's token split and the backend, not the model."""
+    """Ulysses attention for one model: knows the model's token split and the backend, not the model.
+    `fuse_rope`: the model's routed `apply_rotary_emb` calls run xstage::rotary_emb (see routing.ROTARY)."""
 
-    def __init__(self, shard: SequenceShard, backend: str, text_first: bool = True) -> None:
+    def __init__(self, shard: SequenceShard, backend: str, text_first: bool = True, fuse_rope: bool = True) -> None:
         self.shard = shard
         self.text_first = text_first
         self.backend_name = backend
+        self.fuse_rope = fuse_rope
 
     def __call__(
         self,

@@ -1,11 +1,19 @@
-"""Ulysses attention as a `torch.library` custom op, so that a patched transformer compiles (e.g. diffusers'
-`compile_repeated_blocks`) with the attention and its communication as one opaque node: no graph break, and
-the compiler never traces collectives or symmetric-memory kernels."""
+"""The custom ops a patched model's routed calls run, as `torch.library` ops so that a patched transformer
+compiles (e.g. diffusers' `compile_repeated_blocks`) with each as one opaque node: no graph break, and the
+compiler never traces collectives, symmetric-memory kernels or our Triton kernels.
+
+- xstage::ulysses_attention: Ulysses attention and its communication;
+- xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY)."""
 from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ..logging_utils import warn_once
 from ..runtime.symmetric import SymmetricPool
 from .auto import choose
 from .backends import UlyssesLayout, get_backend
@@ -40,3 +48,37 @@ def ulysses_attention(
 def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, text_first, backend, group_name,
       scale):
     return torch.empty_like(query)
+
+
+# Triton kernels run on CPU tensors only in Triton's interpreter (the CPU tests)
+_TRITON_RUNS_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _rotary_kernel() -> ModuleType | None:
+    try:
+        from ..kernels import rotary
+    except ImportError:  # Triton is optional: without it diffusers' code runs
+        return None
+    return rotary
+
+
+def rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> bool:
+    """Whether xstage::rotary_emb takes these inputs; on a GPU, inputs it cannot take are said once."""
+    if _rotary_kernel() is None or not (x.is_cuda or _TRITON_RUNS_ON_CPU):
+        return False
+    if _rotary_kernel().rotary_accepts(x, cos, sin, sequence_dim):
+        return True
+    warn_once(f"xstage_dit: the RoPE kernel does not take x {tuple(x.shape)} {x.dtype} with tables "
+              f"{tuple(cos.shape)} {cos.dtype}; running diffusers' apply_rotary_emb")
+    return False
+
+
+@torch.library.custom_op("xstage::rotary_emb", mutates_args=())
+def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
+    return _rotary_kernel().rotary_interleaved(x, cos, sin, sequence_dim)
+
+
+@rotary_emb.register_fake
+def _(x, cos, sin, sequence_dim):
+    return torch.empty_like(x)

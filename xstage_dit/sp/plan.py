@@ -29,6 +29,8 @@ class SequenceParallelPlan:
         `num_attention_heads`, which every diffusers DiT has).
     cfg: how the family's pipelines run classifier-free guidance, for CFG parallelism.
     call_site: (diffusers module, routing.DISPATCH or routing.SDPA): the name the processors call attention by.
+    rotary_site: the diffusers module whose processors call `apply_rotary_emb` by name, routed to our RoPE
+        kernel (routing.ROTARY); None where the family rotates some other way.
     text_first: joint attention puts the replicated text tokens before the image tokens (else after).
     check_model: raises, at enable time, for a model configuration the plan cannot shard.
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
@@ -43,6 +45,7 @@ class SequenceParallelPlan:
     shard_inputs: dict[str, dict[str, int]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_outputs: dict[str, int] = field(default_factory=dict)
+    rotary_site: str | None = None
     text_first: bool = True
     check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
@@ -130,6 +133,9 @@ class AppliedPlan:
         for module in plan.attention_modules(model):
             self._hooks += routing.mark_active(module, attention)
         routing.route(*plan.call_site)
+        self._rotary_routed = plan.rotary_site is not None and attention.fuse_rope
+        if self._rotary_routed:
+            routing.route(plan.rotary_site, routing.ROTARY)
 
     def remove(self) -> None:
         for handle in self._hooks:
@@ -137,3 +143,5 @@ class AppliedPlan:
         for change in reversed(self._installed):
             change.remove()
         routing.unroute(*self.plan.call_site)
+        if self._rotary_routed:
+            routing.unroute(self.plan.rotary_site, routing.ROTARY)

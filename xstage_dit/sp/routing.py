@@ -2,7 +2,7 @@
 
 diffusers' processors call either `dispatch_attention_fn` (Flux, Wan, HunyuanVideo, QwenImage, LTX) or
 `F.scaled_dot_product_attention` (SD3, CogVideoX, HiDream) by name in their module. We rebind that name to a
-router, and forward hooks on each routed attention module mark it active while it runs: calls made inside an
+router (and, where a family's plan names it, `apply_rotary_emb` to one that runs our RoPE kernel), and forward hooks on each routed attention module mark it active while it runs: calls made inside an
 active module go to its `UlyssesAttention`; every other call (text refiners, cross-attention, VAEs, models that
 are not enabled) goes to diffusers or torch unchanged. No processor code is copied. Bindings are
 reference-counted, so several enabled models share them and the last `unroute` restores the original."""
@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import ops
 from .attention import UlyssesAttention
 
 _active: UlyssesAttention | None = None
@@ -24,6 +25,7 @@ _routed: dict[tuple[str, str], tuple[Any, int]] = {}
 # the kinds of call sites, and the module attribute a processor looks them up by
 DISPATCH = "dispatch_attention_fn"
 SDPA = "F"
+ROTARY = "apply_rotary_emb"
 
 
 def _dispatch_router(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,11 +62,22 @@ def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
     return RoutedFunctional("torch.nn.functional (xstage_dit-routed)")
 
 
-_ROUTERS = {DISPATCH: _dispatch_router, SDPA: _sdpa_router}
+def _rotary_router(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+        if (_active is not None and _active.fuse_rope and use_real and use_real_unbind_dim == -1
+                and ops.rotary_kernel_runs(x, *freqs_cis, sequence_dim)):
+            return ops.rotary_emb(x, *freqs_cis, sequence_dim)
+        return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+
+    return apply_rotary_emb
+
+
+_ROUTERS = {DISPATCH: _dispatch_router, SDPA: _sdpa_router, ROTARY: _rotary_router}
 
 
 def route(module_name: str, kind: str) -> None:
-    """Rebind `kind` (DISPATCH or SDPA) in `module_name` to its router (idempotent, counted)."""
+    """Rebind `kind` (DISPATCH, SDPA or ROTARY) in `module_name` to its router (idempotent, counted)."""
     key = (module_name, kind)
     if key in _routed:
         original, count = _routed[key]
