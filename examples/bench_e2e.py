@@ -28,6 +28,8 @@ from kernel_profile import kernel_times, write_profiles
 from provenance import provenance
 from step_timer import StepTimer
 
+DIFFUSERS_ROPE = "+diffusers-rope"  # backend-name suffix: that backend with enable(fuse_rope=False)
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,7 +40,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per timed call")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per variant (after one warm-up)")
     parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale; >1 doubles transformer calls")
-    parser.add_argument("--backend", nargs="+", default=["reference"], help="xstage_dit backends to time")
+    parser.add_argument("--backend", nargs="+", default=["reference"],
+                        help="xstage_dit backends to time; a name ending in " + DIFFUSERS_ROPE + " runs that backend "
+                             "with diffusers' own RoPE code (enable(fuse_rope=False))")
     parser.add_argument("--diffusers-cp", action="store_true",
                         help="with several ranks on GPUs, also time diffusers' own "
                              "ContextParallelConfig(ulysses_degree=N) on its cuDNN attention backend (a fresh copy "
@@ -77,11 +81,13 @@ def time_call(pipe, call: dict, device: torch.device) -> tuple[list[float], floa
 
 @contextlib.contextmanager
 def variant_of(pipe, variant: str):
-    """The pipeline as `variant` runs it: "xstage-<backend>" enables xstage_dit for the block."""
+    """The pipeline as `variant` runs it: "xstage-<backend>[+diffusers-rope]" enables xstage_dit for the block."""
     if not variant.startswith("xstage-"):
         yield
         return
-    xstage_dit.enable(pipe, backend=variant.removeprefix("xstage-"))
+    backend = variant.removeprefix("xstage-")
+    fuse_rope = not backend.endswith(DIFFUSERS_ROPE)
+    xstage_dit.enable(pipe, backend=backend.removesuffix(DIFFUSERS_ROPE), fuse_rope=fuse_rope)
     try:
         yield
     finally:

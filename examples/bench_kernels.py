@@ -3,6 +3,7 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
 
     python examples/bench_kernels.py --out docs/benchmarks/kernels-h200 [--calibration FILE]
 
+- the RoPE kernel vs diffusers' apply_rotary_emb on q/k of the e2e benchmark's attention shapes, back to back;
 - own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
   sweep of tile configurations; at the e2e benchmark's attention shapes also vs cuDNN back to back (no L2 flush);
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
@@ -26,12 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from diffusers.models.embeddings import apply_rotary_emb
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xstage_dit.kernels.all_to_all import scatter_heads
 from xstage_dit.kernels.attention import TileConfig, flash_attention
 from xstage_dit.kernels.attention_hopper import HopperConfig
 from xstage_dit.kernels.loopback import LoopbackUlysses
+from xstage_dit.kernels.rotary import rotary_interleaved
 from xstage_dit.sp.backends import UlyssesLayout
 from xstage_dit.sp.exchange import InFlight
 from xstage_dit.sp.fused import first_row
@@ -153,6 +156,22 @@ def bench_attention(planner: Planner | None) -> list[dict]:
         records.append(record("xstage_attention (back to back)", (b, s, h, d), ms["ours"],
                               "cudnn_sdpa (back to back)", ms["cudnn"], tflops=flops / ms["ours"] / 1e9,
                               baseline_tflops=flops / ms["cudnn"] / 1e9))
+    return records
+
+
+def bench_rotary() -> list[dict]:
+    """Our one-pass RoPE kernel vs diffusers' apply_rotary_emb (what a patched model's routed call replaces) on
+    q/k tensors of the e2e benchmark's attention shapes, back to back as inside a step."""
+    records = []
+    for b, h, s, d in IN_STEP_SHAPES:
+        x = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        cos, sin = (torch.randn(s, d, device="cuda") for _ in range(2))
+        ms = compare_ms({"ours": lambda: rotary_interleaved(x, cos, sin, 1),
+                         "diffusers": lambda: apply_rotary_emb(x, (cos, sin), sequence_dim=1)}, flush=False)
+        moved = 2 * x.numel() * x.element_size() + 2 * cos.numel() * cos.element_size()  # x in, out, tables
+        records.append(record("rotary_emb (back to back)", (b, s, h, d), ms["ours"],
+                              "diffusers apply_rotary_emb (back to back)", ms["diffusers"],
+                              gb_per_s=moved / ms["ours"] / 1e6))
     return records
 
 
@@ -306,7 +325,7 @@ def main() -> None:
     calibration = (Calibration.load(args.calibration) if args.calibration
                    else find_calibration(card, 1, "loopback"))
     planner = Planner.from_calibration(calibration) if calibration else None
-    records = tune_attention() + bench_attention(planner)
+    records = tune_attention() + bench_attention(planner) + bench_rotary()
     if not args.attention_only:
         records += bench_loopback(args.ranks, args.heads, planner)
     env = provenance()
