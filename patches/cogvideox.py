@@ -15,6 +15,8 @@ PLANS = {
     CogVideoXTransformer3DModel: SequenceParallelPlan(
         family="CogVideoX",
         call_site=("diffusers.models.attention_processor", routing.SDPA),
+        # its processor imports apply_rotary_emb from embeddings inside the call
+        rotary_site="diffusers.models.embeddings",
         attention_modules=lambda model: [block.attn1 for block in model.transformer_blocks],
         cfg=CfgPlan(BATCH, batch_inputs={"hidden_states": 0, "encoder_hidden_states": 0, "timestep": 0,
                                          "ofs": 0}),
