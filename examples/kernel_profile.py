@@ -33,14 +33,14 @@ def write_profiles(records: list[dict], prefix: Path) -> None:
     prefix.with_name(prefix.name + "-profile.json").write_text(json.dumps(records, indent=1) + "\n")
     env = records[0]
     lines = [f"# GPU time by kernel per denoising step: {env['card']}, {env['date']}", "",
-             f"torch {env['torch']}, diffusers {env['diffusers']}; `{env['command']}` (one profiled call per "
-             "variant, after the timed ones). Milliseconds of kernel time per step (calls per step).", ""]
+             f"torch {env['torch']}, diffusers {env['diffusers']}; one profiled call per variant, after the timed "
+             "ones. Milliseconds of kernel time per step (calls per step).", ""]
     for config in dict.fromkeys(r["config"] for r in records):
         rows = [r for r in records if r["config"] == config]
         names = sorted({name for r in rows for name in r["kernels"]},
                        key=lambda name: -max(r["kernels"].get(name, {"ms_per_step": 0})["ms_per_step"] for r in rows))
-        lines += [f"## {config}", "", "| kernel | " + " | ".join(r["variant"] for r in rows) + " |",
-                  "|---" * (len(rows) + 1) + "|"]
+        lines += [f"## {config}", "", f"`{rows[0]['command']}`", "",
+                  "| kernel | " + " | ".join(r["variant"] for r in rows) + " |", "|---" * (len(rows) + 1) + "|"]
         for name in names[:TOP]:
             cells = [f"{k['ms_per_step']:.2f} ({k['calls_per_step']:.0f})" if (k := r["kernels"].get(name)) else "-"
                      for r in rows]
