@@ -3,7 +3,7 @@
 out[..., 2i] = x[2i] cos[2i] - x[2i+1] sin[2i];  out[..., 2i+1] = x[2i+1] cos[2i+1] + x[2i] sin[2i+1]
 
 in float32, rounded once to x's dtype: diffusers' `apply_rotary_emb(use_real=True, use_real_unbind_dim=-1)`
-computes the same with seven elementwise kernels and float32 temporaries (about 12x the bytes of x moved);
+computes the same with nine kernels over float32 temporaries (over ten times the bytes of x moved);
 this kernel reads x and the tables once and writes the result once."""
 from __future__ import annotations
 
