@@ -101,11 +101,11 @@ def test_single_process_output_is_unchanged(flux_pipe):
 
 @pytest.mark.parametrize("fuse_rope", [True, False])
 def test_rope_runs_our_kernel_unless_asked_not_to(flux_pipe, monkeypatch, fuse_rope):
-    """Under Triton's interpreter (no GPU) the routed apply_rotary_emb runs xstage::rotary_emb: the output stays
+    """Under Triton's interpreter (no GPU) the routed apply_rotary_emb runs our RoPE kernel: the output stays
     the stock one, and `fuse_rope=False` leaves diffusers' code in place."""
     calls = []
-    kernel = ops.rotary_emb
-    monkeypatch.setattr(ops, "rotary_emb", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    kernel = ops.rotary
+    monkeypatch.setattr(ops, "rotary", lambda *args: calls.append(args[0].shape) or kernel(*args))
     kwargs = zoo.call_kwargs("tiny-flux", height=20, width=28, num_frames=1, steps=1, guidance=2.0)
 
     def generate():

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ELEMENTS_PER_PROGRAM = 4096  # (rows of one head) x head_dim per program: 8 KiB of bf16 in, 8 KiB out
 
 
@@ -39,11 +40,14 @@ def _rotary_kernel(X, Cos, Sin, Out, rows, seq, heads,
 def rotary_accepts(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> bool:
     """Whether `rotary_interleaved` runs these inputs: a 4-D x with a power-of-two head_dim (last, contiguous)
     and float32 (S, head_dim) tables for its S tokens."""
-    return (x.dim() == 4 and sequence_dim in (1, 2) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and x.stride(-1) == 1 and x.shape[-1] >= 2 and x.shape[-1] & (x.shape[-1] - 1) == 0
-            and all(t.dtype == torch.float32 and t.shape == (x.shape[sequence_dim], x.shape[-1])
-                    and t.stride() == cos.stride() and t.stride(-1) == 1 and t.device == x.device
-                    for t in (cos, sin)))
+    # checked on every routed call: plain comparisons, cheap on the host
+    head_dim = x.shape[-1]
+    return (x.dim() == 4 and sequence_dim in (1, 2) and x.dtype in _DTYPES and x.stride(-1) == 1
+            and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and cos.shape == sin.shape == (x.shape[sequence_dim], head_dim)
+            and cos.stride() == sin.stride() and cos.stride(-1) == 1
+            and cos.device == x.device and sin.device == x.device)
 
 
 def rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int = 1) -> torch.Tensor:

@@ -67,7 +67,7 @@ def _rotary_router(original: Callable[..., Any]) -> Callable[..., Any]:
     def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
         if (_active is not None and _active.fuse_rope and use_real and use_real_unbind_dim == -1
                 and ops.rotary_kernel_runs(x, *freqs_cis, sequence_dim)):
-            return ops.rotary_emb(x, *freqs_cis, sequence_dim)
+            return ops.rotary(x, *freqs_cis, sequence_dim)
         return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
 
     return apply_rotary_emb
