@@ -4,6 +4,7 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
     python examples/bench_kernels.py --out docs/benchmarks/kernels-h200 [--calibration FILE]
 
 - the RoPE kernel vs diffusers' apply_rotary_emb on q/k of the e2e benchmark's attention shapes, back to back;
+- host time per call (GPU kept busy) of our degree-1 attention entry and routed RoPE vs what they replace;
 - own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
   sweep of tile configurations; at the e2e benchmark's attention shapes also vs cuDNN back to back (no L2 flush);
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
@@ -22,11 +23,13 @@ import argparse
 import functools
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -35,9 +38,10 @@ from xstage_dit.kernels.attention import TileConfig, flash_attention
 from xstage_dit.kernels.attention_hopper import HopperConfig
 from xstage_dit.kernels.loopback import LoopbackUlysses
 from xstage_dit.kernels.rotary import rotary_interleaved
+from xstage_dit.sp import ops
 from xstage_dit.sp.backends import UlyssesLayout
 from xstage_dit.sp.exchange import InFlight
-from xstage_dit.sp.fused import first_row
+from xstage_dit.sp.fused import first_row, flash_attention_bshd
 from xstage_dit.sp.overlap import chunked_exchange
 from xstage_dit.sp.reference import serial_exchange
 from xstage_dit.xstage import AttentionShape, Calibration, Planner, find_calibration
@@ -54,6 +58,7 @@ LOOPBACK_SEQ = [8192, 16384, 32768, 65536]
 
 
 ROUNDS = 8
+PARTS = ("tuning", "attention", "rotary", "host", "loopback")  # the row groups, in the order they run
 
 
 def back_to_back_ms(fn, calls: int = 10) -> float:
@@ -173,6 +178,43 @@ def bench_rotary() -> list[dict]:
                               "diffusers apply_rotary_emb (back to back)", ms["diffusers"],
                               gb_per_s=moved / ms["ours"] / 1e6))
     return records
+
+
+def host_ms(fn, calls: int = 40) -> float:
+    """Host time per call in ms: `calls` calls issued while the GPU sleeps, so that launches only queue (the
+    median of ROUNDS rounds)."""
+    fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(ROUNDS):
+        torch.cuda._sleep(400_000_000)  # about 0.2 s of GPU time, far longer than the calls take to issue
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def bench_host() -> list[dict]:
+    """Host time per call at Flux's attention shape: what the CPU spends issuing our kernels as a patched model
+    calls them (the degree-1 attention entry, the routed RoPE with its input check) against the calls they
+    replace (cuDNN SDPA as diffusers' dispatcher makes it, diffusers' apply_rotary_emb). Where a step is
+    host-bound (short attention calls at high degrees, small elementwise kernels) this is what it pays."""
+    b, h, s, d = IN_STEP_SHAPES[0]
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cos, sin = (torch.randn(s, d, device="cuda") for _ in range(2))
+
+    def routed_rope():
+        return ops.rotary_kernel_runs(q, cos, sin, 1) and ops.rotary(q, cos, sin, 1)
+
+    pairs = [("attention, fused backend at degree 1 (host)", lambda: flash_attention_bshd(q, k, v, None, None),
+              "diffusers dispatch_attention_fn, stock (host)", lambda: dispatch_attention_fn(q, k, v)),
+             ("rotary_emb routed (host)", routed_rope,
+              "diffusers apply_rotary_emb (host)", lambda: apply_rotary_emb(q, (cos, sin), sequence_dim=1)),
+             ("rotary_emb custom op (host)", lambda: ops.rotary_emb(q, cos, sin, 1),
+              "rotary_emb routed (host)", routed_rope)]
+    return [record(name, (b, s, h, d), host_ms(fn), base_name, host_ms(base)) for name, fn, base_name, base in pairs]
 
 
 class StreamCopy:
@@ -319,15 +361,16 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--calibration", type=Path, help="default: this GPU's loopback calibration, if any")
-    parser.add_argument("--attention-only", action="store_true", help="tuning and attention rows, no loopback")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS),
+                        help="which row groups to run (default: all)")
     args = parser.parse_args()
     card = torch.cuda.get_device_name()
     calibration = (Calibration.load(args.calibration) if args.calibration
                    else find_calibration(card, 1, "loopback"))
     planner = Planner.from_calibration(calibration) if calibration else None
-    records = tune_attention() + bench_attention(planner) + bench_rotary()
-    if not args.attention_only:
-        records += bench_loopback(args.ranks, args.heads, planner)
+    parts = {"tuning": tune_attention, "attention": lambda: bench_attention(planner), "rotary": bench_rotary,
+             "host": bench_host, "loopback": lambda: bench_loopback(args.ranks, args.heads, planner)}
+    records = [row for part in args.parts for row in parts[part]()]
     env = provenance()
     write([{**r, **env} for r in records], Path(args.out), calibration)
 
