@@ -19,6 +19,7 @@ import torch.distributed as dist
 import xstage_dit
 from xstage_dit import zoo
 from xstage_dit.runtime import world_from_env
+from xstage_dit.runtime.symmetric import SymmetricPool
 
 from provenance import provenance
 
@@ -48,7 +49,8 @@ def check(name: str, backends: list[str], steps: int) -> list[dict]:
             dist.all_reduce(error, op=dist.ReduceOp.MAX)
         records.append({"config": name, **size, "steps": steps, "backend": backend,
                         "world_size": world_from_env()[0], "relative_error": error.item(),
-                        "tolerance": TOLERANCE, "ok": error.item() < TOLERANCE})
+                        "tolerance": TOLERANCE, "ok": error.item() < TOLERANCE,
+                        "symmetric_memory": SymmetricPool.backends_in_use()})
     return records
 
 
@@ -67,10 +69,12 @@ def main() -> None:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
         lines = [f"# Parallel vs single-GPU: {env['card']}, {env['date']}", "", f"`{env['command']}`", "",
-                 "| config | size | ranks | backend | max relative error over ranks | tolerance | ok |",
-                 "|---|---|---|---|---|---|---|"]
+                 "| config | size | ranks | backend | symmetric memory | max relative error over ranks | tolerance "
+                 "| ok |",
+                 "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['world_size']} | "
-                  f"{r['backend']} | {r['relative_error']:.2e} | {r['tolerance']:.0e} | {r['ok']} |" for r in records]
+                  f"{r['backend']} | {', '.join(r['symmetric_memory']) or '-'} | {r['relative_error']:.2e} | "
+                  f"{r['tolerance']:.0e} | {r['ok']} |" for r in records]
         prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
     if not all(r["ok"] for r in records):

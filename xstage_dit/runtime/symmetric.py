@@ -56,7 +56,7 @@ class SymmetricPool:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = timeout_s
-        backend = _choose_backend()
+        self.backend = backend = _choose_backend()
         if backend == "NVSHMEM":  # CUDA is torch's default allocation backend (and not selectable by name)
             symm_mem.set_backend(backend)
         logger.info("xstage_dit: symmetric memory backend %s for a group of %d ranks", backend, self.world_size)
@@ -77,6 +77,11 @@ class SymmetricPool:
     @classmethod
     def exists(cls, group_name: str) -> bool:
         return group_name in _POOLS
+
+    @staticmethod
+    def backends_in_use() -> list[str]:
+        """The symmetric-memory backends of this process's pools (for benchmark records)."""
+        return sorted({pool.backend for pool in _POOLS.values()})
 
     @classmethod
     def of(cls, group: dist.ProcessGroup) -> "SymmetricPool":
