@@ -8,7 +8,7 @@ from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
 from xstage_dit import zoo
-from xstage_dit.sp import ops
+from xstage_dit.sp import ops, routing
 from xstage_dit.sp.sharding import SequenceShard
 
 
@@ -125,6 +125,33 @@ def test_rope_runs_our_kernel_unless_asked_not_to(flux_pipe, monkeypatch, fuse_r
     blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
     # query and key of every block in every model call
     assert len(calls) == (2 * blocks * len(model_calls) if fuse_rope else 0)
+
+
+def test_routed_rope_leaves_other_conventions_to_diffusers(flux_pipe):
+    """Inside a routed module, rotations our kernel does not implement (halves instead of interleaved pairs) run
+    diffusers' own code."""
+    x = torch.randn(1, 6, 2, 8)
+    cos, sin = torch.randn(6, 8), torch.randn(6, 8)
+    expected = transformer_flux.apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-2, sequence_dim=1)
+    xstage_dit.enable(flux_pipe)
+    try:
+        routed = transformer_flux.apply_rotary_emb
+        attention = flux_pipe.transformer.transformer_blocks[0].attn
+        seen = []
+
+        def rotate_while_active(module, args):  # runs after enable's hook marked the module active
+            seen.append((routing._active is not None, routed(x, (cos, sin), use_real_unbind_dim=-2, sequence_dim=1)))
+
+        hook = attention.register_forward_pre_hook(rotate_while_active)
+        try:
+            attention(torch.randn(1, 6, attention.query_dim), torch.randn(1, 3, attention.query_dim))
+        finally:
+            hook.remove()
+    finally:
+        xstage_dit.disable(flux_pipe)
+    active, out = seen[0]
+    assert active
+    torch.testing.assert_close(out, expected)
 
 
 def test_rope_inputs_the_kernel_cannot_take_run_diffusers_code(caplog):
