@@ -159,10 +159,9 @@ def _check_rotary(device, dtype, shape, sequence_dim, strided, tolerance):
 
     from xstage_dit.kernels.rotary import rotary_interleaved
 
-    x = torch.randn(*shape, device=device, dtype=torch.float32)
-    if strided:  # a slice along the tokens, as HunyuanVideo rotates its image tokens
-        x = x.narrow(sequence_dim, 1, shape[sequence_dim] - 2)
-    x = x.to(dtype)
+    x = torch.randn(*shape, device=device, dtype=dtype)
+    if strided:  # a slice along the tokens, as HunyuanVideo rotates its image tokens: an offset view, strided
+        x = x.narrow(sequence_dim, 1, shape[sequence_dim] - 2)  # where there is more than one batch
     tokens, head_dim = x.shape[sequence_dim], x.shape[-1]
     cos, sin = (torch.randn(tokens, head_dim, device=device) for _ in range(2))
     out = rotary_interleaved(x, cos, sin, sequence_dim)
@@ -173,7 +172,7 @@ def _check_rotary(device, dtype, shape, sequence_dim, strided, tolerance):
     assert error <= tolerance, f"max relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("shape, sequence_dim", [((2, 37, 3, 128), 1), ((1, 5, 19, 64), 2), ((1, 300, 4, 16), 1)])
+@pytest.mark.parametrize("shape, sequence_dim", [((2, 37, 3, 128), 1), ((2, 5, 19, 64), 2), ((1, 300, 4, 16), 1)])
 @pytest.mark.parametrize("strided", [False, True])
 def test_rotary_interpreted(shape, sequence_dim, strided):
     _check_rotary("cpu", torch.float32, shape, sequence_dim, strided, tolerance=1e-6)
