@@ -4,8 +4,11 @@
 #   "correctness"      parallel vs single-GPU results, reference and fused, N = 2, 4, ..., G (Flux 1024², Wan 1.3B 480p)
 #   "calibrate"        xstage-dit calibrate (loopback, and rank 0 -> rank 1 over the real link); builds csrc/
 #   "kernels"          attention + post-all-to-all at N = G: attention only / serial / fused, planner predictions
-#   "e2e CONFIG N..."  bench_e2e at each N: stock (N = 1), xstage reference / fused / auto, diffusers' own Ulysses
-# Planned for 8 H200s (estimates, never run), 30 minutes of device time in four calls:
+#   "e2e CONFIG N..."  bench_e2e at each N: stock (N = 1), xstage reference / fused / auto, diffusers' own Ulysses,
+#                      and rank 0's GPU time per step by kernel (--profile): wall minus GPU time says how host-bound
+# Measured on 2 H200s (2026-11-29): DRY_RUN correctness + kernels 62 s after the install; check_parallel flux-dev
+# (reference, fused) 43 s; bench_e2e flux-dev 4 steps x 4 calls, two variants, 44 s. A cold start costs ~60 s.
+# Planned for 8 H200s (estimates), 30 minutes of device time in four calls:
 #   bash .ci/multi_gpu.sh correctness                          # ~5 min
 #   bash .ci/multi_gpu.sh calibrate kernels                    # ~5 min
 #   bash .ci/multi_gpu.sh "e2e flux-dev 1 2 4 8"               # ~6 min (28 steps)
@@ -55,7 +58,7 @@ e2e() {
     [ "$n" -le "$G" ] || continue
     # shellcheck disable=SC2086  # SIZE is a list of arguments
     $RUN --nproc_per_node "$n" "$REPO/examples/bench_e2e.py" --config "$config" $SIZE --steps "$steps" \
-      --repeats 1 --backend reference fused auto --diffusers-cp --out "$OUT/e2e-multi" 2>&1 \
+      --repeats 1 --backend reference fused auto --diffusers-cp --profile --out "$OUT/e2e-multi" 2>&1 \
       | grep -v Warning | tail -6
   done
 }

@@ -9,7 +9,8 @@ real shapes (no text encoders). Every variant runs the same calls on the same pi
 between step-end callbacks; end to end: one pipeline call (denoising loop, and VAE decode with --decode).
 "stock" runs only in a one-process job: with several ranks it would just repeat the one-GPU work.
 Writes OUT.json (appending records), OUT.md (table) and OUT.png (plot) on the main rank; with --profile also
-OUT-profile.json and OUT-profile.md (GPU time per step by kernel, variants side by side)."""
+OUT-profile.json and OUT-profile.md (GPU time per step by kernel, variants side by side; rank 0's, in
+OUT-nN-profile.* for N ranks)."""
 from __future__ import annotations
 
 import argparse
@@ -264,8 +265,8 @@ def main() -> None:
         prefix = Path(args.out)
         prefix.parent.mkdir(parents=True, exist_ok=True)
         write_outputs(records, prefix)
-        if profiles:
-            write_profiles(profiles, prefix)
+        if profiles:  # one profile file per rank count (the timing file accumulates runs at every count)
+            write_profiles(profiles, prefix if world_size == 1 else prefix.with_name(f"{prefix.name}-n{world_size}"))
         for r in records:
             print(f"{r['config']:>9} {r['variant']:>18} ranks={r['world_size']} step {r['step_ms']:9.1f} ms "
                   f"ratio {r['ratio_to_first_variant']:.3f} e2e {r['e2e_s']:.2f} s peak {r['peak_gib']} GiB")
