@@ -58,7 +58,7 @@ LOOPBACK_SEQ = [8192, 16384, 32768, 65536]
 
 
 ROUNDS = 8
-PARTS = ("tuning", "attention", "rotary", "host", "loopback")  # the row groups, in the order they run
+PARTS = ("tuning", "attention", "rotary", "host", "loopback")  # the row groups (--parts runs them in its order)
 
 
 def back_to_back_ms(fn, calls: int = 10) -> float:
@@ -205,7 +205,7 @@ def bench_host() -> list[dict]:
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cos, sin = (torch.randn(s, d, device="cuda") for _ in range(2))
 
-    def routed_rope():
+    def routed_rope():  # what the router runs for a call it takes
         return ops.rotary_kernel_runs(q, cos, sin, 1) and ops.rotary(q, cos, sin, 1)
 
     pairs = [("attention, fused backend at degree 1 (host)", lambda: flash_attention_bshd(q, k, v, None, None),

@@ -1,10 +1,15 @@
-"""Compile kernels/attention_hopper.py for sm_90a without a GPU (test_kernels.test_hopper_kernel_compiles runs
-this in a subprocess): Triton is pointed at a stand-in driver that reports an sm_90 target, and the kernel is
-compiled through ptxas by its own launch() with every switch on and off (head_dim, LSE + key mask + scatter,
-ping-pong; fp16 and 64-key tiles once). Exits non-zero on the first failure."""
+"""Compile kernels/attention_hopper.py and kernels/rotary.py for sm_90a without a GPU
+(test_kernels.test_hopper_kernel_compiles runs this in a subprocess): Triton is pointed at a stand-in driver that
+reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
+every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16 and 64-key tiles once), the RoPE
+kernel for bf16 at head_dim 128, whose PTX must have no fused multiply-add (it rounds as diffusers' code does).
+Exits non-zero on the first failure."""
 from __future__ import annotations
 
 import itertools
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 from triton.backends.compiler import GPUTarget
@@ -41,6 +46,16 @@ def main() -> None:
                       config, warmup=True)
         print("compiled", head_dim, dtype, lse, masked, scatter, block_n, pingpong)
 
+    from xstage_dit.kernels import rotary
+
+    x = torch.empty(2, 100, 3, 128, dtype=torch.bfloat16)
+    tables = torch.empty(100, 128)
+    rotary.rotate(x, tables, tables, 1, warmup=True)
+    (ptx,) = Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_rotary_kernel.ptx")
+    assert "fma.rn.f32" not in ptx.read_text(), "the RoPE kernel's PTX fuses a multiply-add"
+    print("compiled rotary, no FMA")
+
 
 if __name__ == "__main__":
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a fresh cache: this run's PTX only
     main()

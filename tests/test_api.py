@@ -99,10 +99,16 @@ def test_single_process_output_is_unchanged(flux_pipe):
         xstage_dit.disable(flux_pipe)
 
 
+# the tiny pipeline is on the CPU: the RoPE kernel runs there only in Triton's interpreter (conftest sets it
+# where there is no GPU)
+needs_interpreter = pytest.mark.skipif(not ops._TRITON_RUNS_ON_CPU, reason="needs Triton's CPU interpreter")
+
+
+@needs_interpreter
 @pytest.mark.parametrize("fuse_rope", [True, False])
 def test_rope_runs_our_kernel_unless_asked_not_to(flux_pipe, monkeypatch, fuse_rope):
-    """Under Triton's interpreter (no GPU) the routed apply_rotary_emb runs our RoPE kernel: the output stays
-    the stock one, and `fuse_rope=False` leaves diffusers' code in place."""
+    """The routed apply_rotary_emb runs our RoPE kernel for every block's query and key: the output stays the
+    stock one; `fuse_rope=False` leaves diffusers' code in place (the name is not even rebound)."""
     calls = []
     kernel = ops.rotary
     monkeypatch.setattr(ops, "rotary", lambda *args: calls.append(args[0].shape) or kernel(*args))
@@ -113,11 +119,13 @@ def test_rope_runs_our_kernel_unless_asked_not_to(flux_pipe, monkeypatch, fuse_r
                          generator=torch.Generator().manual_seed(0), return_dict=False)[0]
 
     stock = generate()
+    original_rotary = transformer_flux.apply_rotary_emb
     model = flux_pipe.transformer
     model_calls = []
     counter = model.register_forward_hook(lambda *_: model_calls.append(1))
     xstage_dit.enable(flux_pipe, fuse_rope=fuse_rope)
     try:
+        assert (transformer_flux.apply_rotary_emb is original_rotary) is not fuse_rope
         torch.testing.assert_close(generate(), stock, rtol=1e-5, atol=1e-6)
     finally:
         xstage_dit.disable(flux_pipe)
@@ -127,12 +135,18 @@ def test_rope_runs_our_kernel_unless_asked_not_to(flux_pipe, monkeypatch, fuse_r
     assert len(calls) == (2 * blocks * len(model_calls) if fuse_rope else 0)
 
 
-def test_routed_rope_leaves_other_conventions_to_diffusers(flux_pipe):
-    """Inside a routed module, rotations our kernel does not implement (halves instead of interleaved pairs) run
-    diffusers' own code."""
+@needs_interpreter
+@pytest.mark.parametrize("convention, table_dtype, warns", [
+    ({"use_real_unbind_dim": -2}, torch.float32, False),  # halves instead of interleaved pairs
+    ({}, torch.float64, True),  # tables the kernel does not take
+])
+def test_routed_rope_runs_diffusers_code_where_the_kernel_does_not_apply(flux_pipe, caplog, convention,
+                                                                        table_dtype, warns):
+    """Inside a routed module, rotations our kernel does not implement run diffusers' own code; inputs of the
+    interleaved convention that it cannot take are said once."""
     x = torch.randn(1, 6, 2, 8)
-    cos, sin = torch.randn(6, 8), torch.randn(6, 8)
-    expected = transformer_flux.apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-2, sequence_dim=1)
+    cos, sin = torch.randn(6, 8, dtype=table_dtype), torch.randn(6, 8, dtype=table_dtype)
+    expected = transformer_flux.apply_rotary_emb(x, (cos, sin), sequence_dim=1, **convention)
     xstage_dit.enable(flux_pipe)
     try:
         routed = transformer_flux.apply_rotary_emb
@@ -140,11 +154,12 @@ def test_routed_rope_leaves_other_conventions_to_diffusers(flux_pipe):
         seen = []
 
         def rotate_while_active(module, args):  # runs after enable's hook marked the module active
-            seen.append((routing._active is not None, routed(x, (cos, sin), use_real_unbind_dim=-2, sequence_dim=1)))
+            seen.append((routing._active is not None, routed(x, (cos, sin), sequence_dim=1, **convention)))
 
         hook = attention.register_forward_pre_hook(rotate_while_active)
         try:
-            attention(torch.randn(1, 6, attention.query_dim), torch.randn(1, 3, attention.query_dim))
+            with caplog.at_level("WARNING", logger="xstage_dit"):
+                attention(torch.randn(1, 6, attention.query_dim), torch.randn(1, 3, attention.query_dim))
         finally:
             hook.remove()
     finally:
@@ -152,15 +167,15 @@ def test_routed_rope_leaves_other_conventions_to_diffusers(flux_pipe):
     active, out = seen[0]
     assert active
     torch.testing.assert_close(out, expected)
+    assert ("RoPE kernel does not take" in caplog.text) is warns
 
 
-def test_rope_inputs_the_kernel_cannot_take_run_diffusers_code(caplog):
-    """Float64 tables: the routed call warns once and runs diffusers' apply_rotary_emb."""
-    x = torch.randn(1, 6, 2, 8)
+def test_refused_rope_inputs_compile_without_a_graph_break():
+    """The refusal's one-time warning is not issued while a graph is traced (the compiler cannot trace logging):
+    a fullgraph compile of the check goes through and falls back."""
     cos, sin = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
-    with caplog.at_level("WARNING", logger="xstage_dit"):
-        assert not ops.rotary_kernel_runs(x, cos, sin, 1)
-    assert "RoPE kernel does not take" in caplog.text
+    check = torch.compile(lambda x: ops.rotary_kernel_runs(x, cos, sin, 1), fullgraph=True, backend="eager")
+    assert not check(torch.randn(1, 6, 2, 8))
 
 
 @pytest.mark.parametrize("length, degree", [(12, 4), (35, 4), (5, 3), (2, 4)])

@@ -11,7 +11,8 @@ from .sharding import SequenceShard
 
 class UlyssesAttention:
     """Ulysses attention for one model: knows the model's token split and the backend, not the model.
-    `fuse_rope`: the model's routed `apply_rotary_emb` calls run xstage::rotary_emb (see routing.ROTARY)."""
+    `fuse_rope`: the model's routed `apply_rotary_emb` calls run our RoPE kernel (routing.ROTARY reads it here,
+    where the active module's settings are)."""
 
     def __init__(self, shard: SequenceShard, backend: str, text_first: bool = True, fuse_rope: bool = True) -> None:
         self.shard = shard

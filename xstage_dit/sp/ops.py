@@ -3,12 +3,11 @@ compiles (e.g. diffusers' `compile_repeated_blocks`) with each as one opaque nod
 compiler never traces collectives, symmetric-memory kernels or our Triton kernels.
 
 - xstage::ulysses_attention: Ulysses attention and its communication;
-- xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY)."""
+- xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY), what a
+  compiled graph records; eager calls launch the kernel directly (`rotary`)."""
 from __future__ import annotations
 
-import functools
 import os
-from types import ModuleType
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -52,40 +51,37 @@ def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, 
 
 # Triton kernels run on CPU tensors only in Triton's interpreter (the CPU tests)
 _TRITON_RUNS_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _rotary_kernel() -> ModuleType | None:
-    try:
-        from ..kernels import rotary
-    except ImportError:  # Triton is optional: without it diffusers' code runs
-        return None
-    return rotary
+try:
+    from ..kernels import rotary as _rotary
+except ImportError:  # Triton is optional: without it the routed calls run diffusers' code
+    _rotary = None
 
 
 def rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> bool:
-    """Whether xstage::rotary_emb takes these inputs; on a GPU, inputs it cannot take are said once."""
-    if _rotary_kernel() is None or not (x.is_cuda or _TRITON_RUNS_ON_CPU):
+    """Whether the RoPE kernel takes these inputs; on a GPU, inputs it cannot take are said once (not while a
+    graph is traced: the compiler cannot trace logging)."""
+    if _rotary is None or not (x.is_cuda or _TRITON_RUNS_ON_CPU):
         return False
-    if _rotary_kernel().rotary_accepts(x, cos, sin, sequence_dim):
+    if _rotary.rotary_accepts(x, cos, sin, sequence_dim):
         return True
-    warn_once(f"xstage_dit: the RoPE kernel does not take x {tuple(x.shape)} {x.dtype} with tables "
-              f"{tuple(cos.shape)} {cos.dtype}; running diffusers' apply_rotary_emb")
+    if not torch.compiler.is_compiling():
+        warn_once(f"xstage_dit: the RoPE kernel does not take x {tuple(x.shape)} {x.dtype} with tables "
+                  f"{tuple(cos.shape)} {cos.dtype}; running diffusers' apply_rotary_emb")
     return False
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
     """The RoPE kernel for inputs `rotary_kernel_runs` took: through the custom op where a graph is being
-    compiled, else launched directly (the custom op's eager dispatch costs about as much host time as the
-    launch itself, measured on the H200 machine: 55 against 32 us)."""
+    compiled, else launched directly: the custom op's eager dispatch costs about as much host time as the launch
+    (0.105 against 0.064 ms per call, docs/benchmarks/host-h200.md)."""
     if torch.compiler.is_compiling():
         return rotary_emb(x, cos, sin, sequence_dim)
-    return _rotary_kernel().rotary_interleaved(x, cos, sin, sequence_dim)
+    return _rotary.rotate(x, cos, sin, sequence_dim)
 
 
 @torch.library.custom_op("xstage::rotary_emb", mutates_args=())
 def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
-    return _rotary_kernel().rotary_interleaved(x, cos, sin, sequence_dim)
+    return _rotary.rotary_interleaved(x, cos, sin, sequence_dim)
 
 
 @rotary_emb.register_fake

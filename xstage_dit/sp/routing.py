@@ -2,9 +2,10 @@
 
 diffusers' processors call either `dispatch_attention_fn` (Flux, Wan, HunyuanVideo, QwenImage, LTX) or
 `F.scaled_dot_product_attention` (SD3, CogVideoX, HiDream) by name in their module. We rebind that name to a
-router (and, where a family's plan names it, `apply_rotary_emb` to one that runs our RoPE kernel), and forward hooks on each routed attention module mark it active while it runs: calls made inside an
-active module go to its `UlyssesAttention`; every other call (text refiners, cross-attention, VAEs, models that
-are not enabled) goes to diffusers or torch unchanged. No processor code is copied. Bindings are
+router (and, where a family's plan names it, `apply_rotary_emb` to one that runs our RoPE kernel), and forward
+hooks on each routed attention module mark it active while it runs: calls made inside an active module go to its
+`UlyssesAttention` (or the RoPE kernel); every other call (text refiners, cross-attention, VAEs, models that are
+not enabled) goes to diffusers or torch unchanged. No processor code is copied. Bindings are
 reference-counted, so several enabled models share them and the last `unroute` restores the original."""
 from __future__ import annotations
 
