@@ -50,6 +50,7 @@ def check(name: str, backends: list[str], steps: int) -> list[dict]:
         records.append({"config": name, **size, "steps": steps, "backend": backend,
                         "world_size": world_from_env()[0], "relative_error": error.item(),
                         "tolerance": TOLERANCE, "ok": error.item() < TOLERANCE,
+                        # the process's pools so far (a pool outlives the backend that created it)
                         "symmetric_memory": SymmetricPool.backends_in_use()})
     return records
 
@@ -69,7 +70,7 @@ def main() -> None:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
         lines = [f"# Parallel vs single-GPU: {env['card']}, {env['date']}", "", f"`{env['command']}`", "",
-                 "| config | size | ranks | backend | symmetric memory | max relative error over ranks | tolerance "
+                 "| config | size | ranks | backend | symmetric memory (pools so far) | max relative error over ranks | tolerance "
                  "| ok |",
                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['world_size']} | "
