@@ -70,8 +70,8 @@ def main() -> None:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
         lines = [f"# Parallel vs single-GPU: {env['card']}, {env['date']}", "", f"`{env['command']}`", "",
-                 "| config | size | ranks | backend | symmetric memory (pools so far) | max relative error over ranks | tolerance "
-                 "| ok |",
+                 "| config | size | ranks | backend | symmetric memory (pools so far) | max relative error over ranks "
+                 "| tolerance | ok |",
                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['world_size']} | "
                   f"{r['backend']} | {', '.join(r['symmetric_memory']) or '-'} | {r['relative_error']:.2e} | "
