@@ -17,6 +17,13 @@ def flux_pipe():
     return zoo.build_pipeline("tiny-flux")
 
 
+def _latents(pipe, steps: int) -> torch.Tensor:
+    """The tiny Flux pipeline's latents for a fixed prompt embedding and seed."""
+    kwargs = zoo.call_kwargs("tiny-flux", height=20, width=28, num_frames=1, steps=steps, guidance=2.0)
+    return pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=0), output_type="latent",
+                generator=torch.Generator().manual_seed(0), return_dict=False)[0]
+
+
 @pytest.fixture
 def world(monkeypatch):
     """Pretend to be rank 0 of a launched job without starting a group: every check must fail before one."""
@@ -84,17 +91,11 @@ def test_enable_twice_is_refused_and_disable_restores_exactly(flux_pipe):
 
 
 def test_single_process_output_is_unchanged(flux_pipe):
-    kwargs = zoo.call_kwargs("tiny-flux", height=20, width=28, num_frames=1, steps=2, guidance=2.0)
-
-    def generate():
-        return flux_pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=0), output_type="latent",
-                         generator=torch.Generator().manual_seed(0), return_dict=False)[0]
-
-    stock = generate()
+    stock = _latents(flux_pipe, steps=2)
     xstage_dit.enable(flux_pipe)
     try:
         assert xstage_dit.is_main_process()
-        torch.testing.assert_close(generate(), stock, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(_latents(flux_pipe, steps=2), stock, rtol=1e-5, atol=1e-6)
     finally:
         xstage_dit.disable(flux_pipe)
 
@@ -112,13 +113,7 @@ def test_rope_runs_our_kernel_unless_asked_not_to(flux_pipe, monkeypatch, fuse_r
     calls = []
     kernel = ops.rotary
     monkeypatch.setattr(ops, "rotary", lambda *args: calls.append(args[0].shape) or kernel(*args))
-    kwargs = zoo.call_kwargs("tiny-flux", height=20, width=28, num_frames=1, steps=1, guidance=2.0)
-
-    def generate():
-        return flux_pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=0), output_type="latent",
-                         generator=torch.Generator().manual_seed(0), return_dict=False)[0]
-
-    stock = generate()
+    stock = _latents(flux_pipe, steps=1)
     original_rotary = transformer_flux.apply_rotary_emb
     model = flux_pipe.transformer
     model_calls = []
@@ -126,7 +121,7 @@ def test_rope_runs_our_kernel_unless_asked_not_to(flux_pipe, monkeypatch, fuse_r
     xstage_dit.enable(flux_pipe, fuse_rope=fuse_rope)
     try:
         assert (transformer_flux.apply_rotary_emb is original_rotary) is not fuse_rope
-        torch.testing.assert_close(generate(), stock, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(_latents(flux_pipe, steps=1), stock, rtol=1e-5, atol=1e-6)
     finally:
         xstage_dit.disable(flux_pipe)
         counter.remove()
