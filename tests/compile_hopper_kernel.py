@@ -1,7 +1,8 @@
 """Compile kernels/attention_hopper.py and kernels/rotary.py for sm_90a without a GPU
 (test_kernels.test_hopper_kernel_compiles runs this in a subprocess): Triton is pointed at a stand-in driver that
 reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
-every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16 and 64-key tiles once), the RoPE
+every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
+once), the RoPE
 kernel for bf16 at head_dim 128, whose PTX must have no fused multiply-add (it rounds as diffusers' code does).
 Exits non-zero on the first failure."""
 from __future__ import annotations
@@ -32,19 +33,25 @@ class Sm90Driver:
 def main() -> None:
     driver.set_active(Sm90Driver())
     from xstage_dit.kernels import attention_hopper as hopper
+    from xstage_dit.kernels.attention_args import AttentionCall, Scatter
 
     batch, seq, heads = 2, 1000, 3
     for head_dim, (lse, masked, scatter), pingpong in itertools.product(
             (64, 128), [(False, False, False), (True, True, True)], (False, True)):
-        # fp16 and 64-key tiles once each, with the other switches on
-        dtype, block_n = (torch.float16, 64) if lse and not pingpong else (torch.bfloat16, 128)
+        # fp16, 64-key tiles and heads-major rows once each, with the other switches on
+        once = lse and not pingpong
+        dtype, block_n = (torch.float16, 64) if once else (torch.bfloat16, 128)
+        view = hopper.TmaRows.HEADS if once else hopper.TmaRows.TOKENS
         config = hopper.HopperConfig(block_n=block_n, pingpong=pingpong)
-        q = torch.empty(batch, seq, heads, head_dim, dtype=dtype)
-        scatter_args = (7, 250, 4, 0, 7, 0, 0)  # text rows, rows per rank, ranks, row offsets, head 0, tile shift
-        hopper.launch(q, q, q, q, torch.empty(1), torch.empty(batch, 8, dtype=torch.int8),
-                      torch.zeros(4, dtype=torch.int64), 0.1, seq, 8, scatter_args, lse, masked, scatter, 16,
-                      config, warmup=True)
-        print("compiled", head_dim, dtype, lse, masked, scatter, block_n, pingpong)
+        q = (torch.empty(batch, heads, seq, head_dim, dtype=dtype).transpose(1, 2) if view is hopper.TmaRows.HEADS
+             else torch.empty(batch, seq, heads, head_dim, dtype=dtype))
+        call = AttentionCall(
+            q, q, q, q, 0.1, seq, torch.empty(batch, 8, dtype=torch.int8) if masked else None,
+            torch.empty(batch, heads, seq) if lse else None,
+            Scatter(torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250, text_row0=0, image_row0=7,
+                    head0=0) if scatter else None)
+        hopper.launch(call, config, view, warmup=True)
+        print("compiled", head_dim, dtype, lse, masked, scatter, block_n, pingpong, view)
 
     from xstage_dit.kernels import rotary
 

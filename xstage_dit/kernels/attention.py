@@ -13,7 +13,8 @@ of `out`.
 
 This Triton kernel is the portable one (any CUDA GPU, and Triton's CPU interpreter in the tests). On Hopper,
 flash_attention runs kernels/attention_hopper.py instead (same interface and epilogue, warp-specialized in Gluon),
-whenever the inputs are contiguous (B, S, H, D) tensors that TMA can load."""
+whenever TMA can load the inputs: contiguous (B, S, H, D) tensors, or (B, S, H, D) views of contiguous
+(B, H, S, D) ones, as torch's SDPA layout gives."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ import triton.language as tl
 
 from ..logging_utils import warn_once
 from . import attention_hopper
-from .attention_hopper import HopperConfig
+from .attention_args import AttentionCall, Scatter, Strides
+from .attention_hopper import HopperConfig, TmaRows, tma_rows
 from .tables import ALIGN_ELEMENTS
 
 
@@ -67,20 +69,15 @@ def _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv
 @triton.jit
 def _attention_kernel(
     Q, K, V, Out, Lse, KeyMask, Dest, q_desc, k_desc, v_desc,
-    sm_scale, q_len, kv_rows, kv_len, kv_full_end, key_mask_len,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_mb,
-    heads,
-    text_len, local_len, n_dest, dest_text_row0, dest_image_row0, dest_head0, tile_shift,
+    sm_scale, q_len, kv_rows, kv_len, kv_full_end, key_mask_len, stride_mb,
+    q_strides, k_strides, v_strides, o_strides, heads, scatter,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py)."""
     # the schedule knob: programs start at Q tile `tile_shift` and wrap around (see Scatter.first_row)
-    pid_m = (tl.program_id(0) + tile_shift) % tl.num_programs(0)
+    pid_m = (tl.program_id(0) + scatter.tile_shift) % tl.num_programs(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // heads).to(tl.int64)
     h = pid_bh % heads
@@ -96,10 +93,10 @@ def _attention_kernel(
     if USE_TMA:
         q = q_desc.load([(pid_bh // heads) * q_len + pid_m * BLOCK_M, head_col])
     else:
-        q = tl.load(Q + batch * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-    k_base = K + batch * stride_kb + h * stride_kh
-    v_base = V + batch * stride_vb + h * stride_vh
+        q = tl.load(Q + batch * q_strides.batch + h * q_strides.head + offs_m[:, None] * q_strides.seq
+                    + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = K + batch * k_strides.batch + h * k_strides.head
+    v_base = V + batch * v_strides.batch + h * v_strides.head
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -108,7 +105,7 @@ def _attention_kernel(
     if HAS_KEY_MASK:
         # the mask may reject keys anywhere in its range: every tile is masked
         for start_n in range(0, kv_len, BLOCK_N):
-            k, v = _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len,
+            k, v = _load_keys(k_base, v_base, start_n, k_strides.seq, v_strides.seq, offs_n, offs_d, kv_len,
                               k_desc, v_desc, kv_row0, head_col, USE_TMA)
             keys = start_n + offs_n
             allowed = tl.load(KeyMask + batch * stride_mb + keys, mask=keys < key_mask_len, other=1)
@@ -117,11 +114,11 @@ def _attention_kernel(
         # full tiles unmasked, then the partial tail tile masked
         full_end = kv_full_end
         for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            k, v = _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len,
+            k, v = _load_keys(k_base, v_base, start_n, k_strides.seq, v_strides.seq, offs_n, offs_d, kv_len,
                               k_desc, v_desc, kv_row0, head_col, USE_TMA)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, offs_n, False)
         if full_end < kv_len:
-            k, v = _load_keys(k_base, v_base, full_end, stride_ks, stride_vs, offs_n, offs_d, kv_len,
+            k, v = _load_keys(k_base, v_base, full_end, k_strides.seq, v_strides.seq, offs_n, offs_d, kv_len,
                               k_desc, v_desc, kv_row0, head_col, USE_TMA)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, full_end + offs_n < kv_len, True)
 
@@ -130,41 +127,24 @@ def _attention_kernel(
         tl.store(Lse + pid_bh.to(tl.int64) * q_len + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
                  mask=row_ok)
     if SCATTER:
-        # image row r = m - text_len belongs to rank r // local_len, at its row dest_image_row0 + r % local_len;
-        # this rank's head h is head dest_head0 + h there
-        r = offs_m - text_len
+        # rows and heads map to destinations as ScatterArgs says
+        r = offs_m - scatter.text_rows
         is_image = (r >= 0) & row_ok
-        dest = tl.where(is_image, r // local_len, 0)
-        dest_row = tl.where(is_image, dest_image_row0 + r % local_len, 0)
-        column = batch * stride_ob + (dest_head0 + h) * stride_oh + offs_d[None, :]
+        dest = tl.where(is_image, r // scatter.rows_per_rank, 0)
+        dest_row = tl.where(is_image, scatter.image_row0 + r % scatter.rows_per_rank, 0)
+        column = batch * o_strides.batch + (scatter.head0 + h) * o_strides.head + offs_d[None, :]
         to_rank = tl.multiple_of(tl.load(Dest + dest), ALIGN)
-        tl.store(Out + to_rank[:, None] + column + dest_row[:, None] * stride_os, out, mask=is_image[:, None])
-        if pid_m * BLOCK_M < text_len:
+        tl.store(Out + to_rank[:, None] + column + dest_row[:, None] * o_strides.seq, out, mask=is_image[:, None])
+        if pid_m * BLOCK_M < scatter.text_rows:
             # text rows: every rank needs every head of them
-            is_text = offs_m < text_len
-            text_row = dest_text_row0 + offs_m
-            for j in range(n_dest):
+            is_text = offs_m < scatter.text_rows
+            text_row = scatter.text_row0 + offs_m
+            for j in range(scatter.n_dest):
                 to_j = tl.multiple_of(tl.load(Dest + j), ALIGN)
-                tl.store(Out + to_j + column + text_row[:, None] * stride_os, out, mask=is_text[:, None])
+                tl.store(Out + to_j + column + text_row[:, None] * o_strides.seq, out, mask=is_text[:, None])
     else:
-        tl.store(Out + batch * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], out,
-                 mask=row_ok[:, None])
-
-
-@dataclass(frozen=True)
-class Scatter:
-    """Where the scatter epilogue sends rows: `destinations` holds every rank's (B, T + L, H, D) output buffer as
-    an element offset from the kernel's `out` (kernels/tables.py); this rank's heads start at `head0` there."""
-
-    destinations: torch.Tensor
-    text_len: int
-    local_len: int
-    text_first: bool
-    head0: int
-    # the tile order, chosen by the Burst-Gap planner: programs start at the Q tile holding this row and wrap
-    # around. Ranks that all start at row 0 store into the same destination at the same moment (incast: that
-    # rank's ingress is shared by N - 1 senders); starting each rank at its successor's rows spreads them out.
-    first_row: int = 0
+        tl.store(Out + batch * o_strides.batch + h * o_strides.head + offs_m[:, None] * o_strides.seq
+                 + offs_d[None, :], out, mask=row_ok[:, None])
 
 
 @dataclass(frozen=True)
@@ -183,20 +163,15 @@ def _default_config(q: torch.Tensor, hopper_runs: bool) -> TileConfig | HopperCo
     if hopper_runs:
         return HopperConfig()
     if attention_hopper.is_available(q):
-        warn_once("attention inputs are not contiguous (B, S, H, D) tensors: the Hopper kernel cannot load them "
-                  "through TMA, running the slower Triton kernel")
-    # the fastest Triton configuration measured on an H200 (docs/benchmarks/kernels-h200.json); pointer loads
-    # where TMA cannot view the tensors as rows
+        warn_once("attention inputs are neither contiguous (B, S, H, D) nor contiguous (B, H, S, D) tensors: the "
+                  "Hopper kernel cannot load them through TMA, running the slower Triton kernel")
+    # the fastest Triton configuration on an H200 (docs/benchmarks/kernels-h200.json); pointer loads where TMA
+    # cannot view the tensors as rows
     return TileConfig(tma=True)
 
 
-def _flattens(t: torch.Tensor) -> bool:
-    """(B, S, H, D) viewable as (B * S, H * D) rows from a 16-byte aligned start, as a TMA descriptor needs."""
-    b, s, h, d = t.shape
-    return t.is_cuda and t.stride() == (s * h * d, h * d, d, 1) and t.data_ptr() % 16 == 0
-
-
 def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileConfig) -> tuple:
+    """TMA descriptors of (B, S, H, D)-contiguous tensors viewed as (B * S, H * D) rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def describe(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -207,6 +182,13 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileCon
 
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # and float32 in Triton's interpreter
+
+
+def accepts(q: torch.Tensor) -> bool:
+    """Whether flash_attention takes inputs of q's head_dim and dtype on its device."""
+    dtypes = SUPPORTED_DTYPES + ((torch.float32,) if q.device.type == "cpu" else ())
+    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in dtypes
 
 
 def flash_attention(
@@ -225,59 +207,50 @@ def flash_attention(
     """softmax(q k^T * scale) v over the first `kv_len` keys, for (B, S, H, D) tensors (last dim contiguous).
 
     key_mask: (B, M) bool/int, keys [0, M) it marks False are ignored (keys past M are kept).
-    out: (B, Sq, H, D) output (allocated if None). With `scatter`, `out` gives the destination buffers'
+    out: (B, Sq, H, D) output (allocated like q if None). With `scatter`, `out` gives the destination buffers'
     shape and strides and receives nothing unless it is one of them. Returns out (and the natural-log
     log-sum-exp, (B, H, Sq) float32, if `return_lse`)."""
     batch, q_len, heads, head_dim = q.shape
-    if head_dim not in SUPPORTED_HEAD_DIMS or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"flash_attention supports head_dim 64 and 128 in bf16/fp16 (fp32 in Triton's interpreter), "
-                         f"got {head_dim}, {q.dtype}")
+    if not accepts(q):
+        raise ValueError(f"flash_attention supports head_dim {SUPPORTED_HEAD_DIMS} in bf16/fp16 (fp32 in Triton's "
+                         f"interpreter), got {head_dim}, {q.dtype}")
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("flash_attention needs the head_dim axis contiguous")
     kv_len = k.shape[1] if kv_len is None else kv_len
     if not 0 < kv_len <= k.shape[1]:
         raise ValueError(f"kv_len must be in [1, {k.shape[1]}] (the keys given), got {kv_len}")
-    scale = head_dim**-0.5 if scale is None else scale
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32) if return_lse else out
-    mask = key_mask.to(torch.int8) if key_mask is not None else out
+    call = AttentionCall(
+        q, k, v, torch.empty_like(q) if out is None else out, head_dim**-0.5 if scale is None else scale, kv_len,
+        key_mask.to(torch.int8) if key_mask is not None else None,
+        torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32) if return_lse else None,
+        scatter)
     # checked once per call: TMA loads (the Hopper kernel's, the Triton kernel's option) need row-viewable inputs
-    tma_loadable = all(_flattens(t) for t in (q, k, v))
-    hopper_runs = tma_loadable and attention_hopper.is_available(q)
+    rows = tma_rows(q, k, v)
+    hopper_runs = rows is not None and attention_hopper.is_available(q)
     cfg = config or _default_config(q, hopper_runs)
-    if scatter is not None:
-        dest_text_row0, dest_image_row0 = (0, scatter.text_len) if scatter.text_first else (scatter.local_len, 0)
-        scatter_args = (scatter.text_len, scatter.local_len, scatter.destinations.numel(), dest_text_row0,
-                        dest_image_row0, scatter.head0, scatter.first_row // cfg.block_m)
-        destinations = scatter.destinations
-    else:
-        scatter_args = (0, 1, 0, 0, 0, 0, 0)
-        destinations = out
     if isinstance(cfg, HopperConfig):
         if not hopper_runs:
             raise ValueError("HopperConfig needs an sm_90 GPU, bf16/fp16, head_dim 64/128 and contiguous "
-                             "16-byte aligned (B, S, H, D) inputs")
-        attention_hopper.launch(q, k, v, out, lse, mask, destinations, scale, kv_len,
-                                mask.shape[1] if key_mask is not None else 0, scatter_args, return_lse,
-                                key_mask is not None, scatter is not None, ALIGN_ELEMENTS, cfg)
-        return (out, lse) if return_lse else out
-    use_tma = cfg.tma and tma_loadable
-    descriptors = _descriptors(q, k, v, cfg) if use_tma else (None, None, None)
-    grid = (triton.cdiv(q_len, cfg.block_m), batch * heads)
-    _attention_kernel[grid](
-        q, k, v, out, lse, mask, destinations, *descriptors,
-        scale, q_len, k.shape[1], kv_len, kv_len // cfg.block_n * cfg.block_n,
-        mask.shape[1] if key_mask is not None else 0,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        mask.stride(0) if key_mask is not None else 0,
-        heads, *scatter_args,
+                             "16-byte aligned (B, S, H, D) or (B, H, S, D) inputs")
+        attention_hopper.launch(call, cfg, rows)
+    else:
+        _launch_triton(call, cfg, use_tma=cfg.tma and rows is TmaRows.TOKENS)
+    return (call.out, call.lse) if return_lse else call.out
+
+
+def _launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool) -> None:
+    q, k = call.q, call.k
+    batch, q_len, heads, head_dim = q.shape
+    descriptors = _descriptors(q, k, call.v, cfg) if use_tma else (None, None, None)
+    _attention_kernel[(triton.cdiv(q_len, cfg.block_m), batch * heads)](
+        q, k, call.v, call.out, call.lse if call.lse is not None else call.out,
+        call.key_mask if call.key_mask is not None else call.out, call.destinations, *descriptors,
+        call.scale, q_len, k.shape[1], call.kv_len, call.kv_len // cfg.block_n * cfg.block_n, call.key_mask_len,
+        call.key_mask_stride, Strides.of(q), Strides.of(k), Strides.of(call.v), Strides.of(call.out), heads,
+        call.scatter_args(cfg.block_m),
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        WRITE_LSE=return_lse, HAS_KEY_MASK=key_mask is not None, SCATTER=scatter is not None,
+        WRITE_LSE=call.lse is not None, HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, ALIGN=ALIGN_ELEMENTS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return (out, lse) if return_lse else out

@@ -1,0 +1,95 @@
+"""The records an attention call hands its kernels: named on the host, and named inside the kernels too (Triton
+passes a NamedTuple argument as a tuple whose fields the kernel reads by name)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class Strides(NamedTuple):
+    """Element strides of a (B, S, H, D) tensor's first three axes (the head_dim axis is contiguous)."""
+
+    batch: int
+    seq: int
+    head: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "Strides":
+        return cls(t.stride(0), t.stride(1), t.stride(2))
+
+
+class ScatterArgs(NamedTuple):
+    """The scatter epilogue's scalars as the kernels read them: query row m < text_rows is text, stored at row
+    text_row0 + m of every destination; image row r = m - text_rows goes to destination r // rows_per_rank at row
+    image_row0 + r % rows_per_rank; this rank's head h is head head0 + h there. Programs start at query tile
+    `tile_shift` and wrap around."""
+
+    text_rows: int
+    rows_per_rank: int
+    n_dest: int
+    text_row0: int
+    image_row0: int
+    head0: int
+    tile_shift: int
+
+    @classmethod
+    def unused(cls) -> "ScatterArgs":
+        """What a kernel that stores its output locally is given (its SCATTER switch is off)."""
+        return cls(text_rows=0, rows_per_rank=1, n_dest=0, text_row0=0, image_row0=0, head0=0, tile_shift=0)
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """Where the scatter epilogue sends output rows (the X-Stage piggyback of the post-attention all-to-all):
+    `destinations` holds every destination's (B, rows, H, D) buffer as an element offset from the kernel's `out`
+    (kernels/tables.py). Rows and heads map as ScatterArgs says; programs start at the query tile that holds
+    `first_row`."""
+
+    destinations: torch.Tensor
+    text_rows: int
+    rows_per_rank: int
+    text_row0: int
+    image_row0: int
+    head0: int
+    first_row: int = 0
+
+    def args(self, block_m: int) -> ScatterArgs:
+        """The kernels' view, for query tiles of `block_m` rows."""
+        return ScatterArgs(text_rows=self.text_rows, rows_per_rank=self.rows_per_rank,
+                           n_dest=self.destinations.numel(), text_row0=self.text_row0, image_row0=self.image_row0,
+                           head0=self.head0, tile_shift=self.first_row // block_m)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One flash_attention call, checked and defaulted, as either kernel's launcher takes it.
+
+    key_mask: (B, M) int8, or None; lse: (B, H, Sq) float32, or None; scatter: None stores into `out` locally."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    scale: float
+    kv_len: int
+    key_mask: torch.Tensor | None
+    lse: torch.Tensor | None
+    scatter: Scatter | None
+
+    def scatter_args(self, block_m: int) -> ScatterArgs:
+        return self.scatter.args(block_m) if self.scatter is not None else ScatterArgs.unused()
+
+    @property
+    def destinations(self) -> torch.Tensor:
+        """The kernels' destination-table pointer (unread without a scatter)."""
+        return self.scatter.destinations if self.scatter is not None else self.out
+
+    @property
+    def key_mask_len(self) -> int:
+        return self.key_mask.shape[1] if self.key_mask is not None else 0
+
+    @property
+    def key_mask_stride(self) -> int:
+        return self.key_mask.stride(0) if self.key_mask is not None else 0
