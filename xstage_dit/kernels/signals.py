@@ -1,10 +1,12 @@
 """Cross-rank signals on symmetric memory: a barrier of system-scope release stores and acquire loads.
 
-Each rank owns one int32 slot per peer on every rank's signal pad. Arriving at barrier `epoch`, rank r stores
-`epoch` into slot r of every peer's pad (release: its earlier stores are visible before the signal), then waits
-until every slot of its own pad holds at least `epoch` (acquire). Epochs only grow, so pads never need a reset.
-A wait that outlasts `timeout_ns` (%globaltimer) gives up and records the missing peer in `error` (pinned host
-memory) for the host to raise."""
+Each rank owns one int32 slot per peer on every rank's signal pad, and keeps (locally, on the device) the epoch
+it last reached with each peer. Arriving at a barrier, rank r advances its epoch e with each peer, stores e into
+slot r of that peer's pad (release: its earlier stores are visible before the signal), then waits until slot
+peer of its own pad holds at least e (acquire). Epochs live and advance on the device, so a barrier captured in
+a CUDA graph waits anew on every replay; they only grow, so pads never need a reset. A wait that outlasts
+`timeout_ns` (%globaltimer) gives up and records the missing peer and the epoch in `error` (pinned host memory)
+for the host to raise."""
 from __future__ import annotations
 
 import torch
@@ -18,8 +20,10 @@ def _globaltimer():
 
 
 @triton.jit
-def _barrier_kernel(pads, rank, epoch, timeout_ns, error):
+def _barrier_kernel(pads, epochs, rank, timeout_ns, error):
     peer = tl.program_id(0)
+    epoch = tl.load(epochs + peer) + 1
+    tl.store(epochs + peer, epoch)
     peer_pad = tl.load(pads + peer).to(tl.pointer_type(tl.int32))
     my_pad = tl.load(pads + rank).to(tl.pointer_type(tl.int32))
     tl.atomic_xchg(peer_pad + rank, epoch, sem="release", scope="sys")
@@ -34,7 +38,7 @@ def _barrier_kernel(pads, rank, epoch, timeout_ns, error):
         tl.store(error + 1, epoch)
 
 
-def barrier_kernel_launch(pads: torch.Tensor, rank: int, world_size: int, epoch: int, timeout_ns: int,
-                          error: torch.Tensor) -> None:
-    """One program per peer: signal it, then wait for its signal (see the module docstring)."""
-    _barrier_kernel[(world_size,)](pads, rank, epoch, timeout_ns, error, num_warps=1)
+def barrier(pads: torch.Tensor, epochs: torch.Tensor, rank: int, timeout_ns: int, error: torch.Tensor) -> None:
+    """One program per peer: signal it, then wait for its signal (see the module docstring). pads: int64 addresses
+    of every rank's signal pad; epochs: this rank's int32 epoch per peer (zeros at first)."""
+    _barrier_kernel[(epochs.numel(),)](pads, epochs, rank, timeout_ns, error, num_warps=1)
