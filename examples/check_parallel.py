@@ -19,7 +19,7 @@ import torch.distributed as dist
 import xstage_dit
 from xstage_dit import zoo
 from xstage_dit.runtime import world_from_env
-from xstage_dit.runtime.symmetric import SymmetricPool
+from xstage_dit.sp.fabric import symmetric_backends_in_use
 
 from provenance import provenance
 
@@ -51,7 +51,7 @@ def check(name: str, backends: list[str], steps: int) -> list[dict]:
                         "world_size": world_from_env()[0], "relative_error": error.item(),
                         "tolerance": TOLERANCE, "ok": error.item() < TOLERANCE,
                         # the process's pools so far (a pool outlives the backend that created it)
-                        "symmetric_memory": SymmetricPool.backends_in_use()})
+                        "symmetric_memory": symmetric_backends_in_use()})
     return records
 
 

@@ -122,9 +122,9 @@ def _fused_layer_worker(batch: int, text_len: int, seq_len: int, heads: int, hea
     """One real-size attention layer through the fused backend, against float32 SDPA of the whole sequence."""
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     dist.init_process_group("gloo")
-    from xstage_dit.runtime.symmetric import SymmetricPool
-    from xstage_dit.sp.backends import UlyssesLayout
+    from xstage_dit.sp.fabric import open_fabric
     from xstage_dit.sp.fused import fused_ulysses
+    from xstage_dit.sp.layout import UlyssesLayout
 
     rank, n_ranks = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator(device="cuda").manual_seed(11)
@@ -134,7 +134,7 @@ def _fused_layer_worker(batch: int, text_len: int, seq_len: int, heads: int, hea
     layout = UlyssesLayout(text_len, seq_len, local, n_ranks, rank)
     mine = [torch.cat([t[:, :text_len], torch.nn.functional.pad(t[:, text_len:], (0, 0, 0, 0, 0, local * n_ranks
                        - seq_len))[:, rank * local : (rank + 1) * local]], dim=1) for t in full]
-    SymmetricPool.for_group(dist.group.WORLD, torch.device("cuda"), timeout_s=60)
+    open_fabric(dist.group.WORLD, torch.device("cuda"), timeout_s=60)
     out = fused_ulysses(*mine, layout, dist.group.WORLD, None, None)
     ref = sdpa_bshd(*(t.float() for t in full))
     rows = min(local, seq_len - rank * local)

@@ -1,6 +1,7 @@
 """Own kernels against float64 references on fresh random inputs: the attention kernel (key-length and key
-masks, log-sum-exp) and the fused Ulysses path in loopback (N simulated ranks on one device: pre-all-to-all
-store kernel, attention with its scatter epilogue), with every output element checked written.
+masks, log-sum-exp; on Hopper also over (B, H, S, D) memory) and the fused backend's own steps over a loopback
+fabric (N simulated ranks on one device: pre-all-to-all store kernel, attention with its scatter epilogue), with
+every output element checked written.
 
 On CPU they run in Triton's interpreter (float32, small shapes); on a GPU (marked) in bf16 at real sizes."""
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig  # noqa: E402
-from xstage_dit.kernels.loopback import LoopbackUlysses  # noqa: E402
-from xstage_dit.sp.backends import UlyssesLayout  # noqa: E402
-from xstage_dit.sp.fused import first_row  # noqa: E402
+from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep  # noqa: E402
+from xstage_dit.sp.fused import fused_steps  # noqa: E402
+from xstage_dit.sp.layout import UlyssesLayout  # noqa: E402
+from xstage_dit.xstage.planner import TileOrder  # noqa: E402
 
 # bf16 operands against a float64 reference land between 1e-3 and 1e-2 relative
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
@@ -34,9 +36,14 @@ def _relative_error(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_dim, masked, config=None):
-    q = torch.randn(batch, q_len, heads, head_dim, device=device, dtype=dtype)
-    k, v = (torch.randn(batch, kv_rows, heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_dim, masked, config=None,
+                     heads_major=False):
+    def make(rows):  # heads_major: (B, S, H, D) views of (B, H, S, D) memory, as torch's SDPA layout gives
+        if heads_major:
+            return torch.randn(batch, heads, rows, head_dim, device=device, dtype=dtype).transpose(1, 2)
+        return torch.randn(batch, rows, heads, head_dim, device=device, dtype=dtype)
+
+    q, k, v = make(q_len), make(kv_rows), make(kv_rows)
     key_mask = (torch.rand(batch, 9, device=device) > 0.4) if masked else None
     out = torch.full_like(q, float("nan"))
     out, lse = flash_attention(q, k, v, kv_len=kv_len, key_mask=key_mask, out=out, return_lse=True, config=config)
@@ -48,8 +55,9 @@ def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_d
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("masked", [False, True])
-def test_attention_interpreted(head_dim, masked):
-    _check_attention("cpu", torch.float32, 2, 37, 45, 41, 2, head_dim, masked)
+@pytest.mark.parametrize("heads_major", [False, True])
+def test_attention_interpreted(head_dim, masked, heads_major):
+    _check_attention("cpu", torch.float32, 2, 37, 45, 41, 2, head_dim, masked, heads_major=heads_major)
 
 
 @pytest.mark.gpu
@@ -83,6 +91,20 @@ def test_hopper_attention(dtype, head_dim, masked, lengths, config):
     _check_attention("cuda", dtype, 2, q_len, kv_rows, kv_len, 3, head_dim, masked, config)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("lengths", [(1000, 1100, 1031), (8000, 700, 613)], ids=["uneven", "many-work-tiles"])
+def test_hopper_attention_heads_major(head_dim, masked, lengths):
+    """The Gluon kernel over (B, H, S, D) memory (what SDPA-calling models pass): TMA tiles that run past one
+    head's rows into the next head's."""
+    q_len, kv_rows, kv_len = lengths
+    _check_attention("cuda", torch.bfloat16, 2, q_len, kv_rows, kv_len, 3, head_dim, masked, HopperConfig(),
+                     heads_major=True)
+
+
 def test_hopper_kernel_compiles():
     """Without a GPU: the Gluon kernel still compiles to sm_90a machine code (ptxas included), in a subprocess
     that points Triton at a stand-in sm_90 driver."""
@@ -97,7 +119,7 @@ def test_hopper_kernel_compiles():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first, rotated=False):
+def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first, order):
     local = -(-seq_len // n_ranks)
 
     def per_rank(text, image):
@@ -113,44 +135,36 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
     image = [torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
     key_mask = torch.ones(batch, text_len, dtype=torch.bool, device=device)
     key_mask[-1, text_len // 2 :] = False  # a padded prompt
-    loopback = LoopbackUlysses(n_ranks, batch, text_len, local, heads, head_dim, dtype, device, text_first)
-    for buffers in loopback.qkv:
-        for b in buffers:
-            b.fill_(float("nan"))
-    for b in loopback.out:
-        b.fill_(float("nan"))
+    fabric = LoopbackFabric(n_ranks, device, fill=float("nan"))
     joint = [per_rank(t, i) for t, i in zip(text, image)]
-    for rank in range(n_ranks):
-        loopback.pre_all_to_all(rank, *(j[rank] for j in joint))
-    for rank in range(n_ranks):
-        # rotated: each rank's programs start at its successor's rows (the planner's incast-avoiding order), as
-        # the fused backend places them
-        layout = UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first)
-        loopback.attention(rank, seq_len, key_mask=key_mask, first_row=first_row(layout, rotated))
+    outs = run_in_lockstep(
+        [fused_steps(*(j[rank] for j in joint), UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first),
+                     fabric.rank(rank), None, key_mask[:, None, None, :], order) for rank in range(n_ranks)],
+        fabric.rank(0).barrier)
 
     full = [torch.cat([t, i], dim=1) for t, i in zip(text, image)]
     keep = torch.cat([key_mask, torch.ones(batch, seq_len, dtype=torch.bool, device=device)], dim=1)
     ref, _ = _reference(*full, text_len + seq_len, keep)
     expected = per_rank(ref[:, :text_len], ref[:, text_len:])
     for rank in range(n_ranks):
-        out = valid_rows(loopback.out[rank], rank)
+        out = valid_rows(outs[rank], rank)
         assert not out.isnan().any(), f"rank {rank}: unwritten output rows"
         assert _relative_error(out, valid_rows(expected[rank], rank)) < TOLERANCE[dtype], f"rank {rank}"
 
 
 @pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19), (4, 13)])
 @pytest.mark.parametrize("text_first", [True, False])
-@pytest.mark.parametrize("rotated", [False, True])
-def test_fused_loopback_interpreted(n_ranks, seq_len, text_first, rotated):
-    _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, rotated)
+@pytest.mark.parametrize("order", list(TileOrder))
+def test_fused_loopback_interpreted(n_ranks, seq_len, text_first, order):
+    _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, order)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_ranks", [2, 4, 8])
 @pytest.mark.parametrize("text_first", [True, False])
-@pytest.mark.parametrize("rotated", [False, True])
-def test_fused_loopback_on_gpu(n_ranks, text_first, rotated):
-    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, rotated)
+@pytest.mark.parametrize("order", list(TileOrder))
+def test_fused_loopback_on_gpu(n_ranks, text_first, order):
+    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, order)
 
 
 def _check_rotary(device, dtype, shape, sequence_dim, strided, tolerance):

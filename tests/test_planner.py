@@ -8,7 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from xstage_dit.sp.backends import backends, costs_of
 from xstage_dit.xstage import AttentionShape, BurstGapModel, Calibration, KernelCosts, Planner, find_calibration
+from xstage_dit.xstage.planner import TileOrder
 
 MiB = 2**20
 NVLINK_LIKE = BurstGapModel(issue_latency=0.8e-6, producer_rate=12e9, max_issue_rate=1.4e12, drain_rate=400e9,
@@ -16,6 +18,14 @@ NVLINK_LIKE = BurstGapModel(issue_latency=0.8e-6, producer_rate=12e9, max_issue_
 COSTS = KernelCosts(own_tflops={128: [(4096, 480.0), (65536, 520.0)], 64: [(4096, 340.0), (65536, 390.0)]},
                     vendor_tflops={128: [(4096, 590.0), (65536, 560.0)], 64: [(4096, 440.0), (65536, 460.0)]},
                     copy_rate=1.9e12, alltoall_rate=350e9, launch=4e-6, sms=132)
+
+
+TILE_ROWS = 128
+
+
+def _predict(planner: Planner, shape: AttentionShape) -> dict[str, float]:
+    """Every registered backend's own prediction."""
+    return planner.predict(shape, costs_of(backends()))
 
 
 def _calibration(topology: str, world_size: int, gpu: str = "NVIDIA H200") -> Calibration:
@@ -34,17 +44,17 @@ def test_attention_time_interpolates_in_log_tokens_and_clamps():
 def test_degree_one_predicts_the_kernels_alone():
     planner = Planner(NVLINK_LIKE, COSTS)
     shape = AttentionShape(1, 4096, 512, 24, 128, 1)
-    predicted = planner.predict(shape)
+    predicted = _predict(planner, shape)
     assert predicted["reference"] == predicted["overlap"] == planner.attention(shape, own=False)
     assert predicted["fused"] == planner.attention(shape, own=True)
-    assert planner.choose(shape) == "reference"  # cuDNN is the faster kernel in these costs
+    assert min(predicted, key=predicted.__getitem__) == "reference"  # cuDNN is the faster kernel in these costs
 
 
 @pytest.mark.parametrize("seq", [8192, 65536])
 def test_every_backend_costs_more_than_its_attention(seq):
     planner = Planner(NVLINK_LIKE, COSTS)
     shape = AttentionShape(1, seq, 0, 24, 128, 8)
-    predicted = planner.predict(shape)
+    predicted = _predict(planner, shape)
     assert predicted["reference"] > planner.attention(shape, own=False)
     assert predicted["fused"] > planner.attention(shape, own=True)
     assert planner.attention(shape, own=False) < predicted["overlap"] <= predicted["reference"]
@@ -55,7 +65,7 @@ def test_fused_epilogue_is_free_when_the_q_loop_covers_the_drain():
     planner = Planner(NVLINK_LIKE, COSTS)
     shape = AttentionShape(1, 65536, 0, 24, 128, 8)
     compute = planner.attention(shape, own=True)
-    overhead = planner.fused_kernel(shape, rotated=True) / compute - 1
+    overhead = planner.fused_kernel(shape, TileOrder.ROTATED, TILE_ROWS) / compute - 1
     assert 0 < overhead < 0.01
 
 
@@ -63,10 +73,11 @@ def test_rank_major_order_pays_for_incast_when_drain_limited():
     slow = replace(NVLINK_LIKE, drain_rate=20e9)  # a drain far slower than the waves' stores
     planner = Planner(slow, COSTS)
     shape = AttentionShape(1, 8192, 0, 24, 128, 8)
-    assert planner.fused_kernel(shape, rotated=False) > planner.fused_kernel(shape, rotated=True)
-    assert planner.tile_order(shape) is True
+    assert planner.fused_kernel(shape, TileOrder.RANK_MAJOR, TILE_ROWS) > planner.fused_kernel(shape, TileOrder.ROTATED, TILE_ROWS)
+    assert planner.tile_order(shape, TILE_ROWS) is TileOrder.ROTATED
     two = AttentionShape(1, 8192, 0, 24, 128, 2)  # one peer: both orders see the same drain
-    assert planner.fused_kernel(two, rotated=False) == planner.fused_kernel(two, rotated=True)
+    assert (planner.fused_kernel(two, TileOrder.RANK_MAJOR, TILE_ROWS)
+            == planner.fused_kernel(two, TileOrder.ROTATED, TILE_ROWS))
 
 
 def test_calibration_round_trip_and_lookup(tmp_path):
@@ -82,24 +93,26 @@ def test_calibration_round_trip_and_lookup(tmp_path):
 
 
 def test_auto_without_calibration_runs_the_reference_on_cpu():
-    from xstage_dit.sp.auto import choose
-    from xstage_dit.sp.backends import UlyssesLayout
+    from xstage_dit.sp.backends import get_choice
+    from xstage_dit.sp.layout import UlyssesLayout
 
     query = torch.randn(1, 8, 4, 16)
-    assert choose(query, UlyssesLayout(0, 16, 8, 2, 0), pool_ready=False) == "reference"
-    assert choose(query, None, pool_ready=False) == "reference"
+    auto = get_choice("auto")
+    assert auto.pick(query, UlyssesLayout(0, 16, 8, 2, 0), fabric_ready=False).name == "reference"
+    assert auto.pick(query, None, fabric_ready=False).name == "reference"
 
 
 def test_auto_picks_the_fastest_predicted_backend_it_can_run():
-    from xstage_dit.sp.auto import _decide
+    from xstage_dit.sp.auto import decide
 
     planner = Planner(NVLINK_LIKE, COSTS)
     shape = AttentionShape(1, 65536, 0, 24, 128, 8)
-    predicted = planner.predict(shape)
-    every = ("reference", "overlap", "fused")
-    assert _decide(planner, shape, every) == min(every, key=predicted.__getitem__)
-    slowest = max(every, key=predicted.__getitem__)
-    assert _decide(planner, shape, (slowest,)) == slowest  # a backend that cannot run here is never chosen
+    every = tuple(backends())
+    assert {b.name for b in every} == {"reference", "overlap", "fused"}
+    predicted = planner.predict(shape, costs_of(every))
+    assert decide(planner, shape, every).name == min(predicted, key=predicted.__getitem__)
+    slowest = max(every, key=lambda b: predicted[b.name])
+    assert decide(planner, shape, (slowest,)) == slowest  # a backend that cannot run here is never chosen
 
 
 def test_calibrate_command_needs_a_gpu(tmp_path):

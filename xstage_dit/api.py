@@ -13,14 +13,14 @@ from .config import XStageConfig
 from .logging_utils import logger, warn_once
 from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.distributed import local_device
-from .sp import overlap, reference  # noqa: F401  (register the backends)
+from .sp import auto, overlap, reference  # noqa: F401  (register the backends)
 
 try:
     from .sp import fused  # noqa: F401  (registers the fused backend; needs Triton)
 except ImportError:  # without Triton the other backends still work
     pass
 from .sp.attention import UlyssesAttention
-from .sp.backends import needs_symmetric_memory, resolve_backend
+from .sp.backends import needs_fabric, resolve_backend
 from .sp.plan import AppliedPlan
 from .sp.sharding import SequenceShard
 
@@ -77,7 +77,8 @@ def _resolve_config(
                 f"{type(model).__name__} has {heads} attention heads, which ulysses_degree={ulysses_degree} "
                 f"cannot split; degrees that divide {heads} and the world size {world_size}: {working}"
             )
-    return XStageConfig(ulysses_degree, cfg_degree, resolve_backend(backend, local_device()), timeout_s, fuse_rope)
+    resolve_backend(backend, local_device())
+    return XStageConfig(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope)
 
 
 def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.device) -> None:
@@ -112,16 +113,17 @@ def enable(
     ensure_process_group(config.timeout_s)
     groups = build_groups(config.cfg_degree, config.ulysses_degree)
     _move_to_rank_device(pipe, models, groups.device)
-    if needs_symmetric_memory(config.backend, groups.device) and groups.ulysses_group is not None:
+    choice = resolve_backend(config.backend, groups.device)
+    if needs_fabric(choice, groups.device) and groups.ulysses_group is not None:
         # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
-        from .runtime.symmetric import SymmetricPool
+        from .sp.fabric import open_fabric
 
-        SymmetricPool.for_group(groups.ulysses_group, groups.device, config.timeout_s)
+        open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)
         shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
-        attention = UlyssesAttention(shard, config.backend, plan.text_first, config.fuse_rope)
+        attention = UlyssesAttention(shard, choice, plan.text_first, config.fuse_rope)
         parts: list[Any] = [AppliedPlan(model, plan, attention)]
         if groups.cfg_degree > 1:
             parts.append(CfgSplit(model, plan.cfg, groups, pairs))

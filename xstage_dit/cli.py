@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .sp.backends import available_backends
+from .sp.backends import available_backends, backends, costs_of
 from .xstage.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
 from .xstage.calibration import Calibration, calibration_dir, find_calibration
 from .xstage.planner import AttentionShape, Planner
@@ -51,12 +51,19 @@ def info() -> str:
 
 
 def plan(calibration: Calibration, shape: AttentionShape) -> str:
+    """Each registered backend's predicted time for `shape`, what auto runs, and the fused kernel's tile order."""
+    from .sp.auto import decide
+
     planner = Planner.from_calibration(calibration)
-    predicted = planner.predict(shape)
-    order = "rotated" if planner.tile_order(shape) else "rank-major"
+    candidates = tuple(backends())
+    predicted = planner.predict(shape, costs_of(candidates))
     lines = [f"{shape} with {calibration.filename}:"]
     lines += [f"  {name:>9}: {seconds * 1e3:.3f} ms predicted" for name, seconds in predicted.items()]
-    lines.append(f"  auto runs {planner.choose(shape)}; the fused kernel's tile order: {order}")
+    lines.append(f"  auto runs {decide(planner, shape, candidates).name}")
+    if "fused" in predicted:
+        from .sp.fused import tile_order
+
+        lines[-1] += f"; the fused kernel's tile order: {tile_order(planner, shape).value}"
     return "\n".join(lines)
 
 

@@ -3,21 +3,23 @@ from __future__ import annotations
 
 import torch
 
-from .auto import choose_local
-from .backends import UlyssesLayout, get_backend
+from .backends import BackendChoice
+from .layout import UlyssesLayout
+from .masks import text_key_mask
 from .ops import ulysses_attention
 from .sharding import SequenceShard
 
 
 class UlyssesAttention:
-    """Ulysses attention for one model: knows the model's token split and the backend, not the model.
+    """Ulysses attention for one model: knows the model's token split and the backend choice, not the model.
     `fuse_rope`: the model's routed `apply_rotary_emb` calls run our RoPE kernel (routing.ROTARY reads it here,
     where the active module's settings are)."""
 
-    def __init__(self, shard: SequenceShard, backend: str, text_first: bool = True, fuse_rope: bool = True) -> None:
+    def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
+                 fuse_rope: bool = True) -> None:
         self.shard = shard
+        self.choice = choice
         self.text_first = text_first
-        self.backend_name = backend
         self.fuse_rope = fuse_rope
 
     def __call__(
@@ -34,7 +36,7 @@ class UlyssesAttention:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
         shard = self.shard
         if shard.degree == 1:
-            local = choose_local(query) if self.backend_name == "auto" else get_backend(self.backend_name).local
+            local = self.choice.pick(query, None, fabric_ready=True).local
             return local(query, key, value, attn_mask, scale)
         layout = UlyssesLayout(
             text_len=query.shape[1] - shard.local_len,
@@ -45,21 +47,7 @@ class UlyssesAttention:
             text_first=self.text_first,
         )
         return ulysses_attention(
-            query, key, value, self._text_mask(attn_mask, layout), layout.text_len, layout.seq_len,
-            layout.local_len, layout.degree, layout.rank, layout.text_first, self.backend_name,
+            query, key, value, text_key_mask(attn_mask, layout), layout.text_len, layout.seq_len,
+            layout.local_len, layout.degree, layout.rank, layout.text_first, self.choice.name,
             shard.group.group_name, scale,
         )
-
-    @staticmethod
-    def _text_mask(attn_mask: torch.Tensor | None, layout: UlyssesLayout) -> torch.Tensor | None:
-        """The text-key part of a key-padding mask over this rank's [text, image] keys. Joint-attention models
-        mask padded prompt tokens this way; image keys are never masked by them, only by our tail padding."""
-        if attn_mask is None or layout.text_len == 0:
-            if attn_mask is not None:
-                raise ValueError("xstage_dit: attention masks on image-only sequence-sharded attention are not supported")
-            return None
-        if attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[2] != 1:
-            raise ValueError(
-                f"xstage_dit: only key-padding masks of shape (B, 1, 1, keys) are supported, got {tuple(attn_mask.shape)}"
-            )
-        return layout.split(attn_mask.transpose(1, 3))[0].transpose(1, 3)

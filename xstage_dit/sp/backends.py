@@ -1,47 +1,27 @@
 """One registry of Ulysses attention backends, one function per backend.
 
-A backend receives one rank's q, k, v as diffusers builds them for joint attention, (B, T + L, H, D): T
-replicated text tokens and this rank's L image/video tokens, in the order `UlyssesLayout` gives, and returns the
-attention output in the same layout and shape. How the image tokens travel between ranks is the backend's business.
-`text_mask`, when given, masks text keys (padding of the prompt): (B, 1, 1, T), bool (True = attend) or additive."""
+A backend receives one rank's q, k, v as diffusers builds them for joint attention, (B, T + L, H, D), in the
+order `UlyssesLayout` describes, and returns the attention output in the same layout and shape. How the image
+tokens travel between ranks is the backend's business. `text_mask`, when given, masks text keys (padding of the
+prompt): (B, 1, 1, T), bool (True = attend) or additive (sp/masks.py).
+
+Each entry also says what the backend runs at degree 1, which of the planner's predictions is its cost, and what
+it needs (CUDA, the group's symmetric-memory fabric, inputs its kernels take). What `enable(backend=...)` names is
+a *choice*: a backend (which is its own choice), or a chooser such as "auto" (sp/auto.py) that picks a backend
+per call."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ..logging_utils import warn_once
+from ..xstage.planner import Cost
+from .layout import UlyssesLayout
 
-@dataclass(frozen=True)
-class UlyssesLayout:
-    """Where the tokens of one attention call live.
-
-    text_len: replicated text tokens in q/k/v (0 for models without joint attention), before the image tokens
-        if `text_first`, else after them.
-    seq_len: true image/video tokens of the whole sequence; local_len: tokens per rank, padding included.
-    """
-
-    text_len: int
-    seq_len: int
-    local_len: int
-    degree: int
-    rank: int
-    text_first: bool = True
-
-    @property
-    def padded_len(self) -> int:
-        return self.local_len * self.degree
-
-    def split(self, joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(text, image) parts of a (B, T + L, ...) tensor."""
-        if self.text_first:
-            return joint[:, : self.text_len], joint[:, self.text_len :]
-        return joint[:, self.local_len :], joint[:, : self.local_len]
-
-    def join(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-        """The inverse of `split`."""
-        return torch.cat([text, image] if self.text_first else [image, text], dim=1)
+FALLBACK = "reference"  # what runs where a chosen backend cannot: it runs everything
 
 
 class UlyssesBackend(Protocol):
@@ -57,19 +37,6 @@ class UlyssesBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def key_mask(text_mask: torch.Tensor | None, image_len: int) -> torch.Tensor | None:
-    """The SDPA mask over [text, image] keys that applies `text_mask` to the text keys and lets every image key
-    through; None without a text mask."""
-    if text_mask is None:
-        return None
-    shape = (*text_mask.shape[:-1], image_len)
-    if text_mask.dtype == torch.bool:
-        image = torch.ones(shape, dtype=torch.bool, device=text_mask.device)
-    else:
-        image = torch.zeros(shape, dtype=text_mask.dtype, device=text_mask.device)
-    return torch.cat([text_mask, image], dim=-1)
-
-
 class LocalAttention(Protocol):
     """Attention on one rank's whole sequence (degree 1), (B, S, H, D) in and out."""
 
@@ -79,61 +46,102 @@ class LocalAttention(Protocol):
 
 @dataclass(frozen=True)
 class Backend:
+    name: str
     ulysses: UlyssesBackend
     local: LocalAttention  # what the backend runs at degree 1
-    needs_cuda: bool
-    # runs on the group's symmetric-memory pool (`enable` creates it); its output is a pooled buffer, which the
+    cost: Cost  # its predicted time of one call (xstage/planner.py)
+    needs_cuda: bool = False
+    # runs on the group's symmetric-memory fabric (`enable` opens it); its output is a fabric buffer, which the
     # custom op copies out
     symmetric: bool = False
-    # whether its kernels take these inputs (dtype, head_dim); where not, the backend itself falls back
+    # whether its kernels take these inputs (dtype, head_dim)
     accepts: Callable[[torch.Tensor], bool] | None = None
 
+    def takes(self, query: torch.Tensor, fabric_ready: bool) -> bool:
+        """Whether this backend runs these inputs here; `fabric_ready`: the group has its fabric (or there is no
+        group: degree 1)."""
+        return ((query.is_cuda or not self.needs_cuda) and (fabric_ready or not self.symmetric)
+                and (self.accepts is None or self.accepts(query)))
 
-_BACKENDS: dict[str, Backend] = {}
+    # a backend is the choice that always picks itself
+    def candidates(self) -> tuple[Backend, ...]:
+        return (self,)
+
+    def pick(self, query: torch.Tensor, layout: UlyssesLayout | None, fabric_ready: bool) -> Backend:
+        if self.takes(query, fabric_ready or layout is None):
+            return self
+        warn_once(f"xstage_dit backend {self.name!r} does not take head_dim {query.shape[-1]} {query.dtype} on "
+                  f"{query.device.type}; running {FALLBACK!r}")
+        return get_backend(FALLBACK)
 
 
-def register_backend(name: str, local: LocalAttention, needs_cuda: bool = False, symmetric: bool = False,
-                     accepts: Callable[[torch.Tensor], bool] | None = None
+class BackendChoice(Protocol):
+    """What `enable(backend=name)` runs: per call, one backend of its candidates."""
+
+    name: str
+
+    def candidates(self) -> tuple[Backend, ...]: ...
+
+    def pick(self, query: torch.Tensor, layout: UlyssesLayout | None, fabric_ready: bool) -> Backend:
+        """The backend for a call with this rank's query (layout None: degree 1); `fabric_ready`: the group has
+        its symmetric-memory fabric."""
+        ...
+
+
+_CHOICES: dict[str, BackendChoice] = {}
+
+
+def register_backend(name: str, local: LocalAttention, cost: Cost, needs_cuda: bool = False,
+                     symmetric: bool = False, accepts: Callable[[torch.Tensor], bool] | None = None
                      ) -> Callable[[UlyssesBackend], UlyssesBackend]:
     def decorator(fn: UlyssesBackend) -> UlyssesBackend:
-        _BACKENDS[name] = Backend(fn, local, needs_cuda, symmetric, accepts)
+        _CHOICES[name] = Backend(name, fn, local, cost, needs_cuda, symmetric, accepts)
         return fn
 
     return decorator
 
 
-def needs_symmetric_memory(name: str, device: torch.device) -> bool:
-    """Whether `enable` must set up the group's symmetric pool for backend `name` on `device` ("auto": if any
-    backend it may pick there needs one)."""
-    names = list(_BACKENDS) if name == "auto" else [name]
-    return any(_BACKENDS[n].symmetric and (device.type == "cuda" or not _BACKENDS[n].needs_cuda) for n in names)
+def register_choice(choice: BackendChoice) -> None:
+    _CHOICES[choice.name] = choice
 
 
-def runnable(name: str, query: torch.Tensor, pool_ready: bool) -> bool:
-    """Whether backend `name` runs these inputs as itself (not through a fallback); `pool_ready`: the group
-    has a symmetric pool."""
-    backend = _BACKENDS.get(name)
-    return (backend is not None and (query.is_cuda or not backend.needs_cuda)
-            and (pool_ready or not backend.symmetric) and (backend.accepts is None or backend.accepts(query)))
+def backends() -> list[Backend]:
+    """Every registered backend (choosers excluded), in registration order."""
+    return [choice for choice in _CHOICES.values() if isinstance(choice, Backend)]
 
 
-def available_backends() -> list[str]:
-    """Backend names `enable(backend=...)` accepts, "auto" included."""
-    return ["auto", *sorted(_BACKENDS)]
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The backend a requested name runs on `device`; "auto" stays "auto" (sp/auto.py chooses per call where
-    this GPU has a Burst-Gap calibration, else runs the reference). Raises before any collective."""
-    if name == "auto":
-        return name
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown xstage_dit backend {name!r}; choose one of {available_backends()}")
-    if _BACKENDS[name].needs_cuda and device.type != "cuda":
-        raise ValueError(f"xstage_dit backend {name!r} needs CUDA GPUs (symmetric memory, Triton kernels); "
-                         f"this rank runs on {device}")
-    return name
+def costs_of(candidates: Iterable[Backend]) -> dict[str, Cost]:
+    """The planner's cost function of each backend, by name (what Planner.predict takes)."""
+    return {backend.name: backend.cost for backend in candidates}
 
 
 def get_backend(name: str) -> Backend:
-    return _BACKENDS[name]
+    backend = _CHOICES[name]
+    assert isinstance(backend, Backend), name
+    return backend
+
+
+def get_choice(name: str) -> BackendChoice:
+    return _CHOICES[name]
+
+
+def available_backends() -> list[str]:
+    """The names `enable(backend=...)` accepts."""
+    return sorted(_CHOICES)
+
+
+def resolve_backend(name: str, device: torch.device) -> BackendChoice:
+    """The choice `name` stands for, checked against `device`; raises before any collective."""
+    if name not in _CHOICES:
+        raise ValueError(f"unknown xstage_dit backend {name!r}; choose one of {available_backends()}")
+    choice = _CHOICES[name]
+    if isinstance(choice, Backend) and choice.needs_cuda and device.type != "cuda":
+        raise ValueError(f"xstage_dit backend {name!r} needs CUDA GPUs (symmetric memory, Triton kernels); "
+                         f"this rank runs on {device}")
+    return choice
+
+
+def needs_fabric(choice: BackendChoice, device: torch.device) -> bool:
+    """Whether `enable` must open the group's symmetric-memory fabric for `choice` on `device`: some backend it
+    may pick there runs on one."""
+    return any(b.symmetric and (device.type == "cuda" or not b.needs_cuda) for b in choice.candidates())

@@ -4,7 +4,7 @@ Heads are chunked inside each rank's share: chunk `heads` (a slice of 0..H/N) of
 rank j, heads j*H/N + heads. Each exchange packs one send buffer (q, k, v together; output with the text rows
 riding along) whose chunk j goes to rank j, hands it to a transport, and unpacks what comes back. The transport
 of the backends is `all_to_all_single` on the group (NCCL, gloo); the kernel benchmark's loopback gives its own
-(a copy), so it runs exactly the backends' packing and schedule."""
+(a copy), so that it runs exactly the backends' packing and schedule."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .backends import UlyssesLayout
+from .layout import UlyssesLayout
 
 
 class Waitable(Protocol):

@@ -1,72 +1,99 @@
-"""The fused Ulysses backend (X-Stage piggyback): no collective calls, only stores into symmetric memory issued
-from the kernels themselves.
+"""The fused Ulysses backend (X-Stage piggyback): no collective calls, only stores into a fabric's buffers
+(sp/fabric.py) issued from the kernels themselves.
 
 1. pre-all-to-all: one store kernel per q, k, v writes this rank's image tokens of every head chunk straight into
    the owning rank's head-sharded buffer (text heads are copied locally: text is replicated);
-2. barrier (system-scope release/acquire signals): every rank's rows have landed;
+2. barrier: every rank's rows have landed;
 3. attention with the scatter epilogue: each output tile's owner stores it into the buffer of the rank that owns
    those tokens, in that rank's (B, T + L, H, D) layout, and moves on to its next tile; the tile order is the
-   Burst-Gap planner's (rotated so that ranks do not all store into one destination at once);
-4. barrier: every rank's output rows have landed; the pooled output buffer is returned (the custom op in
-   sp/ops.py copies it out).
+   Burst-Gap planner's (rotated unless it predicts rank-major faster);
+4. barrier: every rank's output rows have landed; the output buffer is returned (the custom op in sp/ops.py
+   copies it out).
 
-Buffers come from the group's SymmetricPool (allocated on the first call of a shape, then reused). The output
-is valid until this rank's next fused attention call, which cannot start overwriting it before this rank has
-passed the next call's first barrier, i.e. after the caller consumed it (stream order)."""
+`fused_steps` is that algorithm, paused before each barrier; `fused_exchange` runs one rank of it over a fabric.
+Over the group's symmetric memory that is the backend; over a loopback fabric, tests and benchmarks run the same
+steps for N simulated ranks (fabric.run_in_lockstep). The output buffer is valid until this rank's next fused
+call, which cannot start overwriting it before this rank has passed that call's first barrier, i.e. after the
+caller consumed it (stream order)."""
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
 from ..kernels.all_to_all import scatter_heads
-from ..kernels.attention import SUPPORTED_HEAD_DIMS, Scatter, flash_attention
-from ..logging_utils import warn_once
-from ..runtime.symmetric import SymmetricPool
-from .auto import rotated_tile_order
-from .backends import UlyssesLayout, register_backend
-from .local_attention import sdpa_bshd
-from .reference import reference_ulysses
+from ..kernels.attention import accepts, flash_attention
+from ..kernels.attention_hopper import HopperConfig
+from ..xstage.planner import AttentionShape, Planner, TileOrder
+from .backends import register_backend
+from .fabric import Fabric, Steps, fabric_of, run_in_lockstep
+from .layout import UlyssesLayout
+from .masks import keep_keys
+from .planning import attention_shape, planner_for
+
+# the query rows of the GPU kernels' output tiles (HopperConfig's; TileConfig's default is as tall): the store
+# bursts the planner models
+TILE_ROWS = HopperConfig().block_m
 
 
 def kernels_accept(query: torch.Tensor) -> bool:
-    """Our kernels' head dims and dtypes."""
-    return query.shape[-1] in SUPPORTED_HEAD_DIMS and query.dtype in (torch.bfloat16, torch.float16)
-
-
-def _supported(query: torch.Tensor) -> bool:
-    if kernels_accept(query):
-        return True
-    warn_once(f"xstage_dit fused backend: head_dim {query.shape[-1]} / {query.dtype} is not supported by its "
-              "kernels (head_dim 64 or 128, bf16 or fp16); falling back to the reference backend")
-    return False
+    """Our kernels' head dims and dtypes, on a GPU."""
+    return query.is_cuda and accepts(query)
 
 
 def flash_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-    """Degree 1: our attention kernel; key-padding masks (B, 1, 1, keys) become its key mask."""
-    if not _supported(query):
-        return sdpa_bshd(query, key, value, attn_mask=attn_mask, scale=scale)
-    return flash_attention(query, key, value, scale=scale, key_mask=_key_mask(attn_mask))
+    """Degree 1: our attention kernel; a key-padding mask (B, 1, 1, keys) becomes its key mask."""
+    return flash_attention(query, key, value, scale=scale, key_mask=keep_keys(attn_mask))
 
 
-def _key_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """(B, T) bool keep-mask from a (B, 1, 1, T) boolean or additive mask."""
-    if mask is None:
-        return None
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
-        raise ValueError(f"xstage_dit fused backend: only key-padding masks (B, 1, 1, keys) are supported, "
-                         f"got {tuple(mask.shape)}")
-    flat = mask[:, 0, 0]
-    return flat if flat.dtype == torch.bool else flat > torch.finfo(flat.dtype).min / 2
+@lru_cache(maxsize=256)
+def tile_order(planner: Planner | None, shape: AttentionShape) -> TileOrder:
+    """Rotated unless the planner predicts rank-major faster (without a calibration: rotated, which the model
+    never predicts slower)."""
+    return TileOrder.ROTATED if planner is None else planner.tile_order(shape, TILE_ROWS)
 
 
-def first_row(layout: UlyssesLayout, rotated: bool) -> int:
-    """Where this rank's attention programs start (Scatter.first_row). The gathered buffers hold [text, image of
-    rank 0, 1, ...]: the rotated order starts at rank + 1's rows, rank-major at row 0."""
-    return layout.text_len + (layout.rank + 1) % layout.degree * layout.local_len if rotated else 0
+def fused_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
+                order: TileOrder) -> Steps[torch.Tensor]:
+    """One rank's fused Ulysses attention over `fabric`, yielding before each barrier what it waits for."""
+    batch, _, heads, head_dim = query.shape
+    share = heads // layout.degree
+    own_heads = slice(layout.rank * share, (layout.rank + 1) * share)
+    gathered = (batch, layout.gathered_len, share, head_dim)
+    buffers = [fabric.buffer(name, gathered, query.dtype) for name in ("q", "k", "v")]
+    out = fabric.buffer("out", (batch, layout.text_len + layout.local_len, heads, head_dim), query.dtype)
+
+    for buffer, tensor in zip(buffers, (query, key, value)):
+        text, image = layout.split(tensor)
+        scatter_heads(image, buffer.destinations, buffer.tensor, row0=layout.image_row0)
+        if layout.text_len:
+            buffer.tensor[:, : layout.text_len] = text[:, :, own_heads]
+    yield "fused attention (pre-all-to-all)"
+    q, k, v = (b.tensor for b in buffers)
+    flash_attention(q, k, v, scale=scale, kv_len=layout.key_len, key_mask=keep_keys(text_mask), out=out.tensor,
+                    scatter=layout.output_scatter(out.destinations, share, order))
+    yield "fused attention (post-all-to-all)"
+    return out.tensor
 
 
-@register_backend("fused", local=flash_attention_bshd, needs_cuda=True, symmetric=True, accepts=kernels_accept)
+def fused_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                   fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
+                   order: TileOrder) -> torch.Tensor:
+    """One rank's fused Ulysses attention over `fabric`; returns the fabric's output buffer."""
+    (out,) = run_in_lockstep([fused_steps(query, key, value, layout, fabric, scale, text_mask, order)],
+                             fabric.barrier)
+    return out
+
+
+def predicted_seconds(planner: Planner, shape: AttentionShape) -> float:
+    return planner.fused_call(shape, TILE_ROWS)
+
+
+@register_backend("fused", local=flash_attention_bshd, cost=predicted_seconds, needs_cuda=True, symmetric=True,
+                  accepts=kernels_accept)
 def fused_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -76,26 +103,5 @@ def fused_ulysses(
     scale: float | None,
     text_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    if not _supported(query):
-        return reference_ulysses(query, key, value, layout, group, scale, text_mask)
-    pool = SymmetricPool.of(group)
-    batch, _, heads, head_dim = query.shape
-    n_ranks, rank, text_len, local_len = layout.degree, layout.rank, layout.text_len, layout.local_len
-    share = heads // n_ranks
-    gathered = (batch, text_len + layout.padded_len, share, head_dim)
-    buffers = [pool.buffer(name, gathered, query.dtype) for name in ("q", "k", "v")]
-    out = pool.buffer("out", (batch, text_len + local_len, heads, head_dim), query.dtype)
-
-    for buffer, tensor in zip(buffers, (query, key, value)):
-        text, image = layout.split(tensor)
-        scatter_heads(image, buffer.offsets, buffer.tensor, row0=text_len + rank * local_len)
-        if text_len:
-            buffer.tensor[:, :text_len] = text[:, :, rank * share : (rank + 1) * share]
-    pool.barrier("fused attention (pre-all-to-all)")
-    q, k, v = (b.tensor for b in buffers)
-    scatter = Scatter(out.offsets, text_len, local_len, layout.text_first, rank * share,
-                      first_row(layout, rotated_tile_order(query, layout)))
-    flash_attention(q, k, v, scale=scale, kv_len=text_len + layout.seq_len, key_mask=_key_mask(text_mask),
-                    out=out.tensor, scatter=scatter)
-    pool.barrier("fused attention (post-all-to-all)")
-    return out.tensor
+    order = tile_order(planner_for(query.device, layout.degree), attention_shape(query, layout))
+    return fused_exchange(query, key, value, layout, fabric_of(group.group_name), scale, text_mask, order)

@@ -13,9 +13,9 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..logging_utils import warn_once
-from ..runtime.symmetric import SymmetricPool
-from .auto import choose
-from .backends import UlyssesLayout, get_backend
+from .backends import get_choice
+from .fabric import fabric_of
+from .layout import UlyssesLayout
 
 
 @torch.library.custom_op("xstage::ulysses_attention", mutates_args=())
@@ -34,12 +34,12 @@ def ulysses_attention(
     group_name: str,
     scale: float | None,
 ) -> torch.Tensor:
+    """The layout travels as its fields (a custom op's arguments are tensors and scalars); `backend` names the
+    choice (sp/backends.py) that picks the backend for this call."""
     layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first)
-    if backend == "auto":
-        backend = choose(query, layout, pool_ready=SymmetricPool.exists(group_name))
-    chosen = get_backend(backend)
+    chosen = get_choice(backend).pick(query, layout, fabric_ready=fabric_of(group_name) is not None)
     out = chosen.ulysses(query, key, value, layout, _resolve_process_group(group_name), scale, text_mask)
-    # a custom op owns its output: a symmetric backend's is a reused pooled buffer
+    # a custom op owns its output: a symmetric backend's is a reused fabric buffer
     return out.clone() if chosen.symmetric else out
 
 
@@ -72,8 +72,8 @@ def rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, se
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
     """The RoPE kernel for inputs `rotary_kernel_runs` took: through the custom op where a graph is being
-    compiled, else launched directly: the custom op's eager dispatch costs about as much host time as the launch
-    (0.105 against 0.064 ms per call, docs/benchmarks/host-h200.md)."""
+    compiled, else launched directly (the custom op's eager dispatch costs about as much host time as the launch:
+    docs/benchmarks/host-h200.md)."""
     if torch.compiler.is_compiling():
         return rotary_emb(x, cos, sin, sequence_dim)
     return _rotary.rotate(x, cos, sin, sequence_dim)

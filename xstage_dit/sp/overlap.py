@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .backends import UlyssesLayout, register_backend
+from .backends import register_backend
 from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
+from .layout import UlyssesLayout
 from .local_attention import sdpa_bshd
 from .reference import attend_gathered
 
@@ -23,7 +24,7 @@ def head_chunks(share: int, max_chunks: int = MAX_CHUNKS) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-@register_backend("overlap", local=sdpa_bshd)
+@register_backend("overlap", local=sdpa_bshd, cost=lambda planner, shape: planner.overlap_call(shape, MAX_CHUNKS))
 def overlap_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,

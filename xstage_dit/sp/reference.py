@@ -7,20 +7,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .backends import UlyssesLayout, key_mask, register_backend
+from ..xstage.planner import Planner
+from .backends import register_backend
 from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
+from .layout import UlyssesLayout
 from .local_attention import sdpa_bshd
+from .masks import with_image_keys
 
 
 def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: UlyssesLayout,
                     scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
     """Attention over [text, whole image sequence] for this rank's heads. The padded tokens sit at the tail of
     the gathered sequence: dropping them from the keys masks them exactly."""
-    valid = layout.text_len + layout.seq_len
-    return sdpa_bshd(q, k[:, :valid], v[:, :valid], attn_mask=key_mask(text_mask, layout.seq_len), scale=scale)
+    valid = layout.key_len
+    return sdpa_bshd(q, k[:, :valid], v[:, :valid], attn_mask=with_image_keys(text_mask, layout.seq_len),
+                     scale=scale)
 
 
-@register_backend("reference", local=sdpa_bshd)
+@register_backend("reference", local=sdpa_bshd, cost=Planner.serial_call)
 def reference_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -15,19 +15,29 @@ the bytes of one of this rank's q, k, v or output tensors (B * L * H * D element
   wave stalls max(0, V_w/R - G - T0_iss(K, V_w)), and the last wave's bytes must land before the barrier
   (delivery minus issue time).
 
-The schedule knob is the fused kernel's tile order (Scatter.first_row). In rank-major order every rank stores
-into the same destination at the same moment, so that destination's ingress, R, is shared by the N - 1
-senders (R / (N - 1) each); rotated, rank r starts at rank r + 1's rows and each destination hears one sender
-at a time (R each). The planner predicts both and picks the faster (rotated on ties)."""
+The schedule knob is the fused kernel's tile order. In rank-major order every rank stores into the same
+destination at the same moment, so that destination's ingress, R, is shared by the N - 1 senders (R / (N - 1)
+each); rotated, rank r starts at rank r + 1's rows and each destination hears one sender at a time (R each). The
+planner predicts both and picks the faster (rotated on ties).
+
+The backends register which of these predictions is theirs (sp/backends.py); `predict` takes that mapping of
+names to cost functions."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, replace
+from typing import Callable, Mapping
 
 from .calibration import Calibration, KernelCosts
 from .model import BurstGapModel
 
-BACKENDS = ("reference", "overlap", "fused")
+
+class TileOrder(enum.Enum):
+    """The order in which a rank's attention programs walk its query tiles (and so store their output)."""
+
+    RANK_MAJOR = "rank-major"  # from row 0: every rank stores into rank 0 first, then rank 1, ...
+    ROTATED = "rotated"  # rank r starts at rank r + 1's rows: each destination hears one sender at a time
 
 
 @dataclass(frozen=True)
@@ -70,11 +80,14 @@ class AttentionShape:
         return float(self.batch * self.text_tokens * heads * self.head_dim * self.element_bytes)
 
 
+# predicted seconds of one attention call of a shape, from the planner's pieces
+Cost = Callable[["Planner", AttentionShape], float]
+
+
 class Planner:
-    def __init__(self, model: BurstGapModel, costs: KernelCosts, tile_rows: int = 128) -> None:
+    def __init__(self, model: BurstGapModel, costs: KernelCosts) -> None:
         self.model = model
         self.costs = costs
-        self.tile_rows = tile_rows  # the attention kernel's BLOCK_M
 
     @classmethod
     def from_calibration(cls, calibration: Calibration) -> "Planner":
@@ -89,21 +102,22 @@ class Planner:
         transfer = self.costs.launch + nbytes / self.costs.alltoall_rate
         return transfer + (3 if text else 2) * self.copy(nbytes)
 
-    def attention(self, shape: AttentionShape, own: bool, heads: int | None = None) -> float:
+    def attention(self, shape: AttentionShape, own: bool, heads: float | None = None) -> float:
         return self.costs.attention_time(shape.flops(heads), shape.keys, shape.head_dim, own)
 
-    def fused_kernel(self, shape: AttentionShape, rotated: bool) -> float:
-        """Our attention kernel with the scatter epilogue (the post-all-to-all), alone."""
+    def fused_kernel(self, shape: AttentionShape, order: TileOrder, tile_rows: int) -> float:
+        """Our attention kernel with the scatter epilogue (the post-all-to-all), alone, for output tiles of
+        `tile_rows` query rows."""
         compute = self.attention(shape, own=True)
         n = shape.degree
         if n == 1:
             return compute
-        tiles = shape.batch * shape.heads_per_rank * math.ceil(shape.query_rows / self.tile_rows)
+        tiles = shape.batch * shape.heads_per_rank * math.ceil(shape.query_rows / tile_rows)
         producers = min(self.costs.sms, tiles)
         waves = tiles / producers
         remote = (n - 1) / n
-        wave_bytes = producers * self.tile_rows * shape.head_dim * shape.element_bytes * remote
-        drain = self.model.drain_rate if rotated else self.model.drain_rate / (n - 1)
+        wave_bytes = producers * tile_rows * shape.head_dim * shape.element_bytes * remote
+        drain = self.model.drain_rate if order is TileOrder.ROTATED else self.model.drain_rate / (n - 1)
         path = replace(self.model, drain_rate=drain)
         gap = compute / waves
         stall = max(0.0, path.steady_issue_time(gap, wave_bytes, producers)
@@ -120,26 +134,33 @@ class Planner:
         text = self.copy(3 * shape.text_bytes(shape.heads_per_rank)) if shape.text_tokens else 0.0
         return stores + text
 
-    def tile_order(self, shape: AttentionShape) -> bool:
-        """True: rotated (each rank starts at its successor's rows); False: rank-major."""
-        return self.fused_kernel(shape, True) <= self.fused_kernel(shape, False)
+    def tile_order(self, shape: AttentionShape, tile_rows: int) -> TileOrder:
+        """The faster order for the fused kernel (rotated on ties)."""
+        rotated = self.fused_kernel(shape, TileOrder.ROTATED, tile_rows)
+        return TileOrder.ROTATED if rotated <= self.fused_kernel(shape, TileOrder.RANK_MAJOR, tile_rows) \
+            else TileOrder.RANK_MAJOR
 
-    # -- whole calls --------------------------------------------------------------------------------------------
-    def predict(self, shape: AttentionShape) -> dict[str, float]:
-        """Predicted seconds of one attention call per backend."""
+    # -- whole calls, one per backend ----------------------------------------------------------------------------
+    def serial_call(self, shape: AttentionShape) -> float:
+        """Vendor attention between two all-to-alls (q, k, v out; the output back), one after the other."""
         if shape.degree == 1:
-            vendor = self.attention(shape, own=False)
-            return {"reference": vendor, "overlap": vendor, "fused": self.attention(shape, own=True)}
-        tensor, text = shape.tensor_bytes(), shape.text_tokens > 0
-        reference = self.attention(shape, own=False) + 4 * self.exchange(tensor, text)
-        out_bytes = tensor + shape.text_bytes(shape.heads)
-        fused = (self.pre_all_to_all(shape) + 2 * self.costs.launch
-                 + self.fused_kernel(shape, self.tile_order(shape)) + self.copy(out_bytes))
-        return {"reference": reference, "overlap": self.overlap(shape), "fused": fused}
+            return self.attention(shape, own=False)
+        return self.attention(shape, own=False) + 4 * self.exchange(shape.tensor_bytes(), shape.text_tokens > 0)
 
-    def overlap(self, shape: AttentionShape, max_chunks: int = 4) -> float:
+    def fused_call(self, shape: AttentionShape, tile_rows: int) -> float:
+        """Store kernels, a barrier, our kernel with the scatter epilogue in its better order, a barrier, the copy
+        out of the pooled buffer."""
+        if shape.degree == 1:
+            return self.attention(shape, own=True)
+        out_bytes = shape.tensor_bytes() + shape.text_bytes(shape.heads)
+        kernel = self.fused_kernel(shape, self.tile_order(shape, tile_rows), tile_rows)
+        return self.pre_all_to_all(shape) + 2 * self.costs.launch + kernel + self.copy(out_bytes)
+
+    def overlap_call(self, shape: AttentionShape, max_chunks: int = 4) -> float:
         """Two streams, in sp/overlap.py's issue order: the compute stream packs, unpacks and attends, the
         communication stream runs the all-to-alls, each waiting for what it consumes."""
+        if shape.degree == 1:
+            return self.attention(shape, own=False)
         count = min(shape.heads_per_rank, max_chunks)
         tensor, text = shape.tensor_bytes() / count, shape.text_tokens > 0
         pack, unpack = self.copy(tensor), (2 if text else 1) * self.copy(tensor)
@@ -165,6 +186,6 @@ class Planner:
             compute = max(compute, done) + unpack
         return compute
 
-    def choose(self, shape: AttentionShape, candidates: tuple[str, ...] = BACKENDS) -> str:
-        predicted = self.predict(shape)
-        return min(candidates, key=lambda name: predicted[name])
+    def predict(self, shape: AttentionShape, costs: Mapping[str, Cost]) -> dict[str, float]:
+        """Predicted seconds of one attention call per backend, from each backend's cost function."""
+        return {name: cost(self, shape) for name, cost in costs.items()}
