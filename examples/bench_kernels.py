@@ -8,11 +8,12 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
 - own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
   sweep of tile configurations; at the e2e benchmark's attention shapes also vs cuDNN back to back (no L2 flush);
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
-  local memory): the fused post-all-to-all kernel (scatter epilogue) vs the same kernel storing locally; the
-  fused pre-all-to-all store kernels vs a device-to-device copy of the same bytes; and the whole call for
-  serial (the reference backend's own exchange code around its SDPA, each all-to-all a copy of the send buffer),
-  overlap (the overlap backend's own chunked schedule, the all-to-alls as copies on a second stream) and fused
-  (store kernels, fused attention, copy out), each vs cuDNN attention alone.
+  local memory), each through the backends' own code: the fused backend's steps over a loopback fabric (store
+  kernels, attention with the scatter epilogue; no barriers) in both tile orders vs our attention kernel alone;
+  its pre-all-to-all step alone vs a device-to-device copy of the same bytes; and the whole call of serial (the
+  reference backend's exchange code around its SDPA, each all-to-all a copy of the send buffer), overlap (the
+  overlap backend's chunked schedule, the all-to-alls as copies on a second stream) and fused, each vs cuDNN
+  attention alone.
 Loopback shows what the kernels and their stores cost on this GPU, not NVLink drain, and nothing about scaling.
 Each variant and its baselines are timed in alternating rounds of triton.testing.do_bench (every call after an L2
 flush), so that clock and power drift weigh on all of them alike; a row gives the median over all its samples.
@@ -33,18 +34,18 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from xstage_dit.kernels.all_to_all import scatter_heads
 from xstage_dit.kernels.attention import TileConfig, flash_attention
 from xstage_dit.kernels.attention_hopper import HopperConfig
-from xstage_dit.kernels.loopback import LoopbackUlysses
 from xstage_dit.kernels.rotary import rotary_interleaved
 from xstage_dit.sp import ops
-from xstage_dit.sp.backends import UlyssesLayout
 from xstage_dit.sp.exchange import InFlight
-from xstage_dit.sp.fused import first_row, flash_attention_bshd
-from xstage_dit.sp.overlap import chunked_exchange
+from xstage_dit.sp.fabric import LoopbackFabric
+from xstage_dit.sp.fused import TILE_ROWS, flash_attention_bshd, fused_exchange, fused_steps
+from xstage_dit.sp.layout import UlyssesLayout
+from xstage_dit.sp.overlap import MAX_CHUNKS, chunked_exchange
 from xstage_dit.sp.reference import serial_exchange
 from xstage_dit.xstage import AttentionShape, Calibration, Planner, find_calibration
+from xstage_dit.xstage.planner import TileOrder
 
 from provenance import provenance
 
@@ -220,8 +221,8 @@ def bench_host() -> list[dict]:
 class StreamCopy:
     """A loopback transport with the all-to-all in flight: a copy of the send buffer on a second stream (every
     simulated peer "sends" rank 0's data back, which times the same bytes). Like NCCL's stashing of a collective's
-    tensors, the send buffer stays referenced until the main stream waited for the copy: no record_stream, with
-    which a loopback overlap call took several times the host time (H200 machine, 2026-11-29)."""
+    tensors, the send buffer stays referenced until the main stream waited for the copy, instead of a
+    record_stream (which costs host time per call)."""
 
     def __init__(self) -> None:
         self.stream = torch.cuda.Stream()
@@ -251,32 +252,26 @@ def copy_now(send: torch.Tensor) -> InFlight:
 
 
 class LoopbackRank:
-    """Rank 0 of N-rank Ulysses attention on one GPU: its joint inputs and the fused path's buffers. The serial
-    and overlap calls run the reference and overlap backends' own exchange code over a loopback transport."""
+    """Rank 0 of N-rank Ulysses attention on one GPU: its joint inputs, a loopback fabric for the fused backend's
+    steps, and loopback transports for the reference and overlap backends' exchange code."""
 
     def __init__(self, n_ranks: int, seq: int, heads: int, head_dim: int) -> None:
-        self.n, self.local, self.share = n_ranks, seq // n_ranks, heads // n_ranks
+        self.local, self.share = seq // n_ranks, heads // n_ranks
         self.layout = UlyssesLayout(0, seq, self.local, n_ranks, 0)
         self.qkv = [torch.randn(1, self.local, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                     for _ in range(3)]
-        self.fused = LoopbackUlysses(n_ranks, 1, 0, self.local, heads, head_dim, torch.bfloat16, "cuda")
-        for buffers in self.fused.qkv:
-            for t in buffers:
-                t.normal_()
-        self.gathered = self.fused.qkv[0]  # (1, seq, H/N, D): this rank's heads of the whole sequence
+        self.fabric = LoopbackFabric(n_ranks, "cuda").rank(0)
+        # this rank's heads of the whole sequence, as after the pre-all-to-all
+        self.gathered = [torch.randn(1, seq, self.share, head_dim, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(3)]
         self.in_flight = StreamCopy()
 
     def fused_pre(self) -> None:
-        for i, t in enumerate(self.qkv):
-            scatter_heads(t, self.fused.qkv_offsets[0][i], self.fused.qkv[0][i], row0=0)
+        """The fused backend's first step alone: the pre-all-to-all store kernels."""
+        next(fused_steps(*self.qkv, self.layout, self.fabric, None, None, TileOrder.ROTATED))
 
-    def fused_kernel(self, rotated: bool, seq: int) -> None:
-        self.fused.attention(0, seq, first_row=first_row(self.layout, rotated))
-
-    def fused_call(self, seq: int) -> torch.Tensor:
-        self.fused_pre()
-        self.fused_kernel(True, seq)
-        return self.fused.out[0].clone()
+    def fused_call(self, order: TileOrder) -> torch.Tensor:
+        return fused_exchange(*self.qkv, self.layout, self.fabric, None, None, order)
 
     def serial_call(self) -> torch.Tensor:
         return serial_exchange(*self.qkv, self.layout, copy_now, None, None)
@@ -293,28 +288,25 @@ def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[di
         dims = [1, seq, rank.share, 128]
         q, k, v = rank.gathered
         ms = compare_ms({"alone": lambda: flash_attention(q, k, v),  # the default config, as the fused kernel runs
-                         "rank-major": lambda: rank.fused_kernel(False, seq),
-                         "rotated": lambda: rank.fused_kernel(True, seq)})
-        for order in ("rank-major", "rotated"):
-            predicted = planner.fused_kernel(shape, order == "rotated") * 1e3 if planner else None
-            records.append(record("fused_post_a2a_loopback", dims, ms[order], "xstage_attention_alone", ms["alone"],
-                                  predicted, n_ranks=n_ranks, tile_order=order))
+                         "vendor": lambda: cudnn(q, k, v), "serial": rank.serial_call, "overlap": rank.overlap_call,
+                         **{order: lambda o=order: rank.fused_call(o) for order in TileOrder}})
+        # loopback has no barriers and no copy out of the fabric
+        fused = {order: planner.pre_all_to_all(shape) + planner.fused_kernel(shape, order, TILE_ROWS)
+                 for order in TileOrder} if planner else {}
+        for order in TileOrder:
+            records.append(record("fused_call_loopback", dims, ms[order], "xstage_attention_alone", ms["alone"],
+                                  fused[order] * 1e3 if planner else None, n_ranks=n_ranks, tile_order=order.value))
+        expected = {"serial": planner.serial_call(shape), "overlap": planner.overlap_call(shape, MAX_CHUNKS)
+                    } if planner else {}
+        for name in ("serial", "overlap"):
+            records.append(record(f"{name}_call_loopback", dims, ms[name], "cudnn_attention_alone", ms["vendor"],
+                                  expected[name] * 1e3 if planner else None, n_ranks=n_ranks))
         volume = 3 * shape.tensor_bytes()
         src = torch.empty(int(volume), dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         ms = compare_ms({"pre": rank.fused_pre, "copy": lambda: dst.copy_(src)})
         records.append(record("pre_a2a_loopback", [1, rank.local, heads, 128], ms["pre"], "d2d_copy_same_bytes",
                               ms["copy"], planner.pre_all_to_all(shape) * 1e3 if planner else None, n_ranks=n_ranks))
-        predicted = planner.predict(shape) if planner else {}
-        ms = compare_ms({"serial": rank.serial_call, "overlap": rank.overlap_call,
-                         "fused": lambda: rank.fused_call(seq), "vendor": lambda: cudnn(q, k, v)})
-        fused_loopback = (planner.pre_all_to_all(shape) + planner.fused_kernel(shape, True)
-                          + planner.copy(shape.tensor_bytes())) if planner else None
-        expected = {"serial": predicted.get("reference"), "overlap": predicted.get("overlap"),
-                    "fused": fused_loopback}  # loopback has no barriers
-        for name, guess in expected.items():
-            records.append(record(f"{name}_call_loopback", dims, ms[name], "cudnn_attention_alone", ms["vendor"],
-                                  guess * 1e3 if guess is not None else None, n_ranks=n_ranks))
         check = (rank.serial_call() - rank.overlap_call()).abs().max().item()
         assert check < 1e-2, f"loopback overlap differs from serial by {check}"
     return records
