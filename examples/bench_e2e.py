@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 import xstage_dit
-from xstage_dit import patches, zoo
+from xstage_dit import patches
 from xstage_dit.runtime import world_from_env
 
+import zoo
 from kernel_profile import kernel_times, write_profiles
 from provenance import provenance
 from step_timer import StepTimer

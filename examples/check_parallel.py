@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 import xstage_dit
-from xstage_dit import zoo
 from xstage_dit.runtime import world_from_env
 from xstage_dit.runtime.symmetric import SymmetricPool
 
+import zoo
 from provenance import provenance
 
 TOLERANCE = 3e-2

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 examples/generate.py              # the same on 2 ranks
     torchrun --nproc_per_node 8 examples/generate.py --model black-forest-labs/FLUX.1-dev --prompt "a cat"
 
-Without --model the pipeline is built from a config in xstage_dit.zoo with random weights (no download) and
+Without --model the pipeline is built from a config in examples/zoo.py with random weights (no download) and
 the prompt seeds random text embeddings, since such configs have no text encoder. Only the main rank shows
 progress and writes the output."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import export_to_gif
 
 import xstage_dit
-from xstage_dit import zoo
 
+import zoo
 from step_timer import StepTimer
 
 
