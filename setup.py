@@ -6,7 +6,8 @@ import os
 from setuptools import setup
 
 PACKAGES = [
-    "xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.kernels", "xstage_dit.xstage", "xstage_dit.patches",
+    "xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.kernels", "xstage_dit.xstage",
+    "xstage_dit.probing", "xstage_dit.patches",
 ]
 
 

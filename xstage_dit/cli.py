@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .sp.backends import available_backends
-from .xstage.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
+from .probing.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
 from .xstage.calibration import Calibration, calibration_dir, find_calibration
 from .xstage.planner import AttentionShape, Planner
 

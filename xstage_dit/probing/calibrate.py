@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ..runtime.distributed import SAFE_ENV, free_port
-from .calibration import Calibration, KernelCosts
-from .model import BurstGapModel
+from ..xstage.calibration import Calibration, KernelCosts
+from ..xstage.model import BurstGapModel
 from .probes import BurstProbe, round_volume
 
 KiB, MiB = 1024, 1024 * 1024
