@@ -1,6 +1,7 @@
-"""End-to-end latency of diffusers pipelines, stock versus xstage_dit, measured side by side in one run.
+r"""End-to-end latency of diffusers pipelines, stock versus xstage_dit, measured side by side in one run.
 
     python examples/bench_e2e.py --config flux-dev wan-1.3b --out docs/benchmarks/e2e-h200
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     torchrun --nproc_per_node 8 examples/bench_e2e.py --config wan-14b --out docs/benchmarks/e2e-h200x8
 
 Pipelines are built from the released models' configs with random weights and random text embeddings of the

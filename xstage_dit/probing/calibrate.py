@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.distributed import SAFE_ENV, free_port
+from ..runtime.distributed import free_port
 from ..xstage.calibration import Calibration, KernelCosts
 from ..xstage.model import BurstGapModel
 from .probes import BurstProbe, round_volume
@@ -136,7 +136,7 @@ def _peer_worker(rank: int, world_size: int, port: int, same_gpu: bool, quick: b
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **SAFE_ENV)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if same_gpu:
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     device = torch.device("cuda", 0 if same_gpu else rank)
