@@ -76,7 +76,8 @@ def _median_seconds(fn) -> float:
 
 
 # heads of the attention-rate samples: enough that the shortest (4096 tokens) runs longer than a launch's host
-# time plus do_bench's cache flush; with 8 heads our kernel's rate at 4096 tokens came out host-bound (2026-11-29)
+# time plus do_bench's cache flush, so that the rate measures the GPU, not the host
+# (docs/benchmarks/calibration-h200.md)
 RATE_HEADS = 24
 
 
