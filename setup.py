@@ -6,9 +6,9 @@ import os
 from setuptools import setup
 
 PACKAGES = [
-    "xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.kernels", "xstage_dit.xstage", "xstage_dit.patches",
+    "xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.kernels", "xstage_dit.xstage",
+    "xstage_dit.probing", "xstage_dit.patches",
 ]
-PACKAGE_DIR = {"xstage_dit.patches": "patches"}
 
 
 def cuda_extensions() -> tuple[list, dict]:
@@ -44,7 +44,6 @@ setup(
     version="0.1.0",
     description="Ulysses sequence-parallel inference for diffusers DiTs with X-Stage-aware fused kernels",
     packages=PACKAGES,
-    package_dir=PACKAGE_DIR,
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "diffusers==0.42.1", "transformers", "accelerate", "tqdm", "pillow"],
     extras_require={

@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
-# The multi-GPU run (issue 6) on one machine with G GPUs; results under $OUT, a timing line per part. A device call
+# The multi-GPU run on one machine with G GPUs; results under $OUT, a timing line per part. A device call
 # may run 10 minutes, so the run is split into parts, each a quoted argument, run in the order given:
 #   "correctness"      parallel vs single-GPU results, reference and fused, N = 2, 4, ..., G (Flux 1024², Wan 1.3B 480p)
 #   "calibrate"        xstage-dit calibrate (loopback, and rank 0 -> rank 1 over the real link); builds csrc/
 #   "kernels"          attention + post-all-to-all at N = G: attention only / serial / fused, planner predictions
 #   "e2e CONFIG N..."  bench_e2e at each N: stock (N = 1), xstage reference / fused / auto, diffusers' own Ulysses,
 #                      and rank 0's GPU time per step by kernel (--profile): wall minus GPU time says how host-bound
-# Measured on 2 H200s (2026-11-29): DRY_RUN correctness + kernels 62 s after the install; check_parallel flux-dev
-# (reference, fused) 43 s; bench_e2e flux-dev 4 steps x 4 calls, two variants, 44 s. A cold start costs ~60 s.
-# Planned for 8 H200s (estimates), 30 minutes of device time in four calls:
-#   bash .ci/multi_gpu.sh correctness                          # ~5 min
-#   bash .ci/multi_gpu.sh calibrate kernels                    # ~5 min
-#   bash .ci/multi_gpu.sh "e2e flux-dev 1 2 4 8"               # ~6 min (28 steps)
-#   bash .ci/multi_gpu.sh "e2e wan-14b 2 4 8" "e2e wan-14b 1"  # ~10 min (720p 81 frames, 2 steps per call)
+# On 8 GPUs, four calls, each within one device call (docs/benchmarks/README.md has the times):
+#   bash .ci/multi_gpu.sh correctness
+#   bash .ci/multi_gpu.sh calibrate kernels
+#   bash .ci/multi_gpu.sh "e2e flux-dev 1 2 4 8"
+#   bash .ci/multi_gpu.sh "e2e wan-14b 2 4 8" "e2e wan-14b 1"
 # Every call starts a fresh machine: commit the calibration JSON the second call writes under docs/benchmarks and
 # run the later calls with XSTAGE_CALIBRATION_DIR=$PWD/docs/benchmarks, so that `auto` plans with it.
 # DRY_RUN=1 (one GPU): 2 processes share it, tiny models, short sweeps, no calibration (the committed same-GPU
@@ -40,8 +38,8 @@ correctness() {
     # shellcheck disable=SC2086  # CHECKS is a list of configs
     if ! $RUN --nproc_per_node "$n" "$REPO/examples/check_parallel.py" --config $CHECKS --backend reference fused \
         --out "$OUT/correctness-n$n" 2>&1 | tail -8; then
-      # the NVSHMEM symmetric-memory backend has never run before this machine: if it fails, say so, and let
-      # the rest of this call use the CUDA backend (same kernels, peer memory mapped through CUDA IPC)
+      # if the symmetric-memory backend chosen automatically (NVSHMEM where torch has it) fails, say so, and
+      # let the rest of this call use the CUDA backend (same kernels, peer memory mapped through CUDA IPC)
       echo "!! N=$n failed (backend ${XSTAGE_SYMM_MEM_BACKEND:-auto}); retrying with XSTAGE_SYMM_MEM_BACKEND=CUDA"
       export XSTAGE_SYMM_MEM_BACKEND=CUDA
       # shellcheck disable=SC2086

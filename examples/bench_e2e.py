@@ -1,6 +1,7 @@
-"""End-to-end latency of diffusers pipelines, stock versus xstage_dit, measured side by side in one run.
+r"""End-to-end latency of diffusers pipelines, stock versus xstage_dit, measured side by side in one run.
 
     python examples/bench_e2e.py --config flux-dev wan-1.3b --out docs/benchmarks/e2e-h200
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     torchrun --nproc_per_node 8 examples/bench_e2e.py --config wan-14b --out docs/benchmarks/e2e-h200x8
 
 Pipelines are built from the released models' configs with random weights and random text embeddings of the
@@ -22,9 +23,10 @@ from pathlib import Path
 import torch
 
 import xstage_dit
-from xstage_dit import patches, zoo
+from xstage_dit import patches
 from xstage_dit.runtime import world_from_env
 
+import zoo
 from kernel_profile import kernel_times, write_profiles
 from provenance import provenance
 from step_timer import StepTimer

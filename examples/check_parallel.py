@@ -1,5 +1,6 @@
-"""Correctness on real peers: each backend's parallel result against the single-GPU result, bf16, fixed seed.
+r"""Correctness on real peers: each backend's parallel result against the single-GPU result, bf16, fixed seed.
 
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     torchrun --nproc_per_node 8 examples/check_parallel.py --config flux-dev wan-1.3b --backend reference fused
 
 Every rank first runs the stock pipeline alone on its GPU (no collectives), then the same call with xstage_dit
@@ -17,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 import xstage_dit
-from xstage_dit import zoo
 from xstage_dit.runtime import world_from_env
 from xstage_dit.sp.fabric import symmetric_backends_in_use
 
+import zoo
 from provenance import provenance
 
 TOLERANCE = 3e-2

@@ -1,10 +1,11 @@
-"""Generate an image or a video with xstage_dit's Ulysses sequence parallelism.
+r"""Generate an image or a video with xstage_dit's Ulysses sequence parallelism.
 
     python examples/generate.py                                   # tiny random Flux, one process
     torchrun --nproc_per_node 2 examples/generate.py              # the same on 2 ranks
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     torchrun --nproc_per_node 8 examples/generate.py --model black-forest-labs/FLUX.1-dev --prompt "a cat"
 
-Without --model the pipeline is built from a config in xstage_dit.zoo with random weights (no download) and
+Without --model the pipeline is built from a config in examples/zoo.py with random weights (no download) and
 the prompt seeds random text embeddings, since such configs have no text encoder. Only the main rank shows
 progress and writes the output."""
 from __future__ import annotations
@@ -18,8 +19,8 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import export_to_gif
 
 import xstage_dit
-from xstage_dit import zoo
 
+import zoo
 from step_timer import StepTimer
 
 

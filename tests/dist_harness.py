@@ -27,9 +27,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # A passing worker leaves now: interpreter shutdown with library threads still alive (seen once after a
-    # torch.compile run: "terminate called without an active exception") must not fail a test whose checks
-    # all passed. Failures never get here: they propagate to torch.multiprocessing, which reports them.
+    # A passing worker exits here, without interpreter shutdown: library threads still alive at shutdown (as
+    # torch.compile's can be: "terminate called without an active exception") must not fail a test whose
+    # checks all passed. Failures never get here: they propagate to torch.multiprocessing, which reports them.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

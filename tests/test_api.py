@@ -7,7 +7,7 @@ import torch
 from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
-from xstage_dit import zoo
+import zoo
 from xstage_dit.sp import ops, routing
 from xstage_dit.sp.sharding import SequenceShard
 
@@ -197,11 +197,13 @@ def test_the_package_works_without_triton():
     """Triton is optional (the fused backend's kernels): without it the package imports and `auto` runs."""
     import subprocess
     import sys
+    from pathlib import Path
 
+    examples = Path(__file__).resolve().parent.parent / "examples"  # zoo.py, as pytest.ini's pythonpath has it
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, xstage_dit\n"
-        "from xstage_dit import zoo\n"
+        f"sys.path.insert(0, {str(examples)!r})\n"
+        "import torch, xstage_dit, zoo\n"
         "from xstage_dit.sp.backends import available_backends\n"
         "assert 'fused' not in available_backends(), available_backends()\n"
         "pipe = zoo.build_pipeline('tiny-flux')\n"

@@ -12,7 +12,7 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def probe():
-    from xstage_dit.xstage.probes import BurstProbe
+    from xstage_dit.probing.probes import BurstProbe
 
     return BurstProbe(torch.device("cuda", 0))
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import xstage_dit
+import zoo
 from dist_harness import run_on_ranks
-from xstage_dit import zoo
 
 
 def _compiled_worker(name: str, backend: str) -> None:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import xstage_dit
+import zoo
 from dist_harness import run_on_ranks
-from xstage_dit import zoo
 from xstage_dit.sp.local_attention import sdpa_bshd
 
 pytestmark = pytest.mark.gpu

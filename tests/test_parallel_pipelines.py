@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import xstage_dit
+import zoo
 from dist_harness import run_on_ranks
-from xstage_dit import patches, zoo
+from xstage_dit import patches
 
 # token counts: "even" divides by 2, 3 and 4; "uneven" (35 = 5 x 7) by none of them, except where a model's
 # geometry cannot make 35 tokens (noted)

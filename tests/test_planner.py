@@ -131,7 +131,7 @@ class _SimulatedStorePath:
         self.model = model
 
     def train(self, destination, producers, volume, bursts, gap, fence=False):
-        from xstage_dit.xstage.probes import Train
+        from xstage_dit.probing.probes import Train
 
         times = self.model.simulate([(gap, volume)] * bursts, producers)
         if fence:
@@ -140,7 +140,7 @@ class _SimulatedStorePath:
 
 
 def test_the_calibration_sweep_and_fit_recover_a_simulated_store_path():
-    from xstage_dit.xstage.calibrate import fit, sweep
+    from xstage_dit.probing.calibrate import fit, sweep
 
     samples, visibility = sweep(_SimulatedStorePath(NVLINK_LIKE), None, sms=132, quick=False)
     model, error = fit(samples)

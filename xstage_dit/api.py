@@ -8,7 +8,8 @@ from diffusers import ModelMixin
 from torch import nn
 
 from . import patches
-from .cfg_parallel import PAIRS, CfgSplit, PairedCalls, unwrap_pipeline_call, wrap_pipeline_call
+from .cfg_parallel import CfgSplit, PairedCalls, unwrap_pipeline_call, wrap_pipeline_call
+from .cfg_plan import PAIRS
 from .config import XStageConfig
 from .logging_utils import logger, warn_once
 from .runtime import build_groups, ensure_process_group, world_from_env

@@ -13,36 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from torch import nn
 
+from .cfg_plan import BATCH, PAIRS, CfgPlan
 from .logging_utils import warn_once
 from .runtime import ParallelGroups
 from .sp.sharding import all_gather_into
-
-BATCH = "batch"
-PAIRS = "pairs"
-
-
-@dataclass(frozen=True)
-class CfgPlan:
-    """How a model family's pipelines do CFG.
-
-    mode: BATCH or PAIRS.
-    batch_inputs: forward argument name -> its batch dim, for the arguments that carry the batch (BATCH); lists
-        (e.g. per-sample sizes) are split like dim 0.
-    output_shape: the forward output's shape from the model and the shape of its `hidden_states` input (PAIRS).
-    pipeline_uses_cfg: whether a pipeline call with these (bound, defaults applied) arguments runs CFG (PAIRS).
-    """
-
-    mode: str
-    batch_inputs: dict[str, int] = field(default_factory=dict)
-    output_shape: Callable[[nn.Module, torch.Size], tuple[int, ...]] | None = None
-    pipeline_uses_cfg: Callable[[dict[str, Any]], bool] | None = None
 
 
 def _sample(output: Any) -> torch.Tensor:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .probing.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
 from .sp.backends import available_backends, backends, costs_of
-from .xstage.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
 from .xstage.calibration import Calibration, calibration_dir, find_calibration
 from .xstage.planner import AttentionShape, Planner
 

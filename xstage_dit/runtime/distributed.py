@@ -12,9 +12,6 @@ import torch.distributed as dist
 
 from ..logging_utils import logger
 
-# NVLink multicast (NVLS) can take shared hosts' GPUs out of service; keep it off in every process we start.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
 
 @dataclass(frozen=True)
 class ParallelGroups:
@@ -49,8 +46,6 @@ def local_device() -> torch.device:
 def ensure_process_group(timeout_s: float) -> None:
     """Start the default process group from the launcher's environment unless one is running or the job has one
     process. NCCL on GPUs, gloo on CPU; every collective is bounded by `timeout_s`."""
-    for key, value in SAFE_ENV.items():
-        os.environ.setdefault(key, value)
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return
     device = local_device()

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# cuDNN attention runs about 1.6x FlashAttention-2 on Hopper for DiT shapes (docs/benchmarks); SDPA falls
-# through this list to the first kernel that accepts the inputs.
+# cuDNN attention is SDPA's fastest kernel on Hopper for DiT shapes (docs/benchmarks/kernels-h200.md); SDPA
+# falls through this list to the first kernel that accepts the inputs.
 _GPU_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..cfg_parallel import CfgPlan
+from ..cfg_plan import CfgPlan
 from . import routing
 from .attention import UlyssesAttention
 from .sharding import SequenceShard

@@ -1,4 +1,5 @@
-"""The X-Stage: the Burst-Gap model of device-initiated remote stores, its calibration and the planner."""
+"""The X-Stage: the Burst-Gap model of device-initiated remote stores, its calibration record and the planner;
+pure Python, no GPU. The tools that measure a machine for it are in probing/."""
 from .calibration import Calibration, KernelCosts, find_calibration
 from .model import BurstGapModel
 from .planner import AttentionShape, Planner

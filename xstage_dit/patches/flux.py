@@ -9,7 +9,7 @@ from typing import Any
 from diffusers import FluxTransformer2DModel
 from torch import nn
 
-from ..cfg_parallel import PAIRS, CfgPlan
+from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
 from . import cfg_rules

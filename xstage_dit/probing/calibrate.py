@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.distributed import SAFE_ENV, free_port
-from .calibration import Calibration, KernelCosts
-from .model import BurstGapModel
+from ..runtime.distributed import free_port
+from ..xstage.calibration import Calibration, KernelCosts
+from ..xstage.model import BurstGapModel
 from .probes import BurstProbe, round_volume
 
 KiB, MiB = 1024, 1024 * 1024
@@ -76,7 +76,8 @@ def _median_seconds(fn) -> float:
 
 
 # heads of the attention-rate samples: enough that the shortest (4096 tokens) runs longer than a launch's host
-# time plus do_bench's cache flush; with 8 heads our kernel's rate at 4096 tokens came out host-bound (2026-11-29)
+# time plus do_bench's cache flush, so that the rate measures the GPU, not the host
+# (docs/benchmarks/calibration-h200.md)
 RATE_HEADS = 24
 
 
@@ -136,7 +137,7 @@ def _peer_worker(rank: int, world_size: int, port: int, same_gpu: bool, quick: b
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **SAFE_ENV)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if same_gpu:
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     device = torch.device("cuda", 0 if same_gpu else rank)

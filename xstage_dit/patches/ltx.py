@@ -8,7 +8,7 @@ from typing import Any
 
 from diffusers import LTXVideoTransformer3DModel
 
-from ..cfg_parallel import BATCH, CfgPlan
+from ..cfg_plan import BATCH, CfgPlan
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
 

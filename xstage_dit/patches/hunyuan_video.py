@@ -8,7 +8,7 @@ from __future__ import annotations
 from diffusers import HunyuanVideoTransformer3DModel
 from torch import nn
 
-from ..cfg_parallel import PAIRS, CfgPlan
+from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
 from . import cfg_rules

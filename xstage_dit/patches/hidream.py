@@ -15,7 +15,7 @@ from diffusers import HiDreamImageTransformer2DModel
 from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 from torch import nn
 
-from ..cfg_parallel import BATCH, CfgPlan
+from ..cfg_plan import BATCH, CfgPlan
 from ..moe import GroupedSwiGLUExperts, dispatch
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from diffusers import CogVideoXTransformer3DModel
 
-from ..cfg_parallel import BATCH, CfgPlan
+from ..cfg_plan import BATCH, CfgPlan
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
 

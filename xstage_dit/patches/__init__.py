@@ -1,5 +1,5 @@
 """One patch per diffusers model family; each says where that model's tokens are sharded and which attention
-modules see the whole sequence. Installed as `xstage_dit.patches`."""
+modules see the whole sequence (patches/README.md says how to add a family)."""
 from __future__ import annotations
 
 from torch import nn

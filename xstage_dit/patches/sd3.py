@@ -9,7 +9,7 @@ from typing import Any
 from diffusers import SD3Transformer2DModel
 from torch import nn
 
-from ..cfg_parallel import BATCH, CfgPlan
+from ..cfg_plan import BATCH, CfgPlan
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
 

@@ -1,0 +1,29 @@
+"""How a model family's pipelines run classifier-free guidance: the declarative record a patch fills in and
+cfg_parallel.py carries out. It sits below sp/ and cfg_parallel.py, which both read it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+BATCH = "batch"
+PAIRS = "pairs"
+
+
+@dataclass(frozen=True)
+class CfgPlan:
+    """How a model family's pipelines do CFG.
+
+    mode: BATCH or PAIRS.
+    batch_inputs: forward argument name -> its batch dim, for the arguments that carry the batch (BATCH); lists
+        (e.g. per-sample sizes) are split like dim 0.
+    output_shape: the forward output's shape from the model and the shape of its `hidden_states` input (PAIRS).
+    pipeline_uses_cfg: whether a pipeline call with these (bound, defaults applied) arguments runs CFG (PAIRS).
+    """
+
+    mode: str
+    batch_inputs: dict[str, int] = field(default_factory=dict)
+    output_shape: Callable[[nn.Module, torch.Size], tuple[int, ...]] | None = None
+    pipeline_uses_cfg: Callable[[dict[str, Any]], bool] | None = None
