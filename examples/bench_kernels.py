@@ -260,7 +260,7 @@ class LoopbackRank:
         self.layout = UlyssesLayout(0, seq, self.local, n_ranks, 0)
         self.qkv = [torch.randn(1, self.local, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                     for _ in range(3)]
-        self.fabric = LoopbackFabric(n_ranks, "cuda").rank(0)
+        self.fabric = LoopbackFabric(n_ranks, "cuda", initialise=torch.Tensor.normal_).rank(0)
         # this rank's heads of the whole sequence, as after the pre-all-to-all
         self.gathered = [torch.randn(1, seq, self.share, head_dim, device="cuda", dtype=torch.bfloat16)
                          for _ in range(3)]

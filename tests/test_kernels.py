@@ -135,7 +135,7 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
     image = [torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
     key_mask = torch.ones(batch, text_len, dtype=torch.bool, device=device)
     key_mask[-1, text_len // 2 :] = False  # a padded prompt
-    fabric = LoopbackFabric(n_ranks, device, fill=float("nan"))
+    fabric = LoopbackFabric(n_ranks, device, initialise=lambda t: t.fill_(float("nan")))
     joint = [per_rank(t, i) for t, i in zip(text, image)]
     outs = run_in_lockstep(
         [fused_steps(*(j[rank] for j in joint), UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first),

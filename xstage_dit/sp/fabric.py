@@ -110,13 +110,14 @@ def symmetric_backends_in_use() -> list[str]:
 
 class LoopbackFabric:
     """N simulated ranks on one device: rank r's buffer `name` and every other rank's are local tensors, so the
-    store kernels issue exactly the stores they would issue to peers. New buffers are filled with `fill` if given
-    (tests fill NaN, so that unwritten rows show)."""
+    store kernels issue exactly the stores they would issue to peers. `initialise` is applied to every new buffer
+    (tests fill NaN, so that unwritten rows show; benchmarks draw random values, as peers' rows would hold)."""
 
-    def __init__(self, world_size: int, device: torch.device | str, fill: float | None = None) -> None:
+    def __init__(self, world_size: int, device: torch.device | str,
+                 initialise: Callable[[torch.Tensor], object] | None = None) -> None:
         self.world_size = world_size
         self.device = torch.device(device)
-        self.fill = fill
+        self.initialise = initialise
         self._tensors: dict[tuple, list[torch.Tensor]] = {}
 
     def rank(self, rank: int) -> "LoopbackRank":
@@ -127,8 +128,10 @@ class LoopbackFabric:
         key = (name, tuple(shape), dtype)
         if key not in self._tensors:
             self._tensors[key] = [torch.empty(shape, dtype=dtype, device=self.device)
-                                  if self.fill is None else torch.full(shape, self.fill, dtype=dtype, device=self.device)
                                   for _ in range(self.world_size)]
+            if self.initialise is not None:
+                for tensor in self._tensors[key]:
+                    self.initialise(tensor)
         return self._tensors[key]
 
 
