@@ -6,7 +6,7 @@ import torch
 from .backends import BackendChoice
 from .layout import UlyssesLayout
 from .masks import text_key_mask
-from .ops import ulysses_attention
+from .ops import local_attention, local_attention_op, ulysses_attention
 from .sharding import SequenceShard
 
 
@@ -36,8 +36,9 @@ class UlyssesAttention:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
         shard = self.shard
         if shard.degree == 1:
-            local = self.choice.pick(query, None, fabric_ready=True).local
-            return local(query, key, value, attn_mask, scale)
+            # a compiled graph keeps the choice and our kernels opaque; eager calls skip the op's dispatch
+            run = local_attention_op if torch.compiler.is_compiling() else local_attention
+            return run(query, key, value, attn_mask, self.choice.name, scale)
         layout = UlyssesLayout(
             text_len=query.shape[1] - shard.local_len,
             seq_len=shard.seq_len,

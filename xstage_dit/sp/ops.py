@@ -3,6 +3,8 @@ compiles (e.g. diffusers' `compile_repeated_blocks`) with each as one opaque nod
 compiler never traces collectives, symmetric-memory kernels or our Triton kernels.
 
 - xstage::ulysses_attention: Ulysses attention and its communication;
+- xstage::local_attention: degree 1, the backend choice's own kernel (what a compiled graph records; eager calls
+  run `local_attention` directly);
 - xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY), what a
   compiled graph records; eager calls launch the kernel directly (`rotary`)."""
 from __future__ import annotations
@@ -46,6 +48,29 @@ def ulysses_attention(
 @ulysses_attention.register_fake
 def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, text_first, backend, group_name,
       scale):
+    return torch.empty_like(query)
+
+
+def local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                    backend: str, scale: float | None) -> torch.Tensor:
+    """Degree 1: attention of the whole sequence by the kernel of the backend that choice `backend` picks."""
+    chosen = get_choice(backend).pick(query, None, fabric_ready=True)
+    return chosen.local(query, key, value, attn_mask, scale)
+
+
+@torch.library.custom_op("xstage::local_attention", mutates_args=())
+def local_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                       backend: str, scale: float | None) -> torch.Tensor:
+    out = local_attention(query, key, value, attn_mask, backend, scale)
+    like = torch.empty_like(query)
+    if out.stride() == like.stride():
+        return out
+    # the compiled graph was promised query's layout (the fake below); SDPA returns its own
+    return like.copy_(out)
+
+
+@local_attention_op.register_fake
+def _(query, key, value, attn_mask, backend, scale):
     return torch.empty_like(query)
 
 

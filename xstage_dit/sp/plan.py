@@ -114,6 +114,7 @@ class AppliedPlan:
         self.plan = plan
         self.attention = attention
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._marks: list[routing.ActiveMark] = []
 
         shard = attention.shard
         self._installed = plan.install(model) if plan.install is not None else []
@@ -131,7 +132,7 @@ class AppliedPlan:
             for path, dim in plan.gather_outputs.items():
                 self._hooks.append(model.get_submodule(path).register_forward_hook(_gather_output_hook(shard, dim)))
         for module in plan.attention_modules(model):
-            self._hooks += routing.mark_active(module, attention)
+            self._marks.append(routing.mark_active(module, attention))
         routing.route(*plan.call_site)
         self._rotary_routed = plan.rotary_site is not None and attention.fuse_rope
         if self._rotary_routed:
@@ -140,6 +141,8 @@ class AppliedPlan:
     def remove(self) -> None:
         for handle in self._hooks:
             handle.remove()
+        for mark in self._marks:
+            mark.remove()
         for change in reversed(self._installed):
             change.remove()
         routing.unroute(*self.plan.call_site)

@@ -2,8 +2,8 @@
 
 diffusers' processors call either `dispatch_attention_fn` (Flux, Wan, HunyuanVideo, QwenImage, LTX) or
 `F.scaled_dot_product_attention` (SD3, CogVideoX, HiDream) by name in their module. We rebind that name to a
-router (and, where a family's plan names it, `apply_rotary_emb` to one that runs our RoPE kernel), and forward
-hooks on each routed attention module mark it active while it runs: calls made inside an active module go to its
+router (and, where a family's plan names it, `apply_rotary_emb` to one that runs our RoPE kernel), and each
+routed attention module is marked active while it runs (`mark_active`): calls made inside an active module go to its
 `UlyssesAttention` (or the RoPE kernel); every other call (text refiners, cross-attention, VAEs, models that are
 not enabled) goes to diffusers or torch unchanged. No processor code is copied. Bindings are
 reference-counted, so several enabled models share them and the last `unroute` restores the original."""
@@ -101,17 +101,37 @@ def unroute(module_name: str, kind: str) -> None:
     del _routed[key]
 
 
-def mark_active(module: nn.Module, attention: UlyssesAttention) -> list[torch.utils.hooks.RemovableHandle]:
-    """Hooks that make `attention` receive the routed calls made while `module` runs."""
+class ActiveMark:
+    """A module marked by `mark_active`; `remove()` restores its class."""
 
-    def enter(module: nn.Module, args: tuple) -> None:
+    def __init__(self, module: nn.Module, original: type) -> None:
+        self.module, self.original = module, original
+
+    def remove(self) -> None:
+        self.module.__class__ = self.original
+        del self.module._xstage_attention
+
+
+def mark_active(module: nn.Module, attention: UlyssesAttention) -> ActiveMark:
+    """Make `attention` receive the routed calls made while `module` runs. The module's class is swapped for a
+    subclass whose forward activates the module's `_xstage_attention`: one subclass per original class, shared
+    by every marked module, so that a compiler sees every block's attention module alike (per-module hooks would
+    make it compile each block anew)."""
+    original = type(module)
+    module.__class__ = _activating(original)
+    module._xstage_attention = attention
+    return ActiveMark(module, original)
+
+
+@functools.cache
+def _activating(cls: type) -> type:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         global _active
-        _active = attention
+        outer = _active
+        _active = self._xstage_attention
+        try:
+            return cls.forward(self, *args, **kwargs)
+        finally:
+            _active = outer
 
-    def leave(module: nn.Module, args: tuple, output: Any) -> None:
-        global _active
-        _active = None
-
-    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
-
-
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})

@@ -44,7 +44,10 @@ class SequenceShard:
         if pad:
             widths = [0, 0] * (x.dim() - dim - 1) + [0, pad]
             x = F.pad(x, widths)
-        return x.narrow(dim, self.rank * self.local_len, self.local_len).contiguous()
+        mine = x.narrow(dim, self.rank * self.local_len, self.local_len)
+        # a fresh tensor with its own strides (a narrowed batch-1 view passes for contiguous with the whole
+        # sequence's strides, which a compiled block would guard on apart from its other inputs')
+        return torch.empty(mine.shape, dtype=mine.dtype, device=mine.device).copy_(mine)
 
     def gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole sequence along `dim` from every rank's chunk, padding removed."""
