@@ -1,4 +1,4 @@
-"""Ulysses attention calls on N ranks, each backend side by side: our attention kernel alone over a rank's
+r"""Ulysses attention calls on N ranks, each backend side by side: our attention kernel alone over a rank's
 gathered heads, and one whole call (both all-to-alls included) of every registered backend through its own
 function (reference: NCCL all_to_all_single around cuDNN; overlap: the same, head-chunked; fused: the store
 kernels, the attention kernel's scatter epilogue and the barriers over the group's symmetric memory, in the

@@ -1,8 +1,8 @@
 """Flash attention forward for Hopper (sm_90), written in Gluon: the fast path behind kernels/attention.py.
 
 Why a second kernel: Triton's compiler runs a key tile's q·kᵀ, softmax and p·v one after the other, so the tensor
-cores idle while the exponentials run (at head_dim 128 an H200 spends about half as long on a tile's exp2 as on
-its two GEMMs). Gluon lets the schedule be written out, FlashAttention-3 style. A work tile is 128 query rows of
+cores idle while the exponentials run, and at head_dim 128 those take a large share of a tile's time next to its
+two GEMMs. Gluon lets the schedule be written out, FlashAttention-3 style. A work tile is 128 query rows of
 one (batch, head); with `persistent` one program per SM walks the tiles (the next tile's Q and first K/V tiles
 load while this one's output is stored), else one program per tile. A program has three partitions:
 - a producer warp loads both halves of a tile's Q once the consumers released the last tile's, then streams K and
