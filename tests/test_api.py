@@ -46,26 +46,55 @@ def test_unsupported_transformer_names_supported_families():
         xstage_dit.enable(model)
 
 
-def test_heads_that_cannot_be_split_name_working_degrees(flux_pipe, world):
-    world(8)  # tiny-flux has 12 heads
-    with pytest.raises(ValueError, match=r"12 attention heads.*ulysses_degree=8.*: \[1, 2, 4\]"):
-        xstage_dit.enable(flux_pipe)
+@pytest.mark.parametrize("size, kwargs, message", [
+    (8, {}, r"12 attention heads, which splitting them over all 8 ranks cannot split; in a world of 8 ranks "
+            r"these work: cfg_degree=2 \(Ulysses over 4 ranks\)$"),
+    (5, {}, r"12 attention heads.*no split of 5 ranks works"),
+    (10, {"ulysses_degree": 5, "cfg_degree": 2}, r"which ulysses_degree=5 cannot split; .*no split of 10 ranks"),
+])
+def test_heads_that_cannot_be_split_name_working_splits(flux_pipe, world, size, kwargs, message):
+    world(size)  # tiny-flux has 12 heads
+    with pytest.raises(ValueError, match=message):
+        xstage_dit.enable(flux_pipe, **kwargs)
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"cfg_degree": 4}, "cfg_degree must be 1 or 2"),
-        ({"ulysses_degree": 8}, "larger than the world size 4"),
-        ({"ulysses_degree": 2}, r"cfg_degree \(1\) x ulysses_degree \(2\) must equal the world size \(4\)"),
-        ({"cfg_degree": 0}, "degrees must be >= 1"),
+        ({"cfg_degree": 0}, "cfg_degree must be 1 or 2"),
+        ({"ulysses_degree": 8}, r"ulysses_degree=8 does not fit the world size 4: .* must be 4$"),
+        ({"ulysses_degree": 4, "cfg_degree": 2}, r"ulysses_degree=4 does not fit the world size 4 with cfg_degree=2"),
         ({"backend": "nope"}, "unknown xstage_dit backend 'nope'"),
         ({"backend": "fused"}, "backend 'fused' needs CUDA GPUs"),
+        ({"timeout_s": 0}, "timeout_s must be a positive number of seconds, got 0"),
+        ({"timeout_s": float("inf")}, "timeout_s must be a positive number"),
     ],
 )
 def test_bad_degrees_and_backends(flux_pipe, world, kwargs, message):
     world(4)
     with pytest.raises(ValueError, match=message):
+        xstage_dit.enable(flux_pipe, **kwargs)
+    assert not torch.distributed.is_initialized()
+
+
+def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flux_pipe, world):
+    world(3)
+    with pytest.raises(ValueError, match=r"^cfg_degree=2 does not divide the world size 3$"):
+        xstage_dit.enable(flux_pipe, cfg_degree=2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ulysses_degree": "2"}, r"ulysses_degree must be None or an int >= 1, got '2'"),
+    ({"ulysses_degree": 2.0}, r"ulysses_degree must be None or an int >= 1, got 2.0"),
+    ({"ulysses_degree": True}, r"ulysses_degree must be None or an int >= 1, got True"),
+    ({"ulysses_degree": 0}, r"ulysses_degree must be None or an int >= 1, got 0"),
+    ({"backend": None}, r"backend must be a name from \["),
+    ({"fuse_rope": "yes"}, r"fuse_rope must be True or False, got 'yes'"),
+])
+def test_arguments_of_the_wrong_type_are_named(flux_pipe, world, kwargs, message):
+    world(4)
+    with pytest.raises(TypeError, match=message):
         xstage_dit.enable(flux_pipe, **kwargs)
     assert not torch.distributed.is_initialized()
 

@@ -1,6 +1,8 @@
 """enable / disable / is_main_process: the public entry points."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ try:
 except ImportError:  # without Triton the other backends still work
     pass
 from .sp.attention import UlyssesAttention
-from .sp.backends import needs_fabric, resolve_backend
+from .sp.backends import available_backends, needs_fabric, resolve_backend
 from .sp.plan import AppliedPlan
 from .sp.sharding import SequenceShard
 
@@ -43,43 +45,64 @@ def _transformers_of(target: Any) -> list[nn.Module]:
     return found
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any) -> None:
+    """Each argument's type and range, named in the error with the value given."""
+    if ulysses_degree is not None and not (_is_int(ulysses_degree) and ulysses_degree >= 1):
+        raise TypeError(f"ulysses_degree must be None or an int >= 1, got {ulysses_degree!r}")
+    if not (_is_int(cfg_degree) and cfg_degree in (1, 2)):
+        raise ValueError(f"cfg_degree must be 1 or 2 (guidance has two branches), got {cfg_degree!r}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a name from {available_backends()}, got {backend!r}")
+    if not (isinstance(timeout_s, numbers.Real) and not isinstance(timeout_s, bool)
+            and 0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not isinstance(fuse_rope, bool):
+        raise TypeError(f"fuse_rope must be True or False, got {fuse_rope!r}")
+
+
+def _ulysses_degree(world_size: int, ulysses_degree: int | None, cfg_degree: int) -> int:
+    """The Ulysses degree the job runs: the one given, checked against the world, else world / cfg_degree."""
+    if world_size % cfg_degree:
+        raise ValueError(f"cfg_degree={cfg_degree} does not divide the world size {world_size}")
+    fits = world_size // cfg_degree
+    if ulysses_degree is not None and ulysses_degree != fits:
+        with_cfg = f" with cfg_degree={cfg_degree}" if cfg_degree != 1 else ""
+        raise ValueError(f"ulysses_degree={ulysses_degree} does not fit the world size {world_size}{with_cfg}: "
+                         f"the ranks are split into cfg_degree x ulysses_degree, so it must be {fits}")
+    return fits
+
+
+def _check_heads(model: nn.Module, heads: int, degree: int, given: bool, world_size: int) -> None:
+    """Heads must split over the Ulysses degree; otherwise say which splits of this world would work."""
+    if heads % degree == 0:
+        return
+    asked = f"ulysses_degree={degree}" if given else f"splitting them over all {world_size} ranks"
+    working = [f"cfg_degree={c} (Ulysses over {world_size // c} ranks)" for c in (1, 2)
+               if world_size % c == 0 and heads % (world_size // c) == 0]
+    hint = (f"in a world of {world_size} ranks these work: {', '.join(working)}" if working else
+            f"no split of {world_size} ranks works: the Ulysses degree (the world size, or half of it with "
+            f"cfg_degree=2) must divide {heads}")
+    raise ValueError(f"{type(model).__name__} has {heads} attention heads, which {asked} cannot split; {hint}")
 
 
 def _resolve_config(
-    models: list[nn.Module], ulysses_degree: int | None, cfg_degree: int, backend: str, timeout_s: float,
-    fuse_rope: bool,
+    models: list[nn.Module], ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any,
 ) -> XStageConfig:
     """Check every argument against the job and the models, before any collective."""
+    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope)
     world_size, _ = world_from_env()
-    if cfg_degree < 1 or (ulysses_degree is not None and ulysses_degree < 1):
-        raise ValueError(f"degrees must be >= 1, got ulysses_degree={ulysses_degree}, cfg_degree={cfg_degree}")
-    if cfg_degree > world_size:
-        raise ValueError(f"cfg_degree={cfg_degree} is larger than the world size {world_size}")
-    if ulysses_degree is None:
-        ulysses_degree = world_size // cfg_degree
-    if ulysses_degree > world_size:
-        raise ValueError(f"ulysses_degree={ulysses_degree} is larger than the world size {world_size}")
-    if cfg_degree * ulysses_degree != world_size:
-        raise ValueError(
-            f"cfg_degree ({cfg_degree}) x ulysses_degree ({ulysses_degree}) must equal the world size ({world_size})"
-        )
-    if cfg_degree > 2:
-        raise ValueError(f"cfg_degree must be 1 or 2 (guidance has two branches), got {cfg_degree}")
+    degree = _ulysses_degree(world_size, ulysses_degree, cfg_degree)
     for model in models:
         plan = patches.plan_for(model)
         if plan.check_model is not None:
             plan.check_model(model)
-        heads = plan.num_heads(model)
-        if heads % ulysses_degree:
-            working = [d for d in _divisors(heads) if world_size % d == 0]
-            raise ValueError(
-                f"{type(model).__name__} has {heads} attention heads, which ulysses_degree={ulysses_degree} "
-                f"cannot split; degrees that divide {heads} and the world size {world_size}: {working}"
-            )
+        _check_heads(model, plan.num_heads(model), degree, ulysses_degree is not None, world_size)
     resolve_backend(backend, local_device())
-    return XStageConfig(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope)
+    return XStageConfig(degree, int(cfg_degree), backend, float(timeout_s), fuse_rope)
 
 
 def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.device) -> None:
