@@ -45,13 +45,19 @@ setup(
     description="Ulysses sequence-parallel inference for diffusers DiTs with X-Stage-aware fused kernels",
     packages=PACKAGES,
     python_requires=">=3.10",
-    install_requires=["torch>=2.5", "diffusers==0.42.1", "transformers", "accelerate", "tqdm", "pillow"],
+    # what the package imports; the diffusers range is the one the tests ran on
+    install_requires=["torch>=2.5", "diffusers>=0.42.1,<0.43"],
     extras_require={
-        # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
-        "test": ["pytest", "triton==3.6.0", "numpy<2.4"],
+        "fused": ["triton>=3.6"],  # the fused backend's kernels (CUDA builds of torch usually bring it)
+        "nvshmem": ["nvidia-nvshmem-cu13"],  # symmetric memory across GPUs
+        "examples": ["transformers"],  # diffusers' pipeline classes import it
+        "video": ["imageio", "imageio-ffmpeg"],  # diffusers' export_to_video, for MP4 output
         "bench": ["matplotlib"],
-        "nvshmem": ["nvidia-nvshmem-cu13"],
+        # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
+        "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4"],
     },
+    license="MIT",
+    license_files=["LICENSE"],
     entry_points={"console_scripts": ["xstage-dit=xstage_dit.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

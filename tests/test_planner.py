@@ -120,7 +120,7 @@ def test_calibrate_command_needs_a_gpu(tmp_path):
         pytest.skip("this machine has a GPU")
     from xstage_dit.cli import main
 
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+    with pytest.raises(SystemExit, match="xstage-dit calibrate: needs a CUDA GPU"):
         main(["calibrate", "--out", str(tmp_path)])
 
 
@@ -156,7 +156,19 @@ def test_plan_command_prints_predictions_and_the_choice(tmp_path, capsys):
     path = _calibration("nvlink", 8).save(tmp_path)
     main(["plan", "--tokens", "65536", "--heads", "24", "--ranks", "8", "--calibration", str(path)])
     printed = capsys.readouterr().out
+    assert "extrapolate" not in printed
     assert all(f"{name}:" in printed for name in ("reference", "overlap", "fused"))
     assert "auto runs" in printed and "tile order: rotated" in printed
     with pytest.raises(SystemExit):
         main(["plan", "--tokens", "4096", "--heads", "24", "--ranks", "5", "--calibration", str(path)])
+    two = _calibration("nvlink", 2).save(tmp_path)
+    main(["plan", "--tokens", "65536", "--heads", "24", "--ranks", "8", "--calibration", str(two)])
+    assert "measured 2 rank(s); the predictions for 8 extrapolate" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    from xstage_dit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("xstage-dit ")

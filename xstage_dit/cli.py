@@ -69,6 +69,7 @@ def plan(calibration: Calibration, shape: AttentionShape) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="xstage-dit", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"xstage-dit {_version('xstage_dit')}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="GPUs, links, NVSHMEM, backends and calibrations found")
     run = commands.add_parser("calibrate", help="measure the store path and kernels, fit the Burst-Gap model")
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "info":
         print(info())
     elif args.command == "calibrate":
+        if not torch.cuda.is_available():  # one line, not a traceback
+            raise SystemExit("xstage-dit calibrate: needs a CUDA GPU (it times stores issued by GPU kernels)")
         if args.kernels_only:
             remeasure_kernel_costs(args.kernels_only, args.out or calibration_dir())
         else:
@@ -100,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{args.heads} heads do not split over {args.ranks} ranks")
         calibration = Calibration.load(args.calibration) if args.calibration else _this_machine(args.ranks)
         shape = AttentionShape(args.batch, args.tokens, args.text, args.heads, args.head_dim, args.ranks)
+        if args.ranks > calibration.world_size:
+            print(f"note: {calibration.filename} measured {calibration.world_size} rank(s); the predictions for "
+                  f"{args.ranks} extrapolate its store path to more peers")
         print(plan(calibration, shape))
 
 
