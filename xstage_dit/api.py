@@ -135,7 +135,7 @@ def enable(
             raise RuntimeError(f"xstage_dit.enable was already called on this {type(model).__name__}")
     config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope)
     ensure_process_group(config.timeout_s)
-    groups = build_groups(config.cfg_degree, config.ulysses_degree)
+    groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s)
     _move_to_rank_device(pipe, models, groups.device)
     choice = resolve_backend(config.backend, groups.device)
     if needs_fabric(choice, groups.device) and groups.ulysses_group is not None:

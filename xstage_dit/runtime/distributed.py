@@ -77,29 +77,29 @@ def ranks_share_gpus() -> bool:
             or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count())
 
 
-_group_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_group_cache: dict[tuple, dist.ProcessGroup] = {}
 
 
-def _subgroup(ranks: list[int]) -> dist.ProcessGroup:
-    """A process group of `ranks`, created once per job; the whole world if `ranks` is the world."""
-    if len(ranks) == dist.get_world_size():
-        return dist.group.WORLD
-    key = tuple(ranks)
+def _subgroup(ranks: list[int], timeout_s: float) -> dist.ProcessGroup:
+    """A process group of `ranks` whose collectives give up after `timeout_s`, created once per job (also for
+    the whole world: a default group the caller started carries the caller's timeout, not ours)."""
+    key = (tuple(ranks), timeout_s)
     if key not in _group_cache:
-        _group_cache[key] = dist.new_group(ranks)
+        _group_cache[key] = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
     return _group_cache[key]
 
 
-def build_groups(cfg_degree: int, ulysses_degree: int) -> ParallelGroups:
-    """This rank's Ulysses and CFG groups. Degrees were validated by the caller before any collective; every
-    rank creates every group, in the same order, as torch.distributed requires."""
+def build_groups(cfg_degree: int, ulysses_degree: int, timeout_s: float) -> ParallelGroups:
+    """This rank's Ulysses and CFG groups, their collectives bounded by `timeout_s`. Degrees were validated by the
+    caller before any collective; every rank creates every group, in the same order, as torch.distributed
+    requires."""
     world_size, rank = world_from_env()
     device = local_device()
     if world_size == 1:
         return ParallelGroups(1, 0, 1, 0, None, 1, 0, None, device)
-    ulysses_groups = [_subgroup(list(range(c * ulysses_degree, (c + 1) * ulysses_degree)))
+    ulysses_groups = [_subgroup(list(range(c * ulysses_degree, (c + 1) * ulysses_degree)), timeout_s)
                       if ulysses_degree > 1 else None for c in range(cfg_degree)]
-    cfg_groups = [_subgroup(list(range(u, world_size, ulysses_degree)))
+    cfg_groups = [_subgroup(list(range(u, world_size, ulysses_degree)), timeout_s)
                   if cfg_degree > 1 else None for u in range(ulysses_degree)]
     cfg_rank, ulysses_rank = divmod(rank, ulysses_degree)
     return ParallelGroups(world_size, rank, ulysses_degree, ulysses_rank, ulysses_groups[cfg_rank],

@@ -1,0 +1,39 @@
+"""enable's timeout_s bounds every collective of its groups, also when the caller started the process group with
+a longer timeout: a rank whose peer never arrives raises instead of waiting for the caller's timeout."""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import xstage_dit
+import zoo
+from dist_harness import run_on_ranks
+
+TIMEOUT_S = 3.0
+
+
+def _stalled_peer_worker() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # the caller's own group and timeout
+    pipe = zoo.build_pipeline("tiny-flux")
+    xstage_dit.enable(pipe, backend="reference", timeout_s=TIMEOUT_S)
+    if dist.get_rank() == 1:
+        time.sleep(4 * TIMEOUT_S)  # never joins the forward pass
+        return
+    entry = zoo.ZOO["tiny-flux"]
+    kwargs = zoo.call_kwargs("tiny-flux", height=entry.height, width=entry.width, num_frames=1, steps=1,
+                             guidance=3.0)
+    start = time.monotonic()
+    try:
+        pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=0), output_type="latent")
+    except RuntimeError:
+        waited = time.monotonic() - start
+        assert waited < TIMEOUT_S + 5, f"raised after {waited:.1f}s, timeout_s={TIMEOUT_S}"
+        return
+    raise AssertionError("rank 0 finished a forward pass without its peer")
+
+
+def test_a_stalled_peer_raises_within_timeout_s_under_the_callers_group():
+    run_on_ranks(2, _stalled_peer_worker, deadline_s=90)
