@@ -60,6 +60,7 @@ def ensure_process_group(timeout_s: float) -> None:
                        "timings say nothing about multi-GPU speed)", os.environ.get("LOCAL_WORLD_SIZE"),
                        torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    _world_timeout_s.append(timeout_s)
     logger.info("started process group: %s, world size %d", backend, dist.get_world_size())
 
 
@@ -78,11 +79,15 @@ def ranks_share_gpus() -> bool:
 
 
 _group_cache: dict[tuple, dist.ProcessGroup] = {}
+_world_timeout_s: list[float] = []  # the timeout of the default group where this library started it
 
 
 def _subgroup(ranks: list[int], timeout_s: float) -> dist.ProcessGroup:
-    """A process group of `ranks` whose collectives give up after `timeout_s`, created once per job (also for
-    the whole world: a default group the caller started carries the caller's timeout, not ours)."""
+    """A process group of `ranks` whose collectives give up after `timeout_s`, created once per job. The whole
+    world is the default group where we started it with this timeout; one the caller started carries the
+    caller's timeout, so it gets a group of its own."""
+    if len(ranks) == dist.get_world_size() and timeout_s in _world_timeout_s:
+        return dist.group.WORLD
     key = (tuple(ranks), timeout_s)
     if key not in _group_cache:
         _group_cache[key] = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
