@@ -155,3 +155,51 @@ def _bare_transformer_worker(name: str) -> None:
 @pytest.mark.parametrize("name, world_size", [("tiny-flux", 3), ("tiny-ltx", 2)])
 def test_bare_transformer_matches_single_process(name: str, world_size: int) -> None:
     run_on_ranks(world_size, _bare_transformer_worker, name)
+
+
+def _from_pipe_worker() -> None:
+    """A pipeline made by from_pipe shares the enabled transformer: called as it is, it warns once that the CFG
+    split is off (and still equals one process); enabled with the same arguments it splits the branches;
+    other arguments are refused."""
+    import logging
+
+    import diffusers
+
+    name = "tiny-wan"
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = zoo.call_kwargs(name, **SIZES[name]["even"], steps=2, guidance=3.0)
+    block_calls = []
+    pipe.transformer.blocks[0].register_forward_pre_hook(lambda module, args: block_calls.append(1))
+
+    def generate(target) -> tuple[torch.Tensor, int]:
+        block_calls.clear()
+        out = target(**kwargs, **zoo.text_embeddings(name, 1, seed=3), output_type="latent",
+                     generator=torch.Generator().manual_seed(5), return_dict=False)[0]
+        return out, len(block_calls)
+
+    stock, stock_calls = generate(pipe)  # 2 steps x 2 branches
+    xstage_dit.enable(pipe, cfg_degree=2, timeout_s=120)
+    other = diffusers.WanPipeline.from_pipe(pipe)
+    other.set_progress_bar_config(disable=True)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("xstage_dit").addHandler(handler)
+
+    out, calls = generate(other)
+    assert _relative_error(out, stock) < TOLERANCE and calls == stock_calls
+    assert any("outside the pipeline that enable wrapped" in w for w in warnings), warnings
+    with pytest.raises(RuntimeError, match="enable it with the same arguments"):
+        xstage_dit.enable(other, cfg_degree=2, timeout_s=60)
+    xstage_dit.enable(other, cfg_degree=2, timeout_s=120)
+    out, calls = generate(other)
+    assert _relative_error(out, stock) < TOLERANCE and calls == stock_calls // 2, (calls, stock_calls)
+    with pytest.raises(RuntimeError, match="already called"):
+        xstage_dit.enable(other, cfg_degree=2, timeout_s=120)
+    xstage_dit.disable(pipe)
+    assert torch.equal(generate(other)[0], stock)
+
+
+def test_from_pipe_shares_the_cfg_split_once_enabled() -> None:
+    run_on_ranks(2, _from_pipe_worker)

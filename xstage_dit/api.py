@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -128,12 +129,18 @@ def enable(
     transformer. Under torchrun / accelerate the default process group is started if the caller has not;
     in a single process the model runs unsplit with xstage_dit's attention. Every rank must make the same
     calls with the same inputs; every rank gets the whole result. `fuse_rope=False` keeps diffusers' own
-    rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU)."""
+    rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU).
+
+    A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
+    arguments: its calls then take part in the CFG split too; other arguments are refused."""
     models = _transformers_of(pipe)
-    for model in models:
-        if hasattr(model, _STATE_ATTR):
-            raise RuntimeError(f"xstage_dit.enable was already called on this {type(model).__name__}")
+    enabled = [getattr(model, _STATE_ATTR, None) for model in models]
+    if any(state is not None and id(pipe) in state.pipelines for state in enabled) or (
+            isinstance(pipe, ModelMixin) and enabled[0] is not None):
+        raise RuntimeError(f"xstage_dit.enable was already called on this {type(models[0]).__name__}")
     config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope)
+    if any(state is not None for state in enabled):
+        return _attach(pipe, models, enabled, config)
     ensure_process_group(config.timeout_s)
     groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s)
     _move_to_rank_device(pipe, models, groups.device)
@@ -151,9 +158,30 @@ def enable(
         parts: list[Any] = [AppliedPlan(model, plan, attention)]
         if groups.cfg_degree > 1:
             parts.append(CfgSplit(model, plan.cfg, groups, pairs))
-        setattr(model, _STATE_ATTR, parts)
+        setattr(model, _STATE_ATTR, Enabled(config, parts, pairs, [id(pipe)]))
+    _enable_pipeline(pipe, models, config, pairs)
+    logger.info(
+        "xstage_dit enabled on %s: ulysses_degree=%d, cfg_degree=%d, backend=%s",
+        ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.cfg_degree, config.backend,
+    )
+    return pipe
+
+
+@dataclass
+class Enabled:
+    """What `enable` did to one transformer: the resolved config, the changes to undo, the CFG schedule it
+    shares with its pipelines, and the ids of the pipeline objects enabled on it."""
+
+    config: XStageConfig
+    parts: list[Any]
+    pairs: PairedCalls
+    pipelines: list[int]
+
+
+def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, pairs: PairedCalls) -> None:
+    """The pipeline's side: its calls tell the CFG split whether they run CFG; progress bars on rank 0 only."""
     cfg = patches.plan_for(models[0]).cfg
-    if groups.cfg_degree > 1 and cfg.mode == PAIRS:
+    if config.cfg_degree > 1 and cfg.mode == PAIRS:
         if isinstance(pipe, ModelMixin):
             warn_once("xstage_dit: cfg_degree=2 on a bare transformer whose pipelines call it once per branch: "
                       "enable the pipeline to split the branches; until then every CFG group computes every call")
@@ -162,19 +190,32 @@ def enable(
     if hasattr(pipe, "set_progress_bar_config") and not is_main_process():
         setattr(pipe, _PROGRESS_ATTR, dict(getattr(pipe, "_progress_bar_config", {})))
         pipe.set_progress_bar_config(disable=True)  # progress bars on the main rank only
-    logger.info(
-        "xstage_dit enabled on %s: ulysses_degree=%d, cfg_degree=%d, backend=%s",
-        ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.cfg_degree, config.backend,
-    )
+
+
+def _attach(pipe: Any, models: list[nn.Module], enabled: list[Enabled | None], config: XStageConfig) -> Any:
+    """`enable` on a pipeline whose transformers another enabled pipeline shares (`from_pipe`): the same
+    arguments attach it to their CFG split, other ones are refused."""
+    first = enabled[0]
+    if first is None or any(state is None or state.pairs is not first.pairs for state in enabled):
+        raise RuntimeError("xstage_dit.enable: this pipeline's transformers were not enabled together; "
+                           "disable them first")
+    if config != first.config:
+        raise RuntimeError(f"xstage_dit.enable: the transformers this pipeline shares are enabled with "
+                           f"{first.config}; enable it with the same arguments, or disable them first")
+    for state in {id(s): s for s in enabled if s is not None}.values():
+        state.pipelines.append(id(pipe))
+    _enable_pipeline(pipe, models, config, first.pairs)
     return pipe
 
 
 def disable(pipe: Any) -> Any:
-    """Undo `enable`: hooks, processors and attention routing are restored exactly. The process group stays."""
+    """Undo `enable`: hooks, processors and attention routing are restored exactly (also for other pipelines
+    that share the transformers). The process group stays."""
     for model in _transformers_of(pipe):
-        for part in reversed(getattr(model, _STATE_ATTR, [])):
-            part.remove()
-        if hasattr(model, _STATE_ATTR):
+        state = getattr(model, _STATE_ATTR, None)
+        if state is not None:
+            for part in reversed(state.parts):
+                part.remove()
             delattr(model, _STATE_ATTR)
     if hasattr(pipe, "_xstage_original_class"):
         unwrap_pipeline_call(pipe)

@@ -44,17 +44,18 @@ class PairedCalls:
     between steps, never inside one)."""
 
     def __init__(self) -> None:
-        self.active = False
+        self.in_call = False  # inside a call of a pipeline that `enable` wrapped
+        self.active = False  # ... that runs CFG
         self.calls = 0
         self.pending: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def pipeline_call(self, uses_cfg: bool) -> Iterator[None]:
-        self.active, self.calls, self.pending = uses_cfg, 0, None
+        self.in_call, self.active, self.calls, self.pending = True, uses_cfg, 0, None
         try:
             yield
         finally:
-            self.active, self.pending = False, None
+            self.in_call, self.active, self.pending = False, False, None
 
 
 class CfgSplit:
@@ -102,6 +103,10 @@ class CfgSplit:
 
     def _paired_forward(self, *args: Any, **kwargs: Any) -> Any:
         pairs = self.pairs
+        if not pairs.in_call:
+            warn_once("xstage_dit: a transformer enabled with cfg_degree=2 was called outside the pipeline that "
+                      "enable wrapped (a pipeline made by from_pipe, or a direct call): every CFG group computes "
+                      "every call; xstage_dit.enable(that_pipeline) with the same arguments splits its branches")
         if not pairs.active:
             return self._forward(*args, **kwargs)
         arguments = self._signature.bind(*args, **kwargs).arguments
