@@ -16,6 +16,7 @@ from .cfg_plan import PAIRS
 from .config import XStageConfig
 from .logging_utils import logger, warn_once
 from .runtime import build_groups, ensure_process_group, world_from_env
+from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
 from .runtime.distributed import local_device
 from .sp import auto, overlap, reference  # noqa: F401  (register the backends)
 
@@ -50,7 +51,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any) -> None:
+def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any,
+                 check_inputs: Any) -> None:
     """Each argument's type and range, named in the error with the value given."""
     if ulysses_degree is not None and not (_is_int(ulysses_degree) and ulysses_degree >= 1):
         raise TypeError(f"ulysses_degree must be None or an int >= 1, got {ulysses_degree!r}")
@@ -61,8 +63,9 @@ def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: 
     if not (isinstance(timeout_s, numbers.Real) and not isinstance(timeout_s, bool)
             and 0 < timeout_s < math.inf):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    if not isinstance(fuse_rope, bool):
-        raise TypeError(f"fuse_rope must be True or False, got {fuse_rope!r}")
+    for name, value in (("fuse_rope", fuse_rope), ("check_inputs", check_inputs)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _ulysses_degree(world_size: int, ulysses_degree: int | None, cfg_degree: int) -> int:
@@ -92,9 +95,10 @@ def _check_heads(model: nn.Module, heads: int, degree: int, given: bool, world_s
 
 def _resolve_config(
     models: list[nn.Module], ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any,
+    check_inputs: Any,
 ) -> XStageConfig:
     """Check every argument against the job and the models, before any collective."""
-    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope)
+    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs)
     world_size, _ = world_from_env()
     degree = _ulysses_degree(world_size, ulysses_degree, cfg_degree)
     for model in models:
@@ -103,7 +107,18 @@ def _resolve_config(
             plan.check_model(model)
         _check_heads(model, plan.num_heads(model), degree, ulysses_degree is not None, world_size)
     resolve_backend(backend, local_device())
-    return XStageConfig(degree, int(cfg_degree), backend, float(timeout_s), fuse_rope)
+    return XStageConfig(degree, int(cfg_degree), backend, float(timeout_s), fuse_rope, check_inputs)
+
+
+def _fingerprint(models: list[nn.Module], config: XStageConfig) -> Fingerprint:
+    """What every rank's `enable` must agree on: the resolved arguments, the models' classes and weights."""
+    fingerprint = Fingerprint()
+    for name in ("ulysses_degree", "cfg_degree", "backend", "timeout_s", "fuse_rope"):
+        fingerprint.add(name, getattr(config, name))
+    for model in models:
+        fingerprint.add("model class", type(model).__name__)
+        fingerprint.add(f"{type(model).__name__} weights", weights_checksum(model))
+    return fingerprint
 
 
 def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.device) -> None:
@@ -122,6 +137,7 @@ def enable(
     backend: str = "auto",
     timeout_s: float = 600.0,
     fuse_rope: bool = True,
+    check_inputs: bool = True,
 ) -> Any:
     """Run `pipe`'s transformer(s) with Ulysses sequence parallelism across the job's ranks; returns `pipe`.
 
@@ -130,6 +146,8 @@ def enable(
     in a single process the model runs unsplit with xstage_dit's attention. Every rank must make the same
     calls with the same inputs; every rank gets the whole result. `fuse_rope=False` keeps diffusers' own
     rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU).
+    `check_inputs=False` skips the one small collective in which the ranks check that they got the same
+    arguments and models (weights included).
 
     A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
     arguments: its calls then take part in the CFG split too; other arguments are refused."""
@@ -138,10 +156,12 @@ def enable(
     if any(state is not None and id(pipe) in state.pipelines for state in enabled) or (
             isinstance(pipe, ModelMixin) and enabled[0] is not None):
         raise RuntimeError(f"xstage_dit.enable was already called on this {type(models[0]).__name__}")
-    config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope)
+    config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs)
     if any(state is not None for state in enabled):
         return _attach(pipe, models, enabled, config)
     ensure_process_group(config.timeout_s)
+    if config.check_inputs:  # before the groups: a rank with other degrees would build other groups
+        check_agreement(_fingerprint(models, config), "xstage_dit.enable's arguments and models")
     groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s)
     _move_to_rank_device(pipe, models, groups.device)
     choice = resolve_backend(config.backend, groups.device)

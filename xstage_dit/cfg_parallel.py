@@ -22,7 +22,7 @@ from torch import nn
 from .cfg_plan import BATCH, PAIRS, CfgPlan
 from .logging_utils import warn_once
 from .runtime import ParallelGroups
-from .sp.sharding import all_gather_into
+from .runtime.distributed import all_gather_into
 
 
 def _sample(output: Any) -> torch.Tensor:

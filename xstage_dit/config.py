@@ -13,6 +13,8 @@ class XStageConfig:
     backend: how Ulysses moves data; see `xstage_dit.sp.backends.available_backends()`.
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
     fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU).
+    check_inputs: the ranks check, in one small collective at `enable`, that they got the same arguments and
+        models (weights included).
     """
 
     ulysses_degree: int
@@ -20,3 +22,4 @@ class XStageConfig:
     backend: str = "auto"
     timeout_s: float = 600.0
     fuse_rope: bool = True
+    check_inputs: bool = True

@@ -64,6 +64,13 @@ def ensure_process_group(timeout_s: float) -> None:
     logger.info("started process group: %s, world size %d", backend, dist.get_world_size())
 
 
+def all_gather_into(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # torch >= 2.13 calls it all_gather_single; older torch (the device machines' image) all_gather_into_tensor
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    with torch.no_grad():  # inference only: collectives are not differentiable
+        gather(output, local, group=group)
+
+
 def free_port() -> int:
     """A free TCP port on this host, for the rendezvous of processes this library or its tests spawn."""
     with socket.socket() as s:

@@ -9,12 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-
-def all_gather_into(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
-    # torch >= 2.13 calls it all_gather_single; older torch (the device machines' image) all_gather_into_tensor
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    with torch.no_grad():  # inference only: collectives are not differentiable
-        gather(output, local, group=group)
+from ..runtime.distributed import all_gather_into
 
 
 class SequenceShard:
