@@ -29,8 +29,9 @@ class Fingerprint:
 
 
 def weights_checksum(module: torch.nn.Module) -> float:
-    """The sum of every parameter and buffer in float64 (one pass over the weights, one host sync)."""
-    tensors = [*module.parameters(), *module.buffers()]
+    """The sum of every parameter and buffer in float64 (one pass over the weights, one host sync); tensors
+    without storage (meta) are left out."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"]
     if not tensors:
         return 0.0
     return float(sum(t.detach().double().sum() for t in tensors))
