@@ -44,6 +44,7 @@ setup(
     version="0.1.0",
     description="Ulysses sequence-parallel inference for diffusers DiTs with X-Stage-aware fused kernels",
     packages=PACKAGES,
+    package_data={"xstage_dit": ["calibrations/*.json"]},
     python_requires=">=3.10",
     # what the package imports; the diffusers range is the one the tests ran on
     install_requires=["torch>=2.5", "diffusers>=0.42.1,<0.43"],

@@ -92,6 +92,15 @@ def test_calibration_round_trip_and_lookup(tmp_path):
     assert find_calibration("NVIDIA H100", 8, None, tmp_path) is None
 
 
+def test_shipped_calibrations_plan_out_of_the_box_and_the_machines_own_win(tmp_path, monkeypatch):
+    monkeypatch.setenv("XSTAGE_CALIBRATION_DIR", str(tmp_path))  # nothing measured on this machine yet
+    shipped = find_calibration("NVIDIA H200", 1, "loopback")
+    assert shipped is not None and shipped.topology == "loopback" and shipped.model.drain_rate > 0
+    assert find_calibration("NVIDIA H200", 2, "same-gpu").topology == "same-gpu"
+    _calibration("nvlink", 8).save(tmp_path)
+    assert find_calibration("NVIDIA H200", 1, "loopback").topology == "nvlink"  # this machine's own, measured
+
+
 def test_auto_without_calibration_runs_the_reference_on_cpu():
     from xstage_dit.sp.backends import get_choice
     from xstage_dit.sp.layout import UlyssesLayout

@@ -25,7 +25,7 @@ def planner_for(device: torch.device, world_size: int) -> Planner | None:
     calibration = find_calibration(gpu, world_size, "same-gpu" if ranks_share_gpus() else None)
     if calibration is None:
         return None
-    logger.info("xstage_dit: planning with the %s calibration (%d ranks)", calibration.topology,
+    logger.info("xstage_dit: planning with %s (%s, %d ranks)", calibration.filename, calibration.topology,
                 calibration.world_size)
     return Planner.from_calibration(calibration)
 

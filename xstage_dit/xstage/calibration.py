@@ -103,13 +103,20 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-").removeprefix("nvidia-")
 
 
+# calibrations measured by the project, shipped with the package: planning works out of the box on these GPUs
+SHIPPED = Path(__file__).resolve().parent.parent / "calibrations"
+
+
 def find_calibration(gpu: str, world_size: int, topology: str | None = None,
                      directory: Path | None = None) -> Calibration | None:
     """The calibration of this GPU kind that fits best: the same topology and world size if present, then the
-    same topology, then any of this GPU (kernel costs carry over; the store path may not)."""
-    directory = directory or calibration_dir()
-    found = [Calibration.load(p) for p in sorted(directory.glob(f"calibration-{slug(gpu)}-*.json"))]
-    if not found:
+    same topology, then any of this GPU (kernel costs carry over; the store path may not). Looks in `directory`
+    only where one is given; else in this machine's calibration directory, then among the shipped ones."""
+    for place in [directory] if directory else [calibration_dir(), SHIPPED]:
+        found = [Calibration.load(p) for p in sorted(place.glob(f"calibration-{slug(gpu)}-*.json"))]
+        if found:
+            break
+    else:
         return None
 
     def rank(c: Calibration) -> tuple[int, int]:
