@@ -2,7 +2,8 @@
 # The GPU checks of the project, for the device machine (one H200): install, GPU tests, end-to-end benchmarks.
 # Run from the repository root with .whl carried (../shared/device/wheels.sh fetches it). Results go to $OUT.
 #   bash .ci/device.sh [tests] [calibrate] [kernels] ["BENCH_E2E ARGS" ...]
-# in the order given (no argument: tests): "tests" runs the GPU tests, "calibrate" `xstage-dit calibrate`
+# in the order given (no argument: tests): "tests" runs the GPU tests but the calibration ones, "calibrate" those
+# and `xstage-dit calibrate`
 # into $XSTAGE_CALIBRATION_DIR (default $OUT/calibration, where the benchmarks and backend="auto" look),
 # "kernels" examples/bench_kernels.py (extra arguments in $XSTAGE_KERNELS_ARGS), every other argument is one
 # quoted bench_e2e.py argument list
@@ -11,14 +12,17 @@ source .ci/device_setup.sh
 [ $# -eq 0 ] && set -- tests
 for bench_args in "$@"; do
   if [ "$bench_args" = tests ]; then
-    # XSTAGE_GPU_TESTS narrows the run with a pytest -k expression; XSTAGE_TEST_TIMEOUT bounds each test (s)
-    python3 -m pytest -q -m gpu -p no:cacheprovider --timeout "${XSTAGE_TEST_TIMEOUT:-300}" \
+    # XSTAGE_GPU_TESTS narrows the run with a pytest -k expression; XSTAGE_TEST_TIMEOUT bounds each test (s);
+    # one line per test in the log, so that a run cut short still says how far it got
+    python3 -m pytest -v -m "gpu and not calibration" -p no:cacheprovider --timeout "${XSTAGE_TEST_TIMEOUT:-300}" \
       -k "${XSTAGE_GPU_TESTS:-}" "$REPO/tests" 2>&1 \
       | tee "$OUT/pytest-gpu.log" \
-      | grep -v "^  " | tail -25
+      | grep -E "FAILED|ERROR|passed|failed" | tail -25
     continue
   fi
   if [ "$bench_args" = calibrate ]; then
+    python3 -m pytest -v -m calibration -p no:cacheprovider "$REPO/tests" 2>&1 | tee "$OUT/pytest-calibration.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | tail -10
     python3 -m xstage_dit.cli calibrate 2>&1 | tee "$OUT/calibrate.log" | tail -5
     continue
   fi

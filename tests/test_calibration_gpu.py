@@ -1,4 +1,5 @@
-"""The csrc/ probes and `xstage-dit calibrate` on a GPU (marked `gpu`; needs the built xstage_dit._C)."""
+"""The csrc/ probes and `xstage-dit calibrate` on a GPU (marked `gpu` and `calibration`: they take minutes and
+need the built xstage_dit._C)."""
 from __future__ import annotations
 
 import statistics
@@ -6,7 +7,7 @@ import statistics
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.calibration]
 MiB = 2**20
 
 
