@@ -247,3 +247,22 @@ def test_the_package_works_without_triton():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_models_attention_backend_runs_at_degree_one(flux_pipe, monkeypatch):
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    stock = _latents(flux_pipe, steps=1)
+    math_backend = AttentionBackendName._NATIVE_MATH
+    original = _AttentionBackendRegistry._backends[math_backend]
+    calls = []
+    monkeypatch.setitem(_AttentionBackendRegistry._backends, math_backend,
+                        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    flux_pipe.transformer.set_attention_backend("_native_math")
+    xstage_dit.enable(flux_pipe)
+    try:
+        torch.testing.assert_close(_latents(flux_pipe, steps=1), stock, rtol=1e-5, atol=1e-6)
+        assert calls
+    finally:
+        xstage_dit.disable(flux_pipe)
+        flux_pipe.transformer.reset_attention_backend()

@@ -203,3 +203,40 @@ def _from_pipe_worker() -> None:
 
 def test_from_pipe_shares_the_cfg_split_once_enabled() -> None:
     run_on_ranks(2, _from_pipe_worker)
+
+
+def _attention_backend_worker() -> None:
+    """The attention backend set on the model (set_attention_backend) attends the gathered heads inside Ulysses,
+    and the result still equals one process."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    name = "tiny-flux"
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = zoo.call_kwargs(name, **SIZES[name]["uneven"], steps=2, guidance=3.0)
+
+    def generate() -> torch.Tensor:
+        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=4), output_type="latent",
+                    generator=torch.Generator().manual_seed(6), return_dict=False)[0]
+
+    stock = generate()
+    math_backend = AttentionBackendName._NATIVE_MATH
+    original = _AttentionBackendRegistry._backends[math_backend]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["query"].shape)
+        return original(*args, **kwargs)
+
+    _AttentionBackendRegistry._backends[math_backend] = counted
+    pipe.transformer.set_attention_backend("_native_math")
+    xstage_dit.enable(pipe, backend="reference", timeout_s=120)
+    out = generate()
+    assert _relative_error(out, stock) < TOLERANCE
+    # every routed call attended the gathered heads (the whole sequence, half the heads) with it
+    heads = zoo.ZOO[name].transformer["num_attention_heads"]
+    assert calls and all(shape[2] == heads // 2 for shape in calls), calls[:3]
+
+
+def test_the_models_attention_backend_attends_inside_ulysses() -> None:
+    run_on_ranks(2, _attention_backend_worker)

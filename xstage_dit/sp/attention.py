@@ -5,6 +5,7 @@ import torch
 
 from .backends import BackendChoice
 from .layout import UlyssesLayout
+from .local_attention import diffusers_attention
 from .masks import text_key_mask
 from .ops import local_attention, local_attention_op, ulysses_attention
 from .sharding import SequenceShard
@@ -31,11 +32,16 @@ class UlyssesAttention:
         dropout_p: float = 0.0,
         is_causal: bool = False,
         scale: float | None = None,
+        attention_backend: str | None = None,
     ) -> torch.Tensor:
+        """`attention_backend`: the diffusers attention backend set on the model (`set_attention_backend`), which
+        then attends in place of our choice's degree-1 kernel, and of the gathered heads' SDPA at higher degrees."""
         if dropout_p or is_causal:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
         shard = self.shard
         if shard.degree == 1:
+            if attention_backend is not None:
+                return diffusers_attention(attention_backend)(query, key, value, attn_mask, scale)
             # a compiled graph keeps the choice and our kernels opaque; eager calls skip the op's dispatch
             run = local_attention_op if torch.compiler.is_compiling() else local_attention
             return run(query, key, value, attn_mask, self.choice.name, scale)
@@ -50,5 +56,5 @@ class UlyssesAttention:
         return ulysses_attention(
             query, key, value, text_key_mask(attn_mask, layout), layout.text_len, layout.seq_len,
             layout.local_len, layout.degree, layout.rank, layout.text_first, self.choice.name,
-            shard.group.group_name, scale,
+            shard.group.group_name, scale, attention_backend,
         )

@@ -3,7 +3,8 @@
 A backend receives one rank's q, k, v as diffusers builds them for joint attention, (B, T + L, H, D), in the
 order `UlyssesLayout` describes, and returns the attention output in the same layout and shape. How the image
 tokens travel between ranks is the backend's business. `text_mask`, when given, masks text keys (padding of the
-prompt): (B, 1, 1, T), bool (True = attend) or additive (sp/masks.py).
+prompt): (B, 1, 1, T), bool (True = attend) or additive (sp/masks.py). `attend` is the attention of the gathered
+heads for backends that run a vendor kernel there: SDPA, or the backend the user chose for the model.
 
 Each entry also says what the backend runs at degree 1, which of the planner's predictions is its cost, and what
 it needs (CUDA, the group's symmetric-memory fabric, inputs its kernels take). What `enable(backend=...)` names is
@@ -34,6 +35,7 @@ class UlyssesBackend(Protocol):
         group: dist.ProcessGroup,
         scale: float | None,
         text_mask: torch.Tensor | None,
+        attend: "LocalAttention",
     ) -> torch.Tensor: ...
 
 
@@ -56,6 +58,8 @@ class Backend:
     symmetric: bool = False
     # whether its kernels take these inputs (dtype, head_dim)
     accepts: Callable[[torch.Tensor], bool] | None = None
+    # runs its own attention kernel, not the `attend` it is given (the user's choice cannot apply)
+    own_attention: bool = False
 
     def takes(self, query: torch.Tensor, fabric_ready: bool) -> bool:
         """Whether this backend runs these inputs here; `fabric_ready`: the group has its fabric (or there is no
@@ -92,10 +96,10 @@ _CHOICES: dict[str, BackendChoice] = {}
 
 
 def register_backend(name: str, local: LocalAttention, cost: Cost, needs_cuda: bool = False,
-                     symmetric: bool = False, accepts: Callable[[torch.Tensor], bool] | None = None
-                     ) -> Callable[[UlyssesBackend], UlyssesBackend]:
+                     symmetric: bool = False, accepts: Callable[[torch.Tensor], bool] | None = None,
+                     own_attention: bool = False) -> Callable[[UlyssesBackend], UlyssesBackend]:
     def decorator(fn: UlyssesBackend) -> UlyssesBackend:
-        _CHOICES[name] = Backend(name, fn, local, cost, needs_cuda, symmetric, accepts)
+        _CHOICES[name] = Backend(name, fn, local, cost, needs_cuda, symmetric, accepts, own_attention)
         return fn
 
     return decorator

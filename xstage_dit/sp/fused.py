@@ -26,7 +26,7 @@ from ..kernels.all_to_all import scatter_heads
 from ..kernels.attention import accepts, flash_attention
 from ..kernels.attention_hopper import HopperConfig
 from ..xstage.planner import AttentionShape, Planner, TileOrder
-from .backends import register_backend
+from .backends import LocalAttention, register_backend
 from .fabric import Fabric, Steps, fabric_of, run_in_lockstep
 from .layout import UlyssesLayout
 from .masks import keep_keys
@@ -93,7 +93,7 @@ def predicted_seconds(planner: Planner, shape: AttentionShape) -> float:
 
 
 @register_backend("fused", local=flash_attention_bshd, cost=predicted_seconds, needs_cuda=True, symmetric=True,
-                  accepts=kernels_accept)
+                  accepts=kernels_accept, own_attention=True)
 def fused_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -102,6 +102,7 @@ def fused_ulysses(
     group: dist.ProcessGroup,
     scale: float | None,
     text_mask: torch.Tensor | None,
+    attend: LocalAttention | None = None,  # unused: the fused backend attends with its own kernel
 ) -> torch.Tensor:
     order = tile_order(planner_for(query.device, layout.degree), attention_shape(query, layout))
     return fused_exchange(query, key, value, layout, fabric_of(group.group_name), scale, text_mask, order)

@@ -25,3 +25,15 @@ def sdpa_bshd(
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     return out.transpose(1, 2)
+
+
+def diffusers_attention(backend: str):
+    """The attention the user chose for the model (`set_attention_backend`): diffusers' own dispatcher with that
+    backend, on (B, S, H, D) tensors like sdpa_bshd."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               scale: float | None = None) -> torch.Tensor:
+        return dispatch_attention_fn(query, key, value, attn_mask=attn_mask, scale=scale, backend=backend)
+
+    return attend

@@ -15,9 +15,10 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..logging_utils import warn_once
-from .backends import get_choice
+from .backends import Backend, LocalAttention, get_choice
 from .fabric import fabric_of
 from .layout import UlyssesLayout
+from .local_attention import diffusers_attention, sdpa_bshd
 
 
 @torch.library.custom_op("xstage::ulysses_attention", mutates_args=())
@@ -35,25 +36,40 @@ def ulysses_attention(
     backend: str,
     group_name: str,
     scale: float | None,
+    attention_backend: str | None,
 ) -> torch.Tensor:
     """The layout travels as its fields (a custom op's arguments are tensors and scalars); `backend` names the
-    choice (sp/backends.py) that picks the backend for this call."""
+    choice (sp/backends.py) that picks the backend for this call; `attention_backend`, the diffusers attention
+    backend the user chose for the model, if any."""
     layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first)
     chosen = get_choice(backend).pick(query, layout, fabric_ready=fabric_of(group_name) is not None)
-    out = chosen.ulysses(query, key, value, layout, _resolve_process_group(group_name), scale, text_mask)
+    out = chosen.ulysses(query, key, value, layout, _resolve_process_group(group_name), scale, text_mask,
+                         gathered_attention(chosen, attention_backend))
     # a custom op owns its output: a symmetric backend's is a reused fabric buffer
     return out.clone() if chosen.symmetric else out
 
 
 @ulysses_attention.register_fake
 def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, text_first, backend, group_name,
-      scale):
+      scale, attention_backend):
     return torch.empty_like(query)
+
+
+def gathered_attention(chosen: Backend, attention_backend: str | None) -> LocalAttention:
+    """What a backend attends the gathered heads with: the user's diffusers attention backend where one was
+    chosen (a backend with its own kernel says once that it replaces it), else SDPA."""
+    if attention_backend is None:
+        return sdpa_bshd
+    if chosen.own_attention and not torch.compiler.is_compiling():
+        warn_once(f"xstage_dit backend {chosen.name!r} attends with its own kernel, in place of the attention "
+                  f"backend {attention_backend!r} set on the model")
+    return diffusers_attention(attention_backend)
 
 
 def local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                     backend: str, scale: float | None) -> torch.Tensor:
-    """Degree 1: attention of the whole sequence by the kernel of the backend that choice `backend` picks."""
+    """Degree 1: attention of the whole sequence by the kernel of the backend that choice `backend` picks (a
+    model with an attention backend of the user's runs that instead: UlyssesAttention)."""
     chosen = get_choice(backend).pick(query, None, fabric_ready=True)
     return chosen.local(query, key, value, attn_mask, scale)
 

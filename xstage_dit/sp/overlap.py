@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .backends import register_backend
+from .backends import LocalAttention, register_backend
 from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
 from .local_attention import sdpa_bshd
@@ -33,12 +33,14 @@ def overlap_ulysses(
     group: dist.ProcessGroup,
     scale: float | None,
     text_mask: torch.Tensor | None,
+    attend: LocalAttention,
 ) -> torch.Tensor:
-    return chunked_exchange(query, key, value, layout, all_to_all(group, async_op=True), scale, text_mask)
+    return chunked_exchange(query, key, value, layout, all_to_all(group, async_op=True), scale, text_mask, attend)
 
 
 def chunked_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                     transport: Transport, scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
+                     transport: Transport, scale: float | None, text_mask: torch.Tensor | None,
+                     attend: LocalAttention = sdpa_bshd) -> torch.Tensor:
     """Head chunks over an asynchronous `transport`: chunk i+1's exchange and chunk i-1's way back are in flight
     while chunk i attends."""
     qkv = (query, key, value)
@@ -51,7 +53,8 @@ def chunked_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if i + 1 < len(chunks):
             incoming = start_scatter(qkv, layout, transport, chunks[i + 1])
         q, k, v = finish_scatter(current, qkv, layout, heads)
-        outgoing.append(start_gather(attend_gathered(q, k, v, layout, scale, text_mask), layout, transport))
+        outgoing.append(start_gather(attend_gathered(q, k, v, layout, scale, text_mask, attend), layout,
+                                    transport))
     out = torch.empty_like(query)
     by_rank = out.unflatten(2, (n_ranks, -1))  # (B, T + L, N, H/N, D)
     for heads, flight in zip(chunks, outgoing):

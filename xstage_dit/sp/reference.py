@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..xstage.planner import Planner
-from .backends import register_backend
+from .backends import LocalAttention, register_backend
 from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
 from .local_attention import sdpa_bshd
@@ -16,12 +16,11 @@ from .masks import with_image_keys
 
 
 def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: UlyssesLayout,
-                    scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
+                    scale: float | None, text_mask: torch.Tensor | None, attend: LocalAttention) -> torch.Tensor:
     """Attention over [text, whole image sequence] for this rank's heads. The padded tokens sit at the tail of
     the gathered sequence: dropping them from the keys masks them exactly."""
     valid = layout.key_len
-    return sdpa_bshd(q, k[:, :valid], v[:, :valid], attn_mask=with_image_keys(text_mask, layout.seq_len),
-                     scale=scale)
+    return attend(q, k[:, :valid], v[:, :valid], with_image_keys(text_mask, layout.seq_len), scale)
 
 
 @register_backend("reference", local=sdpa_bshd, cost=Planner.serial_call)
@@ -33,15 +32,17 @@ def reference_ulysses(
     group: dist.ProcessGroup,
     scale: float | None,
     text_mask: torch.Tensor | None,
+    attend: LocalAttention,
 ) -> torch.Tensor:
-    return serial_exchange(query, key, value, layout, all_to_all(group), scale, text_mask)
+    return serial_exchange(query, key, value, layout, all_to_all(group), scale, text_mask, attend)
 
 
 def serial_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                    transport: Transport, scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
+                    transport: Transport, scale: float | None, text_mask: torch.Tensor | None,
+                    attend: LocalAttention = sdpa_bshd) -> torch.Tensor:
     """Exchange, attend, exchange back, one after the other, over `transport`."""
     qkv = (query, key, value)
     every_head = slice(0, query.shape[2] // layout.degree)
     q, k, v = finish_scatter(start_scatter(qkv, layout, transport, every_head), qkv, layout, every_head)
-    out = attend_gathered(q, k, v, layout, scale, text_mask)
+    out = attend_gathered(q, k, v, layout, scale, text_mask, attend)
     return finish_gather(start_gather(out, layout, transport), layout)

@@ -34,7 +34,8 @@ def _dispatch_router(original: Callable[..., Any]) -> Callable[..., Any]:
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         if _active is not None:
-            return _active(query, key, value, attn_mask, dropout_p, is_causal, scale)
+            chosen = None if backend is None else getattr(backend, "value", backend)  # the enum's name
+            return _active(query, key, value, attn_mask, dropout_p, is_causal, scale, chosen)
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
                         backend=backend, parallel_config=parallel_config)
 
