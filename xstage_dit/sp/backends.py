@@ -99,7 +99,8 @@ def register_backend(name: str, local: LocalAttention, cost: Cost, needs_cuda: b
                      symmetric: bool = False, accepts: Callable[[torch.Tensor], bool] | None = None,
                      own_attention: bool = False) -> Callable[[UlyssesBackend], UlyssesBackend]:
     def decorator(fn: UlyssesBackend) -> UlyssesBackend:
-        _CHOICES[name] = Backend(name, fn, local, cost, needs_cuda, symmetric, accepts, own_attention)
+        _CHOICES[name] = Backend(name=name, ulysses=fn, local=local, cost=cost, needs_cuda=needs_cuda,
+                                 symmetric=symmetric, accepts=accepts, own_attention=own_attention)
         return fn
 
     return decorator
