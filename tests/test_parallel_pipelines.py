@@ -240,3 +240,69 @@ def _attention_backend_worker() -> None:
 
 def test_the_models_attention_backend_attends_inside_ulysses() -> None:
     run_on_ranks(2, _attention_backend_worker)
+
+
+def _local_statistics(pipe, generate) -> list[list[float]]:
+    """Per step after the first, every rank's FirstBlockCache statistic over its own tokens alone (what each
+    rank would decide on without the shared decision), gathered: [step][rank]."""
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    block = pipe.transformer.transformer_blocks[0] if hasattr(pipe.transformer, "transformer_blocks") \
+        else pipe.transformer.blocks[0]
+    index = TransformerBlockRegistry.get(type(block)).return_hidden_states_index
+    residuals = []
+
+    def record(module, args, kwargs, output):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        out = output[index] if isinstance(output, tuple) else output
+        residuals.append((out - hidden).detach())
+
+    handle = block.register_forward_hook(record, with_kwargs=True)
+    generate()
+    handle.remove()
+    shard = pipe.transformer._xstage_dit_applied.parts[0].attention.shard
+    valid = min(shard.local_len, shard.seq_len - shard.rank * shard.local_len)
+    mine = torch.tensor([((r - p)[:, :valid].abs().sum() / p[:, :valid].abs().sum()).item()
+                         for p, r in zip(residuals, residuals[1:])], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(everyone, mine)
+    return torch.stack(everyone, dim=1).tolist()
+
+
+def _first_block_cache_worker(name: str, size: str) -> None:
+    """diffusers' FirstBlockCache decides over the whole sequence on every rank: with a threshold between what
+    the ranks' shards alone give at its first comparison (there one rank alone would skip the remaining blocks
+    and another compute them, leaving collectives unmatched), the parallel result equals one process's."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    # guidance off: one transformer call per step, so consecutive head-block calls are the ones the cache compares
+    kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=6, guidance=1.0)
+
+    def generate() -> torch.Tensor:
+        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
+                    generator=torch.Generator().manual_seed(8), return_dict=False)[0]
+
+    xstage_dit.enable(pipe, backend="reference", timeout_s=30)
+    statistics = _local_statistics(pipe, generate)
+    xstage_dit.disable(pipe)
+    # the first comparison: before it nothing was skipped, so there a rank alone would decide as recorded
+    lowest, highest = min(statistics[0]), max(statistics[0])
+    threshold = (lowest + highest) / 2
+    assert lowest < threshold < highest
+
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    stock = generate()
+    xstage_dit.enable(pipe, backend="reference", timeout_s=30)
+    out = generate()
+    error = _relative_error(out, stock)
+    assert error < TOLERANCE, f"{name}, threshold {threshold:.4f} ({statistics}): relative error {error:.2e}"
+
+
+# "even": no padding, so each rank alone would decide on exactly the recorded statistic; "uneven": the shared
+# decision leaves the padding rows out
+@pytest.mark.parametrize("name, world_size, size", [("tiny-flux", 2, "even"), ("tiny-flux", 3, "uneven"),
+                                                     ("tiny-wan", 2, "even")])
+def test_first_block_cache_decides_as_one_process(name: str, world_size: int, size: str) -> None:
+    run_on_ranks(world_size, _first_block_cache_worker, name, size)

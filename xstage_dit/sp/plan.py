@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..cfg_plan import CfgPlan
-from . import routing
+from . import cache_hooks, routing
 from .attention import UlyssesAttention
 from .sharding import SequenceShard
 
@@ -114,7 +114,7 @@ class AppliedPlan:
         self.plan = plan
         self.attention = attention
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._marks: list[routing.ActiveMark] = []
+        self._marks: list[routing.ActiveMark | cache_hooks.SharedCacheDecisions] = []  # each undone by remove()
 
         shard = attention.shard
         self._installed = plan.install(model) if plan.install is not None else []
@@ -123,6 +123,7 @@ class AppliedPlan:
                 _check_inputs_hook(model, plan.check_inputs), with_kwargs=True
             ))
         if shard.degree > 1:
+            self._marks.append(cache_hooks.SharedCacheDecisions(model, shard))
             for path, dims in plan.shard_inputs.items():
                 module = model.get_submodule(path)
                 hook = _shard_inputs_hook(module, shard, dims)
