@@ -126,3 +126,36 @@ def _pipeline_worker(name: str, backend: str) -> None:
 @pytest.mark.parametrize("name, backend", [("tiny-flux", "reference"), ("tiny-wan", "overlap")])
 def test_compiled_pipeline_equals_stock(name, backend):
     run_on_ranks(2, _pipeline_worker, name, backend)
+
+
+def _pipeline_graphs(name: str, enabled: bool) -> int:
+    """Graphs Dynamo compiles for one call of the pipeline whose transformer compile_repeated_blocks compiled."""
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    entry = zoo.ZOO[name]
+    kwargs = zoo.call_kwargs(name, height=entry.height, width=entry.width, num_frames=entry.num_frames, steps=1,
+                             guidance=3.0)
+    if enabled:
+        xstage_dit.enable(pipe, backend="reference")
+    torch._dynamo.reset()
+    counters.clear()
+    pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
+    with torch.no_grad():
+        pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0), output_type="latent",
+             generator=torch.Generator().manual_seed(0))
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx"])
+def test_every_family_with_repeated_blocks_compiles_as_often_as_stock(name):
+    """The families whose diffusers model names its repeated blocks (SD3, CogVideoX and HiDream do not), four
+    blocks deep, one process."""
+    import dataclasses
+
+    entry = zoo.ZOO[name]
+    deep = {key: 4 for key in ("num_layers", "num_single_layers") if key in entry.transformer}
+    zoo.ZOO[f"{name}-deep"] = dataclasses.replace(entry, transformer={**entry.transformer, **deep})
+    try:
+        assert _pipeline_graphs(f"{name}-deep", True) == _pipeline_graphs(f"{name}-deep", False)
+    finally:
+        del zoo.ZOO[f"{name}-deep"]

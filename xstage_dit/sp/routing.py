@@ -126,12 +126,14 @@ def mark_active(module: nn.Module, attention: UlyssesAttention) -> ActiveMark:
 
 @functools.cache
 def _activating(cls: type) -> type:
+    original_forward = cls.forward  # the function itself: a compiler traces it, not an attribute of a type
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         global _active
         outer = _active
         _active = self._xstage_attention
         try:
-            return cls.forward(self, *args, **kwargs)
+            return original_forward(self, *args, **kwargs)
         finally:
             _active = outer
 
