@@ -143,6 +143,8 @@ def _pipeline_graphs(name: str, enabled: bool) -> int:
     with torch.no_grad():
         pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0), output_type="latent",
              generator=torch.Generator().manual_seed(0))
+    if enabled:
+        xstage_dit.disable(pipe)  # the routing of diffusers' names is process-wide
     return counters["stats"]["unique_graphs"]
 
 
