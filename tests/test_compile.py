@@ -104,17 +104,23 @@ def test_real_depth_compiles_as_often_as_stock_on_two_ranks(family, mode):
     run_on_ranks(2, _ranks_worker, family, mode, extra, deadline_s=300)
 
 
-def _pipeline_worker(name: str, backend: str) -> None:
+def _pipeline(name: str, steps: int):
+    """A zoo pipeline at its default size, and a call of it returning its latents (seeded)."""
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     entry = zoo.ZOO[name]
-    kwargs = zoo.call_kwargs(name, height=entry.height, width=entry.width, num_frames=entry.num_frames, steps=2,
-                             guidance=3.0)
+    kwargs = zoo.call_kwargs(name, height=entry.height, width=entry.width, num_frames=entry.num_frames,
+                             steps=steps, guidance=3.0)
 
-    def generate():
+    def generate() -> torch.Tensor:
         return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0), output_type="latent",
                     generator=torch.Generator().manual_seed(0), return_dict=False)[0]
 
+    return pipe, generate
+
+
+def _pipeline_worker(name: str, backend: str) -> None:
+    pipe, generate = _pipeline(name, steps=2)
     stock = generate()
     xstage_dit.enable(pipe, backend=backend, timeout_s=120)
     pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
@@ -130,19 +136,14 @@ def test_compiled_pipeline_equals_stock(name, backend):
 
 def _pipeline_graphs(name: str, enabled: bool) -> int:
     """Graphs Dynamo compiles for one call of the pipeline whose transformer compile_repeated_blocks compiled."""
-    pipe = zoo.build_pipeline(name)
-    pipe.set_progress_bar_config(disable=True)
-    entry = zoo.ZOO[name]
-    kwargs = zoo.call_kwargs(name, height=entry.height, width=entry.width, num_frames=entry.num_frames, steps=1,
-                             guidance=3.0)
+    pipe, generate = _pipeline(name, steps=1)
     if enabled:
         xstage_dit.enable(pipe, backend="reference")
     torch._dynamo.reset()
     counters.clear()
     pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
     with torch.no_grad():
-        pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0), output_type="latent",
-             generator=torch.Generator().manual_seed(0))
+        generate()
     if enabled:
         xstage_dit.disable(pipe)  # the routing of diffusers' names is process-wide
     return counters["stats"]["unique_graphs"]

@@ -73,7 +73,8 @@ def test_rank_major_order_pays_for_incast_when_drain_limited():
     slow = replace(NVLINK_LIKE, drain_rate=20e9)  # a drain far slower than the waves' stores
     planner = Planner(slow, COSTS)
     shape = AttentionShape(1, 8192, 0, 24, 128, 8)
-    assert planner.fused_kernel(shape, TileOrder.RANK_MAJOR, TILE_ROWS) > planner.fused_kernel(shape, TileOrder.ROTATED, TILE_ROWS)
+    assert (planner.fused_kernel(shape, TileOrder.RANK_MAJOR, TILE_ROWS)
+            > planner.fused_kernel(shape, TileOrder.ROTATED, TILE_ROWS))
     assert planner.tile_order(shape, TILE_ROWS) is TileOrder.ROTATED
     two = AttentionShape(1, 8192, 0, 24, 128, 2)  # one peer: both orders see the same drain
     assert (planner.fused_kernel(two, TileOrder.RANK_MAJOR, TILE_ROWS)

@@ -107,7 +107,8 @@ def _resolve_config(
             plan.check_model(model)
         _check_heads(model, plan.num_heads(model), degree, ulysses_degree is not None, world_size)
     resolve_backend(backend, local_device())
-    return XStageConfig(degree, int(cfg_degree), backend, float(timeout_s), fuse_rope, check_inputs)
+    return XStageConfig(ulysses_degree=degree, cfg_degree=int(cfg_degree), backend=backend,
+                        timeout_s=float(timeout_s), fuse_rope=fuse_rope, check_inputs=check_inputs)
 
 
 def _fingerprint(models: list[nn.Module], config: XStageConfig) -> Fingerprint:

@@ -34,7 +34,7 @@ def weights_checksum(module: torch.nn.Module) -> float:
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"]
     if not tensors:
         return 0.0
-    return float(sum(t.detach().double().sum() for t in tensors))
+    return float(sum(t.detach().sum(dtype=torch.float64) for t in tensors))
 
 
 def check_agreement(fingerprint: Fingerprint, what: str, relative_tolerance: float = 1e-9) -> None:

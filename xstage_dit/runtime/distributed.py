@@ -43,6 +43,9 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+_started_world_timeout_s: float | None = None  # the default group's timeout where this library started it
+
+
 def ensure_process_group(timeout_s: float) -> None:
     """Start the default process group from the launcher's environment unless one is running or the job has one
     process. NCCL on GPUs, gloo on CPU; every collective is bounded by `timeout_s`."""
@@ -60,7 +63,8 @@ def ensure_process_group(timeout_s: float) -> None:
                        "timings say nothing about multi-GPU speed)", os.environ.get("LOCAL_WORLD_SIZE"),
                        torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    _world_timeout_s.append(timeout_s)
+    global _started_world_timeout_s
+    _started_world_timeout_s = timeout_s
     logger.info("started process group: %s, world size %d", backend, dist.get_world_size())
 
 
@@ -86,14 +90,13 @@ def ranks_share_gpus() -> bool:
 
 
 _group_cache: dict[tuple, dist.ProcessGroup] = {}
-_world_timeout_s: list[float] = []  # the timeout of the default group where this library started it
 
 
 def _subgroup(ranks: list[int], timeout_s: float) -> dist.ProcessGroup:
     """A process group of `ranks` whose collectives give up after `timeout_s`, created once per job. The whole
     world is the default group where we started it with this timeout; one the caller started carries the
     caller's timeout, so it gets a group of its own."""
-    if len(ranks) == dist.get_world_size() and timeout_s in _world_timeout_s:
+    if len(ranks) == dist.get_world_size() and timeout_s == _started_world_timeout_s:
         return dist.group.WORLD
     key = (tuple(ranks), timeout_s)
     if key not in _group_cache:

@@ -1,6 +1,8 @@
 """Attention on one rank, in diffusers' (batch, seq, heads, head_dim) layout, through the fastest SDPA kernel."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -27,6 +29,7 @@ def sdpa_bshd(
     return out.transpose(1, 2)
 
 
+@functools.cache
 def diffusers_attention(backend: str):
     """The attention the user chose for the model (`set_attention_backend`): diffusers' own dispatcher with that
     backend, on (B, S, H, D) tensors like sdpa_bshd."""

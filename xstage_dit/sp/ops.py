@@ -60,7 +60,7 @@ def gathered_attention(chosen: Backend, attention_backend: str | None) -> LocalA
     chosen (a backend with its own kernel says once that it replaces it), else SDPA."""
     if attention_backend is None:
         return sdpa_bshd
-    if chosen.own_attention and not torch.compiler.is_compiling():
+    if chosen.own_attention:
         warn_once(f"xstage_dit backend {chosen.name!r} attends with its own kernel, in place of the attention "
                   f"backend {attention_backend!r} set on the model")
     return diffusers_attention(attention_backend)
