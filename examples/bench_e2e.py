@@ -7,8 +7,14 @@ r"""End-to-end latency of diffusers pipelines, stock versus xstage_dit, measured
 Pipelines are built from the released models' configs with random weights and random text embeddings of the
 real shapes (no text encoders). Every variant runs the same calls on the same pipeline, interleaved
 (stock, xstage, stock, xstage, ...) so that drift of the machine hits both alike. Per step: median wall time
-between step-end callbacks; end to end: one pipeline call (denoising loop, and VAE decode with --decode).
-"stock" runs only in a one-process job: with several ranks it would just repeat the one-GPU work.
+between step-end callbacks, and the host's time to issue the step (each step starts on an idle GPU); end to end:
+one pipeline call (denoising loop, and VAE decode with --decode). "stock" runs only in a one-process job: with
+several ranks it would just repeat the one-GPU work.
+
+A variant is stock or xstage-BACKEND in one of the --modes: eager; compiled (the transformers'
+`compile_repeated_blocks(fullgraph=True)`, as diffusers recommends); graphs (enable(cuda_graphs=True)); both.
+Stock has no graphs mode. Variants are enabled anew for every call, so a graphs variant's call includes its
+two eager steps and its capture (in the end-to-end time; the per-step median is the replays').
 Writes OUT.json (appending records), OUT.md (table) and OUT.png (plot) on the main rank; with --profile also
 OUT-profile.json and OUT-profile.md (GPU time per step by kernel, variants side by side; rank 0's, in
 OUT-nN-profile.* for N ranks)."""
@@ -32,6 +38,7 @@ from provenance import provenance
 from step_timer import StepTimer
 
 DIFFUSERS_ROPE = "+diffusers-rope"  # backend-name suffix: that backend with enable(fuse_rope=False)
+MODES = ["eager", "compiled", "graphs", "compiled+graphs"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", nargs="+", default=["reference"],
                         help="xstage_dit backends to time; a name ending in " + DIFFUSERS_ROPE + " runs that backend "
                              "with diffusers' own RoPE code (enable(fuse_rope=False))")
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES,
+                        help="how each variant runs (stock: eager and compiled only)")
     parser.add_argument("--diffusers-cp", action="store_true",
                         help="with several ranks on GPUs, also time diffusers' own "
                              "ContextParallelConfig(ulysses_degree=N) on its cuDNN attention backend (a fresh copy "
@@ -73,43 +82,64 @@ class CountTokens:
         self._handle.remove()
 
 
-def time_call(pipe, call: dict, device: torch.device) -> tuple[list[float], float]:
+def time_call(pipe, call: dict, device: torch.device) -> StepTimer:
     timer = StepTimer(device)
     timer.start()
     pipe(**call, callback_on_step_end=timer)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return timer.step_seconds, timer.total_seconds
+    return timer
+
+
+def variant_names(backends: list[str], modes: list[str], world_size: int) -> list[str]:
+    stock = [f"stock{'' if mode == 'eager' else '+' + mode}" for mode in modes if "graphs" not in mode]
+    xstage = [f"xstage-{b}{'' if mode == 'eager' else '+' + mode}" for b in backends for mode in modes]
+    return (stock if world_size == 1 else []) + xstage
+
+
+@contextlib.contextmanager
+def compiled_blocks(pipe):
+    """The pipeline's transformers with their repeated blocks compiled (fullgraph), undone on exit."""
+    models = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
+    for model in models:
+        model.compile_repeated_blocks(fullgraph=True)
+    try:
+        yield
+    finally:
+        for model in models:
+            for module in model.modules():
+                module._compiled_call_impl = None
 
 
 @contextlib.contextmanager
 def variant_of(pipe, variant: str):
-    """The pipeline as `variant` runs it: "xstage-<backend>[+diffusers-rope]" enables xstage_dit for the block."""
-    if not variant.startswith("xstage-"):
+    """The pipeline as `variant` runs it: "xstage-<backend>[+diffusers-rope]" enables xstage_dit for the block,
+    "+compiled" compiles the repeated blocks, "+graphs" captures the transformers' forwards."""
+    base, *modes = variant.replace(DIFFUSERS_ROPE, "").split("+")
+    with contextlib.ExitStack() as stack:
+        if "compiled" in modes:
+            stack.enter_context(compiled_blocks(pipe))
+        if base.startswith("xstage-"):
+            xstage_dit.enable(pipe, backend=base.removeprefix("xstage-"), fuse_rope=DIFFUSERS_ROPE not in variant,
+                              cuda_graphs="graphs" in modes)
+            stack.callback(xstage_dit.disable, pipe)
         yield
-        return
-    backend = variant.removeprefix("xstage-")
-    fuse_rope = not backend.endswith(DIFFUSERS_ROPE)
-    xstage_dit.enable(pipe, backend=backend.removesuffix(DIFFUSERS_ROPE), fuse_rope=fuse_rope)
-    try:
-        yield
-    finally:
-        xstage_dit.disable(pipe)
 
 
 def measure(pipe, variants: list[str], call: dict, device: torch.device, repeats: int) -> dict[str, dict]:
     """Per variant: step times, call totals and peak memory over `repeats` calls after one warm-up call, the
     variants interleaved."""
-    samples: dict[str, dict[str, list]] = {v: {"steps": [], "totals": [], "peak": []} for v in variants}
+    samples: dict[str, dict[str, list]] = {v: {"steps": [], "host": [], "totals": [], "peak": []} for v in variants}
     for repeat in range(repeats + 1):  # repeat 0 warms up every variant
         for variant in variants:
             with variant_of(pipe, variant):
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                steps, total = time_call(pipe, call, device)
+                timer = time_call(pipe, call, device)
             if repeat:
-                samples[variant]["steps"] += steps
-                samples[variant]["totals"].append(total)
+                samples[variant]["steps"] += timer.step_seconds
+                samples[variant]["host"] += timer.host_seconds
+                samples[variant]["totals"].append(timer.total_seconds)
                 if device.type == "cuda":
                     samples[variant]["peak"].append(torch.cuda.max_memory_allocated(device) / 2**30)
     return samples
@@ -154,7 +184,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
     call.update(generator=torch.Generator().manual_seed(0), output_type="pil" if args.decode else "latent")
 
     tokens = CountTokens(pipe.transformer)
-    variants = (["stock"] if world_size == 1 else []) + [f"xstage-{b}" for b in args.backend]
+    variants = variant_names(args.backend, args.modes, world_size)
     samples = measure(pipe, variants, call, device, args.repeats)
     tokens.remove()
     profiles = []
@@ -185,6 +215,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
             "config": name, **size, "tokens": tokens.count, "world_size": world_size, "variant": variant,
             "steps_per_call": args.steps, "guidance": args.guidance, "decode": args.decode,
             "step_ms": step * 1e3, "step_ms_all": [s * 1e3 for s in samples[variant]["steps"]],
+            "host_ms": statistics.median(samples[variant]["host"]) * 1e3,
             "e2e_s": statistics.median(samples[variant]["totals"]),
             "peak_gib": max(samples[variant]["peak"], default=None),
             "ratio_to_first_variant": step / baseline, "first_variant": variants[0],
@@ -208,17 +239,19 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
         "Scaling (several ranks): per-step speedup over stock diffusers on one GPU at the same size (its latest "
         "run), and that speedup divided by the ranks.",
         "",
-        "| config | size (h×w×frames) | tokens | ranks | variant | per step (ms) | ratio | end to end (s) | peak (GiB) "
-        "| speedup vs 1-GPU stock | efficiency | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | size (h×w×frames) | tokens | ranks | variant | per step (ms) | host (ms) | ratio "
+        "| end to end (s) | peak (GiB) | speedup vs 1-GPU stock | efficiency | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        host = f"{r['host_ms']:.1f}" if "host_ms" in r else "-"
         speedup = scaling(r, rows)
         scaled = f"{speedup:.2f}x | {speedup / r['world_size']:.0%}" if speedup else "- | -"
         lines.append(
             f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['tokens']} | {r['world_size']} | "
-            f"{r['variant']} | {r['step_ms']:.1f} | {r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
+            f"{r['variant']} | {r['step_ms']:.1f} | {host} | "
+            f"{r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
             f"{r['e2e_s']:.2f} | {peak} | {scaled} | `{r['command']}` |"
         )
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -254,6 +287,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     args = parse_args()
+    # the compiled variants compile the same blocks' code under other guards (stock classes, our routed ones),
+    # and Dynamo counts every compiled module's entries against the one code object they share
+    torch._dynamo.config.recompile_limit = 64
     device = xstage_dit.local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -270,7 +306,8 @@ def main() -> None:
         if profiles:  # one profile file per rank count (the timing file accumulates runs at every count)
             write_profiles(profiles, prefix if world_size == 1 else prefix.with_name(f"{prefix.name}-n{world_size}"))
         for r in records:
-            print(f"{r['config']:>9} {r['variant']:>18} ranks={r['world_size']} step {r['step_ms']:9.1f} ms "
+            print(f"{r['config']:>9} {r['variant']:>30} ranks={r['world_size']} step {r['step_ms']:8.1f} ms "
+                  f"host {r['host_ms']:7.1f} ms "
                   f"ratio {r['ratio_to_first_variant']:.3f} e2e {r['e2e_s']:.2f} s peak {r['peak_gib']} GiB")
 
 

@@ -7,20 +7,24 @@ import torch
 
 
 class StepTimer:
-    """Pass as `callback_on_step_end`; call `start()` right before the pipeline call."""
+    """Pass as `callback_on_step_end`; call `start()` right before the pipeline call. Each step starts on an idle
+    GPU (the previous step's end waited for it), so the host time until the step's end is the time the host took
+    to issue the step's work (all of the step, where something in it waits for the GPU)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.marks: list[float] = []
+        self.issued: list[float] = []  # when the host reached each step's end, before waiting for the GPU
 
     def start(self) -> None:
-        self.marks = [self._now()]
+        self.marks, self.issued = [self._synchronized()], []
 
     def __call__(self, pipe, step, timestep, callback_kwargs):
-        self.marks.append(self._now())
+        self.issued.append(time.perf_counter())
+        self.marks.append(self._synchronized())
         return callback_kwargs
 
-    def _now(self) -> float:
+    def _synchronized(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
@@ -28,6 +32,11 @@ class StepTimer:
     @property
     def step_seconds(self) -> list[float]:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    @property
+    def host_seconds(self) -> list[float]:
+        """Per step, the host's time to issue it."""
+        return [issued - start for start, issued in zip(self.marks, self.issued)]
 
     @property
     def total_seconds(self) -> float:

@@ -8,6 +8,7 @@ from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
 import zoo
+from xstage_dit.module_forward import ReplacedForward
 from xstage_dit.sp import ops, routing
 from xstage_dit.sp.sharding import SequenceShard
 
@@ -69,6 +70,7 @@ def test_heads_that_cannot_be_split_name_working_splits(flux_pipe, world, size, 
         ({"backend": "fused"}, "backend 'fused' needs CUDA GPUs"),
         ({"timeout_s": 0}, "timeout_s must be a positive number of seconds, got 0"),
         ({"timeout_s": float("inf")}, "timeout_s must be a positive number"),
+        ({"cuda_graphs": True}, "cuda_graphs=True needs a GPU; this rank runs on cpu"),
     ],
 )
 def test_bad_degrees_and_backends(flux_pipe, world, kwargs, message):
@@ -91,6 +93,7 @@ def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flu
     ({"ulysses_degree": 0}, r"ulysses_degree must be None or an int >= 1, got 0"),
     ({"backend": None}, r"backend must be a name from \["),
     ({"fuse_rope": "yes"}, r"fuse_rope must be True or False, got 'yes'"),
+    ({"cuda_graphs": 1}, r"cuda_graphs must be None \(on where there is a GPU\), True or False, got 1"),
 ])
 def test_arguments_of_the_wrong_type_are_named(flux_pipe, world, kwargs, message):
     world(4)
@@ -118,6 +121,24 @@ def test_enable_twice_is_refused_and_disable_restores_exactly(flux_pipe):
     assert transformer_flux.apply_rotary_emb is original_rotary
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert all(type(a) is attention_class and not hasattr(a, "_xstage_attention") for a in attention)
+
+
+def test_replaced_forwards_restore_what_was_there_in_any_stack():
+    """The layers enable puts around a transformer's forward (CUDA graphs inside, the CFG split outside) each put
+    back exactly what they replaced: the class's forward, or an instance attribute someone else set."""
+    model = torch.nn.Linear(2, 2)
+    theirs = model.forward  # e.g. a diffusers hook registry wraps forward as an instance attribute
+    model.forward = theirs
+    inner = ReplacedForward(model, lambda x: "inner")
+    outer = ReplacedForward(model, lambda x: "outer")
+    assert inner.inner is theirs and outer.inner(0) == "inner" and model(0) == "outer"
+    outer.restore()
+    inner.restore()
+    assert model.__dict__["forward"] is theirs
+    del model.forward
+    bare = ReplacedForward(model, lambda x: "new")
+    bare.restore()
+    assert "forward" not in model.__dict__
 
 
 def test_single_process_output_is_unchanged(flux_pipe):

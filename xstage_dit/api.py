@@ -1,12 +1,14 @@
 """enable / disable / is_main_process: the public entry points."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from diffusers import ModelMixin
 from torch import nn
 
@@ -15,8 +17,9 @@ from .cfg_parallel import CfgSplit, PairedCalls, unwrap_pipeline_call, wrap_pipe
 from .cfg_plan import PAIRS
 from .config import XStageConfig
 from .logging_utils import logger, warn_once
-from .runtime import build_groups, ensure_process_group, world_from_env
+from .runtime import ParallelGroups, build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
+from .runtime.cuda_graphs import CrossRankWork, GraphedForward
 from .runtime.distributed import local_device
 from .sp import auto, overlap, reference  # noqa: F401  (register the backends)
 
@@ -52,7 +55,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any,
-                 check_inputs: Any) -> None:
+                 check_inputs: Any, cuda_graphs: Any) -> None:
     """Each argument's type and range, named in the error with the value given."""
     if ulysses_degree is not None and not (_is_int(ulysses_degree) and ulysses_degree >= 1):
         raise TypeError(f"ulysses_degree must be None or an int >= 1, got {ulysses_degree!r}")
@@ -66,6 +69,8 @@ def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: 
     for name, value in (("fuse_rope", fuse_rope), ("check_inputs", check_inputs)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be None (on where there is a GPU), True or False, got {cuda_graphs!r}")
 
 
 def _ulysses_degree(world_size: int, ulysses_degree: int | None, cfg_degree: int) -> int:
@@ -93,12 +98,19 @@ def _check_heads(model: nn.Module, heads: int, degree: int, given: bool, world_s
     raise ValueError(f"{type(model).__name__} has {heads} attention heads, which {asked} cannot split; {hint}")
 
 
+def _cuda_graphs(asked: bool | None, device: torch.device) -> bool:
+    """Graphs by default where there is a GPU; asked for without one, an error."""
+    if asked and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a GPU; this rank runs on {device}")
+    return device.type == "cuda" if asked is None else asked
+
+
 def _resolve_config(
     models: list[nn.Module], ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any,
-    check_inputs: Any,
+    check_inputs: Any, cuda_graphs: Any,
 ) -> XStageConfig:
     """Check every argument against the job and the models, before any collective."""
-    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs)
+    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs, cuda_graphs)
     world_size, _ = world_from_env()
     degree = _ulysses_degree(world_size, ulysses_degree, cfg_degree)
     for model in models:
@@ -108,13 +120,14 @@ def _resolve_config(
         _check_heads(model, plan.num_heads(model), degree, ulysses_degree is not None, world_size)
     resolve_backend(backend, local_device())
     return XStageConfig(ulysses_degree=degree, cfg_degree=int(cfg_degree), backend=backend,
-                        timeout_s=float(timeout_s), fuse_rope=fuse_rope, check_inputs=check_inputs)
+                        timeout_s=float(timeout_s), fuse_rope=fuse_rope, check_inputs=check_inputs,
+                        cuda_graphs=_cuda_graphs(cuda_graphs, local_device()))
 
 
 def _fingerprint(models: list[nn.Module], config: XStageConfig) -> Fingerprint:
     """What every rank's `enable` must agree on: the resolved arguments, the models' classes and weights."""
     fingerprint = Fingerprint()
-    for name in ("ulysses_degree", "cfg_degree", "backend", "timeout_s", "fuse_rope"):
+    for name in ("ulysses_degree", "cfg_degree", "backend", "timeout_s", "fuse_rope", "cuda_graphs"):
         fingerprint.add(name, getattr(config, name))
     for model in models:
         fingerprint.add("model class", type(model).__name__)
@@ -139,6 +152,7 @@ def enable(
     timeout_s: float = 600.0,
     fuse_rope: bool = True,
     check_inputs: bool = True,
+    cuda_graphs: bool | None = None,
 ) -> Any:
     """Run `pipe`'s transformer(s) with Ulysses sequence parallelism across the job's ranks; returns `pipe`.
 
@@ -148,7 +162,9 @@ def enable(
     calls with the same inputs; every rank gets the whole result. `fuse_rope=False` keeps diffusers' own
     rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU).
     `check_inputs=False` skips the one small collective in which the ranks check that they got the same
-    arguments and models (weights included).
+    arguments and models (weights included). `cuda_graphs` (default: on where there is a GPU) captures each
+    transformer's forward per input signature in a CUDA graph and replays it (runtime/cuda_graphs.py); a
+    forward that cannot be captured runs eagerly, with one warning saying why.
 
     A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
     arguments: its calls then take part in the CFG split too; other arguments are refused."""
@@ -157,7 +173,8 @@ def enable(
     if any(state is not None and id(pipe) in state.pipelines for state in enabled) or (
             isinstance(pipe, ModelMixin) and enabled[0] is not None):
         raise RuntimeError(f"xstage_dit.enable was already called on this {type(models[0]).__name__}")
-    config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs)
+    config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs,
+                             cuda_graphs)
     if any(state is not None for state in enabled):
         return _attach(pipe, models, enabled, config)
     ensure_process_group(config.timeout_s)
@@ -166,26 +183,54 @@ def enable(
     groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s)
     _move_to_rank_device(pipe, models, groups.device)
     choice = resolve_backend(config.backend, groups.device)
+    fabric = None
     if needs_fabric(choice, groups.device) and groups.ulysses_group is not None:
         # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
         from .sp.fabric import open_fabric
 
-        open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+        fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+    graphs = config.cuda_graphs and _capturable(groups)
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)
         shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
         attention = UlyssesAttention(shard, choice, plan.text_first, config.fuse_rope)
         parts: list[Any] = [AppliedPlan(model, plan, attention)]
+        if graphs:  # inside the CFG split: a graph holds this rank's branch, the swap stays outside
+            parts.append(GraphedForward(model, groups.device, _cross_rank_work(groups, config, fabric)))
         if groups.cfg_degree > 1:
             parts.append(CfgSplit(model, plan.cfg, groups, pairs))
         setattr(model, _STATE_ATTR, Enabled(config, parts, pairs, [id(pipe)]))
     _enable_pipeline(pipe, models, config, pairs)
     logger.info(
-        "xstage_dit enabled on %s: ulysses_degree=%d, cfg_degree=%d, backend=%s",
+        "xstage_dit enabled on %s: ulysses_degree=%d, cfg_degree=%d, backend=%s, cuda_graphs=%s",
         ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.cfg_degree, config.backend,
+        graphs,
     )
     return pipe
+
+
+def _capturable(groups: ParallelGroups) -> bool:
+    """A captured forward holds the Ulysses group's collectives: NCCL's can be captured, gloo's (which stage
+    through the host) cannot."""
+    if groups.ulysses_group is None:
+        return True
+    backend = str(dist.get_backend(groups.ulysses_group))
+    if "nccl" not in backend:
+        warn_once(f"xstage_dit: the Ulysses group runs on {backend}, whose collectives cannot be captured in a "
+                  "CUDA graph: the transformers run eagerly")
+        return False
+    return True
+
+
+def _cross_rank_work(groups: ParallelGroups, config: XStageConfig, fabric: Any) -> CrossRankWork | None:
+    """What a replay of a rank's forward waits for across ranks, if anything."""
+    if groups.ulysses_group is None:
+        return None
+    first = groups.rank - groups.ulysses_rank
+    peers = f"the other ranks of its Ulysses group (ranks {first}-{first + groups.ulysses_degree - 1})"
+    check = None if fabric is None else functools.partial(fabric.raise_if_timed_out, "a CUDA-graph replay")
+    return CrossRankWork(groups.rank, peers, config.timeout_s, check)
 
 
 @dataclass

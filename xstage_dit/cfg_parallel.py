@@ -21,6 +21,7 @@ from torch import nn
 
 from .cfg_plan import BATCH, PAIRS, CfgPlan
 from .logging_utils import warn_once
+from .module_forward import ReplacedForward
 from .runtime import ParallelGroups
 from .runtime.distributed import all_gather_into
 
@@ -66,9 +67,9 @@ class CfgSplit:
         self.plan = plan
         self.groups = groups
         self.pairs = pairs
-        self._forward = model.forward
+        self._replaced = ReplacedForward(model, self._batch_forward if plan.mode == BATCH else self._paired_forward)
+        self._forward = self._replaced.inner
         self._signature = inspect.signature(self._forward)
-        model.forward = self._batch_forward if plan.mode == BATCH else self._paired_forward
         # PAIRS sizes its placeholder output from the input shape before sequence sharding (whose hooks run
         # after this one); BATCH needs nothing per call
         self._input_shape = torch.Size()
@@ -78,7 +79,7 @@ class CfgSplit:
     def remove(self) -> None:
         if self._hook is not None:
             self._hook.remove()
-        del self.model.forward
+        self._replaced.restore()
 
     def _record_input_shape(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         self._input_shape = self._signature.bind_partial(*args, **kwargs).arguments["hidden_states"].shape

@@ -15,6 +15,7 @@ class XStageConfig:
     fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU).
     check_inputs: the ranks check, in one small collective at `enable`, that they got the same arguments and
         models (weights included).
+    cuda_graphs: each transformer's forward is captured per input signature in a CUDA graph and replayed.
     """
 
     ulysses_degree: int
@@ -23,3 +24,4 @@ class XStageConfig:
     timeout_s: float = 600.0
     fuse_rope: bool = True
     check_inputs: bool = True
+    cuda_graphs: bool = False

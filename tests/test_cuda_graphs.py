@@ -1,0 +1,117 @@
+"""enable(cuda_graphs=True) on a GPU: every replay equals the eager call on the same inputs bit for bit, through
+whole pipeline calls whose timestep and latents change every step, with resolution and batch changing between
+calls, CFG parallelism of both kinds and Wan 2.2's two transformers; forwards that cannot be captured run
+eagerly with one warning. Two ranks use two GPUs with NCCL where there are two; on one GPU they share it over
+gloo, whose collectives cannot be captured (then the check is that they fall back)."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import xstage_dit
+import zoo
+from dist_harness import run_on_ranks
+from xstage_dit.runtime.cuda_graphs import GraphedForward
+
+pytestmark = pytest.mark.gpu
+STEPS = 5  # a signature's third call is its first replay: the later steps (and the CFG branches) replay
+
+SIZES = {  # two resolutions per config: a pipeline call at the second captures anew
+    "tiny-flux-d64": [{"height": 32, "width": 48, "num_frames": 1}, {"height": 20, "width": 28, "num_frames": 1}],
+    "tiny-wan-d64": [{"height": 32, "width": 48, "num_frames": 9}, {"height": 16, "width": 112, "num_frames": 17}],
+    "tiny-wan2.2": [{"height": 32, "width": 48, "num_frames": 9}, {"height": 16, "width": 112, "num_frames": 17}],
+    "tiny-sd3.5": [{"height": 48, "width": 64, "num_frames": 1}, {"height": 40, "width": 56, "num_frames": 1}],
+}
+
+
+def _generate(pipe, name: str, size: dict, batch: int) -> torch.Tensor:
+    kwargs = zoo.call_kwargs(name, **size, steps=STEPS, guidance=3.0)
+    embeddings = zoo.text_embeddings(name, batch, seed=batch, device=pipe.device, dtype=torch.bfloat16)
+    return pipe(**kwargs, **embeddings, output_type="latent", generator=torch.Generator().manual_seed(3),
+                return_dict=False)[0]
+
+
+def _graphed(pipe) -> list[GraphedForward]:
+    models = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
+    return [part for m in models for part in m._xstage_dit_applied.parts if isinstance(part, GraphedForward)]
+
+
+def _graphs_equal_eager(name: str, expect_captures: bool, **enable: object) -> None:
+    """Every case (batch 1 and 2, two resolutions, one after the other) with graphs equals it eagerly."""
+    pipe = zoo.build_pipeline(name, device=xstage_dit.local_device(), dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    cases = [(batch, size) for size in range(2) for batch in (1, 2)]
+    xstage_dit.enable(pipe, cuda_graphs=False, timeout_s=60, **enable)
+    eager = [_generate(pipe, name, SIZES[name][size], batch) for batch, size in cases]
+    xstage_dit.disable(pipe)
+    xstage_dit.enable(pipe, cuda_graphs=True, timeout_s=60, **enable)
+    graphed = _graphed(pipe)
+    for (batch, size), expected in zip(cases, eager):
+        out = _generate(pipe, name, SIZES[name][size], batch)
+        assert torch.equal(out, expected), f"{name} {enable}, batch {batch}, size {size}: graphs differ from eager"
+    captured = sum(g.captured for g in graphed)
+    assert (captured > 0) == expect_captures, f"{name} {enable}: {captured} graphs held, {len(graphed)} graphed"
+    xstage_dit.disable(pipe)
+    assert all("forward" not in m.__dict__ for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m)
+
+
+@pytest.mark.parametrize("name", ["tiny-flux-d64", "tiny-wan2.2", "tiny-sd3.5"])
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_one_gpu_replays_equal_eager(name, backend):
+    _graphs_equal_eager(name, True, backend=backend)
+
+
+def _two_rank_worker(name: str, backend: str, cfg_degree: int) -> None:
+    two_gpus = torch.cuda.device_count() >= 2
+    if not two_gpus:  # both ranks on one GPU: gloo, which graphs cannot hold
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    _graphs_equal_eager(name, two_gpus, backend=backend, cfg_degree=cfg_degree)
+
+
+@pytest.mark.parametrize("name, backend, cfg_degree", [
+    ("tiny-flux-d64", "reference", 1), ("tiny-flux-d64", "fused", 1), ("tiny-wan-d64", "fused", 1),
+    ("tiny-wan2.2", "reference", 1),
+    ("tiny-flux-d64", "fused", 2),  # CFG in pairs of calls: a graph holds this rank's branch
+    ("tiny-sd3.5", "reference", 2),  # CFG as a batch
+])
+def test_two_ranks_replays_equal_eager(name, backend, cfg_degree):
+    run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, deadline_s=300)
+
+
+def test_a_forward_that_syncs_the_host_runs_eagerly_with_one_warning(caplog):
+    """diffusers' FirstBlockCache decides on the host each step: graphs cannot hold it."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    name = "tiny-flux-d64"
+    pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    xstage_dit.enable(pipe, cuda_graphs=False)
+    eager = _generate(pipe, name, SIZES[name][0], 1)
+    xstage_dit.disable(pipe)
+    xstage_dit.enable(pipe, cuda_graphs=True)
+    with caplog.at_level(logging.WARNING, logger="xstage_dit"):
+        out = _generate(pipe, name, SIZES[name][0], 1)
+    assert torch.equal(out, eager)
+    assert _graphed(pipe)[0].captured == 0
+    assert any("synchronises the host" in r.getMessage() for r in caplog.records), caplog.text
+    xstage_dit.disable(pipe)
+
+
+def test_compiled_blocks_replay_in_graphs():
+    """compile_repeated_blocks + graphs: the compiled blocks' kernels replay; equal to the compiled eager run."""
+    name = "tiny-flux-d64"
+    pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    xstage_dit.enable(pipe, cuda_graphs=False)
+    eager = _generate(pipe, name, SIZES[name][0], 1)
+    xstage_dit.disable(pipe)
+    xstage_dit.enable(pipe, cuda_graphs=True)
+    out = _generate(pipe, name, SIZES[name][0], 1)
+    assert _graphed(pipe)[0].captured >= 1
+    assert torch.equal(out, eager)
+    xstage_dit.disable(pipe)
