@@ -136,6 +136,9 @@ def measure(pipe, variants: list[str], call: dict, device: torch.device, repeats
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 timer = time_call(pipe, call, device)
+            if xstage_dit.is_main_process():  # progress, for a run cut short
+                print(f"  {variant} call {repeat}: {timer.total_seconds:.2f} s, median step "
+                      f"{statistics.median(timer.step_seconds) * 1e3:.1f} ms", flush=True)
             if repeat:
                 samples[variant]["steps"] += timer.step_seconds
                 samples[variant]["host"] += timer.host_seconds

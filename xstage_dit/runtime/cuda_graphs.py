@@ -33,14 +33,15 @@ from ..module_forward import ReplacedForward
 
 CAPTURED_SIGNATURES = 8
 EAGER_CALLS = 2  # per signature before its capture: a warm-up, then a watch for host synchronisation
-_POOLS: dict[torch.device, Any] = {}  # one memory pool per device, shared by every captured forward
+_POOLS: dict[torch.device, torch.cuda.MemPool] = {}  # one memory pool per device, shared by every graph
 
 
-def shared_pool(device: torch.device) -> Any:
+def shared_pool(device: torch.device) -> torch.cuda.MemPool:
     """The device's graph memory pool: graphs replay one at a time in stream order, so their temporaries may
-    share memory (outputs stay owned by their graph)."""
+    share memory (outputs stay owned by their graph). Held here, it outlives the graphs dropped from it."""
     if device not in _POOLS:
-        _POOLS[device] = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(device):
+            _POOLS[device] = torch.cuda.MemPool()
     return _POOLS[device]
 
 
@@ -173,7 +174,7 @@ class GraphedForward:
         args, kwargs = tree_unflatten(static, spec)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=shared_pool(self.device), capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=shared_pool(self.device).id, capture_error_mode="thread_local"):
                 output = self._inner(*args, **kwargs)
         except RuntimeError as error:  # e.g. the model synchronises with the host
             self._eager_only = True
