@@ -81,7 +81,7 @@ def test_two_ranks_replays_equal_eager(name, backend, cfg_degree):
     run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, deadline_s=300)
 
 
-def test_a_forward_that_syncs_the_host_runs_eagerly_with_one_warning(caplog):
+def test_a_cached_forward_runs_eagerly_with_one_warning(caplog):
     """diffusers' FirstBlockCache decides on the host each step: graphs cannot hold it."""
     from diffusers.hooks import FirstBlockCacheConfig
 
@@ -97,7 +97,8 @@ def test_a_forward_that_syncs_the_host_runs_eagerly_with_one_warning(caplog):
         out = _generate(pipe, name, SIZES[name][0], 1)
     assert torch.equal(out, eager)
     assert _graphed(pipe)[0].captured == 0
-    assert any("synchronises the host" in r.getMessage() for r in caplog.records), caplog.text
+    assert any("fbc_leader_block_hook" in r.getMessage() and "decide on the host" in r.getMessage()
+               for r in caplog.records), caplog.text
     xstage_dit.disable(pipe)
 
 
@@ -115,3 +116,42 @@ def test_compiled_blocks_replay_in_graphs():
     assert _graphed(pipe)[0].captured >= 1
     assert torch.equal(out, eager)
     xstage_dit.disable(pipe)
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x: torch.Tensor, factor: float = 2.0) -> torch.Tensor:
+        return torch.relu(x) * factor
+
+
+class _SyncingScale(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x.abs().max().item()
+
+
+def test_a_forward_replays_per_signature_and_holds_a_bounded_number():
+    """Fresh inputs every call: replays equal eager bit for bit; a non-tensor argument is part of the signature;
+    more signatures than the bound drop the least recently used graph."""
+    from xstage_dit.runtime.cuda_graphs import CAPTURED_SIGNATURES, EAGER_CALLS
+
+    model = _Scale()
+    graphed = GraphedForward(model, torch.device("cuda"))
+    with torch.no_grad():
+        for length in range(1, CAPTURED_SIGNATURES + 2):
+            for call in range(EAGER_CALLS + 3):
+                x = torch.randn(3, length, device="cuda")
+                factor = 2.0 if call % 2 else 3.0  # two signatures per length, alternating
+                assert torch.equal(model(x, factor), torch.relu(x) * factor)
+    assert graphed.captured == CAPTURED_SIGNATURES
+    graphed.remove()
+    assert "forward" not in model.__dict__
+
+
+def test_a_forward_that_syncs_the_host_runs_eagerly_with_one_warning(caplog):
+    model = _SyncingScale()
+    graphed = GraphedForward(model, torch.device("cuda"))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="xstage_dit"):
+        for _ in range(5):
+            x = torch.randn(4, device="cuda")
+            assert torch.equal(model(x), x * x.abs().max().item())
+    assert graphed.captured == 0
+    assert any("synchronises the host" in r.getMessage() for r in caplog.records), caplog.text

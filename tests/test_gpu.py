@@ -60,10 +60,16 @@ def test_degree_one_on_gpu_matches_stock(name):
         xstage_dit.disable(pipe)
 
 
+def _share_one_gpu() -> None:
+    """This process's ranks share GPU 0 (also on a host with more GPUs): set before CUDA starts in a worker."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+
+
 def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None) -> None:
     # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness;
     # symmetric memory's CUDA backend maps the ranks' buffers into each other on the shared GPU
-    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    _share_one_gpu()
     dist.init_process_group("gloo")
     choices = _record_auto_choices()
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
@@ -120,7 +126,7 @@ def test_auto_follows_the_planner_on_one_gpu(tmp_path, monkeypatch):
 
 def _fused_layer_worker(batch: int, text_len: int, seq_len: int, heads: int, head_dim: int) -> None:
     """One real-size attention layer through the fused backend, against float32 SDPA of the whole sequence."""
-    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    _share_one_gpu()
     dist.init_process_group("gloo")
     from xstage_dit.sp.fabric import open_fabric
     from xstage_dit.sp.fused import fused_ulysses
@@ -153,7 +159,7 @@ def _graph_replay_worker(text_len: int, seq_len: int, heads: int) -> None:
     """The fused backend captured in a CUDA graph on one input and replayed on fresh ones: every replay equals
     the eager call on the same input bit for bit (its barriers wait anew on every replay: the epochs advance on
     the device)."""
-    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    _share_one_gpu()
     dist.init_process_group("gloo")
     from xstage_dit.sp.fabric import open_fabric
     from xstage_dit.sp.fused import fused_ulysses

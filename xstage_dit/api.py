@@ -29,6 +29,7 @@ except ImportError:  # without Triton the other backends still work
     pass
 from .sp.attention import UlyssesAttention
 from .sp.backends import available_backends, needs_fabric, resolve_backend
+from .sp.cache_hooks import stateful_hooks
 from .sp.plan import AppliedPlan
 from .sp.sharding import SequenceShard
 
@@ -197,7 +198,8 @@ def enable(
         attention = UlyssesAttention(shard, choice, plan.text_first, config.fuse_rope)
         parts: list[Any] = [AppliedPlan(model, plan, attention)]
         if graphs:  # inside the CFG split: a graph holds this rank's branch, the swap stays outside
-            parts.append(GraphedForward(model, groups.device, _cross_rank_work(groups, config, fabric)))
+            parts.append(GraphedForward(model, groups.device, _cross_rank_work(groups, config, fabric),
+                                        functools.partial(stateful_hooks, model)))
         if groups.cfg_degree > 1:
             parts.append(CfgSplit(model, plan.cfg, groups, pairs))
         setattr(model, _STATE_ATTR, Enabled(config, parts, pairs, [id(pipe)]))

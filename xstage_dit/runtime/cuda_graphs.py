@@ -3,13 +3,13 @@ costs the host a few copies and one launch instead of thousands of kernel launch
 
 The signature of a call is the structure of its arguments, each tensor's shape, dtype and device, and the value
 of every other argument. A signature's first calls run eagerly: the first warms up what is created lazily
-(Triton kernels, compiled graphs, communicators, symmetric buffers), the second watches for operations that
+(Triton kernels, compiled graphs, communicators, symmetric buffers), the second is watched for operations that
 synchronise with the host, which a graph cannot hold (such a forward stays eager, with one warning naming the
-operation's place). The third is captured, with static copies of the tensor arguments, into a memory pool that
-every graph of the device shares, and replayed; later calls copy their tensors into the static ones and
-replay. The outputs are cloned out of the graph's buffers, so callers may keep them across
-calls (the CFG branches of one step do). At most `CAPTURED_SIGNATURES` graphs are kept per forward, the least
-recently used dropped first.
+operation's place; so does one whose caller names host decisions, e.g. a cache's). The third is captured, with
+static copies of the tensor arguments, into a memory pool that every graph of the device shares, and replayed;
+later calls copy their tensors into the static ones and replay. The outputs are cloned out of the graph's
+buffers, so callers may keep them across calls (the CFG branches of one step do). At most `CAPTURED_SIGNATURES`
+graphs are kept per forward, the least recently used dropped first.
 
 Work that crosses ranks inside a replay (collectives, symmetric-memory barriers) is not watched by the host: a
 replay with cross-rank work waits, after launching the next replay, for the previous one within the timeout,
@@ -103,10 +103,14 @@ def _signature(leaves: list[Any], spec: TreeSpec, device: torch.device) -> Hasha
 class GraphedForward:
     """`model.forward` captured per input signature; `remove()` restores the forward that was there."""
 
-    def __init__(self, model: nn.Module, device: torch.device, cross_rank: CrossRankWork | None = None) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, cross_rank: CrossRankWork | None = None,
+                 host_decisions: Callable[[], str | None] | None = None) -> None:
+        """`host_decisions` names what in the model decides on the host from call to call (checked before each
+        capture), which keeps it eager."""
         self.name = type(model).__name__
         self.device = device
         self.cross_rank = cross_rank
+        self.host_decisions = host_decisions
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
         self._seen: OrderedDict[Hashable, int] = OrderedDict()  # eager calls of signatures not captured yet
         self._eager_only = False  # set when the forward synchronises the host or its capture failed
@@ -166,6 +170,12 @@ class GraphedForward:
         return output
 
     def _capture(self, key: Hashable, leaves: list[Any], spec: TreeSpec) -> _Graph | None:
+        deciding = self.host_decisions() if self.host_decisions is not None else None
+        if deciding:
+            self._eager_only = True
+            warn_once(f"xstage_dit: {self.name} has {deciding}, which decide on the host from call to call: it runs "
+                      "eagerly, without CUDA graphs")
+            return None
         if len(self._graphs) == CAPTURED_SIGNATURES:
             self._graphs.popitem(last=False)
             logger.info("xstage_dit: %s holds %d CUDA graphs; dropped the least recently used",

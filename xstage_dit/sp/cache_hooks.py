@@ -60,3 +60,11 @@ def _whole_sequence_decision(hook: Any, shard: SequenceShard):
         return (sums[0] / sums[1]).item() > hook.threshold
 
     return should_compute_remaining_blocks
+
+
+def stateful_hooks(model: nn.Module) -> str | None:
+    """The diffusers hooks on `model` that keep state from call to call (the caches), whose decisions are made on
+    the host: named, or None. A CUDA graph would freeze their first decision."""
+    found = sorted({name for module in model.modules() if hasattr(module, "_diffusers_hook")
+                    for name, hook in module._diffusers_hook.hooks.items() if getattr(hook, "_is_stateful", False)})
+    return ", ".join(found) or None
