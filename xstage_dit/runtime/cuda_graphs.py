@@ -108,7 +108,7 @@ class GraphedForward:
         """`host_decisions` names what in the model decides on the host from call to call (checked before each
         capture), which keeps it eager."""
         self.name = type(model).__name__
-        self.device = device
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.cross_rank = cross_rank
         self.host_decisions = host_decisions
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
