@@ -1,11 +1,12 @@
 """enable / disable / is_main_process: the public entry points."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -13,12 +14,13 @@ from diffusers import ModelMixin
 from torch import nn
 
 from . import patches
-from .cfg_parallel import CfgSplit, PairedCalls, unwrap_pipeline_call, wrap_pipeline_call
+from .cfg_parallel import CfgSplit, PairedCalls
 from .cfg_plan import PAIRS
 from .config import XStageConfig
 from .logging_utils import logger, warn_once
 from .runtime import ParallelGroups, build_groups, ensure_process_group, world_from_env
-from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
+from .pipeline_call import is_wrapped, unwrap_pipeline_call, wrap_pipeline_call
+from .runtime.agreement import Fingerprint, call_fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import CrossRankWork, GraphedForward
 from .runtime.distributed import local_device
 from .sp import auto, overlap, reference  # noqa: F401  (register the backends)
@@ -162,8 +164,8 @@ def enable(
     in a single process the model runs unsplit with xstage_dit's attention. Every rank must make the same
     calls with the same inputs; every rank gets the whole result. `fuse_rope=False` keeps diffusers' own
     rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU).
-    `check_inputs=False` skips the one small collective in which the ranks check that they got the same
-    arguments and models (weights included). `cuda_graphs` (default: on where there is a GPU) captures each
+    `check_inputs=False` skips the small collectives in which the ranks check that they got the same
+    arguments and models (weights included) at `enable`, and the same arguments at every pipeline call. `cuda_graphs` (default: on where there is a GPU) captures each
     transformer's forward per input signature in a CUDA graph and replays it (runtime/cuda_graphs.py); a
     forward that cannot be captured runs eagerly, with one warning saying why.
 
@@ -247,14 +249,25 @@ class Enabled:
 
 
 def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, pairs: PairedCalls) -> None:
-    """The pipeline's side: its calls tell the CFG split whether they run CFG; progress bars on rank 0 only."""
+    """The pipeline's side: before each call the ranks check that they got the same arguments, and the call
+    tells the CFG split whether it runs CFG; progress bars on rank 0 only."""
     cfg = patches.plan_for(models[0]).cfg
-    if config.cfg_degree > 1 and cfg.mode == PAIRS:
-        if isinstance(pipe, ModelMixin):
-            warn_once("xstage_dit: cfg_degree=2 on a bare transformer whose pipelines call it once per branch: "
-                      "enable the pipeline to split the branches; until then every CFG group computes every call")
-        else:
-            wrap_pipeline_call(pipe, cfg.pipeline_uses_cfg, pairs)
+    paired = config.cfg_degree > 1 and cfg.mode == PAIRS
+    if paired and isinstance(pipe, ModelMixin):
+        warn_once("xstage_dit: cfg_degree=2 on a bare transformer whose pipelines call it once per branch: "
+                  "enable the pipeline to split the branches; until then every CFG group computes every call")
+    check = config.check_inputs and world_from_env()[0] > 1
+    if not isinstance(pipe, ModelMixin) and (paired or check):
+        what = f"the arguments of a {type(pipe).__name__} call"
+
+        @contextlib.contextmanager
+        def around(arguments: dict[str, Any]) -> Iterator[None]:
+            if check:
+                check_agreement(call_fingerprint(arguments), what)
+            with pairs.pipeline_call(cfg.pipeline_uses_cfg(arguments)) if paired else contextlib.nullcontext():
+                yield
+
+        wrap_pipeline_call(pipe, around)
     if hasattr(pipe, "set_progress_bar_config") and not is_main_process():
         setattr(pipe, _PROGRESS_ATTR, dict(getattr(pipe, "_progress_bar_config", {})))
         pipe.set_progress_bar_config(disable=True)  # progress bars on the main rank only
@@ -285,7 +298,7 @@ def disable(pipe: Any) -> Any:
             for part in reversed(state.parts):
                 part.remove()
             delattr(model, _STATE_ATTR)
-    if hasattr(pipe, "_xstage_original_class"):
+    if is_wrapped(pipe):
         unwrap_pipeline_call(pipe)
     if hasattr(pipe, _PROGRESS_ATTR):
         pipe._progress_bar_config = getattr(pipe, _PROGRESS_ATTR)

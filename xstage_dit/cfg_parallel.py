@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -130,24 +130,3 @@ class CfgSplit:
         if self.groups.cfg_rank != 0:
             cond.copy_(both[0])
         return _package(both[1] if not mine else computed, return_dict)
-
-
-def wrap_pipeline_call(pipe: Any, uses_cfg: Callable[[dict[str, Any]], bool], pairs: PairedCalls) -> None:
-    """Make each call of `pipe` tell `pairs` whether it runs CFG. The pipeline's class is swapped for a
-    subclass whose __call__ wraps the original (Python looks special methods up on the class)."""
-    cls = type(pipe)
-    signature = inspect.signature(cls.__call__)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        with pairs.pipeline_call(uses_cfg(bound.arguments)):
-            return cls.__call__(self, *args, **kwargs)
-
-    pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "_xstage_original_class": cls})
-
-
-def unwrap_pipeline_call(pipe: Any) -> None:
-    pipe.__class__ = pipe._xstage_original_class
-
-

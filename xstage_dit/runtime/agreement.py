@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,17 +38,81 @@ def weights_checksum(module: torch.nn.Module) -> float:
     return float(sum(t.detach().sum(dtype=torch.float64) for t in tensors))
 
 
+def call_fingerprint(arguments: dict[str, Any]) -> Fingerprint:
+    """What the ranks must agree on about one pipeline call: every argument but `self` and callables, tensors
+    by shape, dtype and float64 sum (one host sync for all of them), generators by their state, the global
+    random state where no generator is given."""
+    fingerprint = Fingerprint()
+    sums: list[tuple[str, torch.Tensor]] = []
+    for name, value in arguments.items():
+        if name != "self":
+            _describe(fingerprint, sums, name, value)
+    if arguments.get("generator", "absent") is None:
+        _add_state(fingerprint, "global random state (no generator given)", torch.get_rng_state())
+        if torch.cuda.is_initialized():
+            _add_state(fingerprint, "global CUDA random state (no generator given)", torch.cuda.get_rng_state())
+    if sums:
+        totals = torch.stack([total.to(sums[0][1].device) for _, total in sums]).tolist()
+        for (name, _), total in zip(sums, totals):
+            fingerprint.add(f"{name} (sum)", total)
+    return fingerprint
+
+
+def _describe(fingerprint: Fingerprint, sums: list[tuple[str, torch.Tensor]], name: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        fingerprint.add(f"{name} (shape, dtype)", f"{tuple(value.shape)} {value.dtype}")
+        sums.append((name, value.detach().sum(dtype=torch.float64)))
+    elif isinstance(value, torch.Generator):
+        _add_state(fingerprint, f"{name} (state)", value.get_state())
+    elif isinstance(value, (list, tuple)):
+        fingerprint.add(f"{name} (length)", len(value))
+        for index, item in enumerate(value):
+            _describe(fingerprint, sums, f"{name}[{index}]", item)
+    elif isinstance(value, dict):
+        fingerprint.add(f"{name} (keys)", ",".join(map(str, value)))
+        for key, item in value.items():
+            _describe(fingerprint, sums, f"{name}[{key!r}]", item)
+    elif isinstance(value, (bool, int, float)):
+        fingerprint.add(name, value)
+    elif not callable(value):
+        fingerprint.add(name, f"{type(value).__name__} {value}" if value is None or isinstance(value, str)
+                        else f"{type(value).__name__} {getattr(value, 'size', '')}")
+
+
+def _add_state(fingerprint: Fingerprint, name: str, state: torch.Tensor) -> None:
+    fingerprint.add(name, float(zlib.crc32(state.numpy().tobytes())))
+
+
 def check_agreement(fingerprint: Fingerprint, what: str, relative_tolerance: float = 1e-9) -> None:
-    """Every rank of the default group compares its fingerprint with everyone's; on a difference every rank
-    raises the same error, naming the first rank that differs from rank 0 and the first value it differs in."""
+    """Every rank of the default group compares its fingerprint with everyone's, first which values it has,
+    then the values; on a difference every rank raises the same error, naming the first rank that differs from
+    rank 0 and the first value it differs in."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    shape = Fingerprint()
+    shape.add("number of values", len(fingerprint.values))
+    shape.add("names of values", "|".join(fingerprint.names))
+    difference = _first_difference(shape, relative_tolerance=0.0)
+    if difference is not None:
+        raise ValueError(f"xstage_dit: the ranks disagree on {what}: rank {difference[0]} passes other arguments "
+                         f"than rank 0 (its {difference[1]}); every rank must make the same call on the same model "
+                         "and inputs")
+    difference = _first_difference(fingerprint, relative_tolerance)
+    if difference is not None:
+        raise ValueError(f"xstage_dit: the ranks disagree on {what}: rank {difference[0]}'s {difference[1]} differs "
+                         "from rank 0's; every rank must make the same call on the same model and inputs")
+
+
+def _first_difference(fingerprint: Fingerprint, relative_tolerance: float) -> tuple[int, str] | None:
+    """Gathered from every rank (one collective): the first rank that differs from rank 0 and the name of its
+    first differing value, or None when all agree (NaN agrees with NaN)."""
     mine = torch.tensor(fingerprint.values, dtype=torch.float64, device=local_device())
     everyone = mine.new_empty(dist.get_world_size() * mine.numel())
     all_gather_into(everyone, mine, None)
     rows = everyone.view(dist.get_world_size(), -1).tolist()
     for rank, row in enumerate(rows[1:], start=1):
         for name, first, theirs in zip(fingerprint.names, rows[0], row):
-            if not math.isclose(first, theirs, rel_tol=relative_tolerance, abs_tol=0.0):
-                raise ValueError(f"xstage_dit: the ranks disagree on {what}: rank {rank}'s {name} differs from "
-                                 f"rank 0's; every rank must make the same call on the same model and inputs")
+            both_nan = math.isnan(first) and math.isnan(theirs)
+            if not both_nan and not math.isclose(first, theirs, rel_tol=relative_tolerance, abs_tol=0.0):
+                return rank, name
+    return None
