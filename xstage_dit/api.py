@@ -22,7 +22,7 @@ from .runtime import ParallelGroups, build_groups, ensure_process_group, world_f
 from .pipeline_call import is_wrapped, unwrap_pipeline_call, wrap_pipeline_call
 from .runtime.agreement import Fingerprint, call_fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import CrossRankWork, GraphedForward
-from .runtime.distributed import local_device
+from .runtime.distributed import local_device, world_group
 from .sp import auto, overlap, reference  # noqa: F401  (register the backends)
 
 try:
@@ -182,7 +182,8 @@ def enable(
         return _attach(pipe, models, enabled, config)
     ensure_process_group(config.timeout_s)
     if config.check_inputs:  # before the groups: a rank with other degrees would build other groups
-        check_agreement(_fingerprint(models, config), "xstage_dit.enable's arguments and models")
+        check_agreement(_fingerprint(models, config), "xstage_dit.enable's arguments and models",
+                        world_group(config.timeout_s))
     groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s)
     _move_to_rank_device(pipe, models, groups.device)
     choice = resolve_backend(config.backend, groups.device)
@@ -259,11 +260,12 @@ def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, p
     check = config.check_inputs and world_from_env()[0] > 1
     if not isinstance(pipe, ModelMixin) and (paired or check):
         what = f"the arguments of a {type(pipe).__name__} call"
+        group = world_group(config.timeout_s) if check else None  # created here: all ranks are in enable
 
         @contextlib.contextmanager
         def around(arguments: dict[str, Any]) -> Iterator[None]:
             if check:
-                check_agreement(call_fingerprint(arguments), what)
+                check_agreement(call_fingerprint(arguments), what, group)
             with pairs.pipeline_call(cfg.pipeline_uses_cfg(arguments)) if paired else contextlib.nullcontext():
                 yield
 

@@ -83,8 +83,9 @@ def _add_state(fingerprint: Fingerprint, name: str, state: torch.Tensor) -> None
     fingerprint.add(name, float(zlib.crc32(state.numpy().tobytes())))
 
 
-def check_agreement(fingerprint: Fingerprint, what: str, relative_tolerance: float = 1e-9) -> None:
-    """Every rank of the default group compares its fingerprint with everyone's, first which values it has,
+def check_agreement(fingerprint: Fingerprint, what: str, group: dist.ProcessGroup | None = None,
+                    relative_tolerance: float = 1e-9) -> None:
+    """Every rank of `group` (default: the default group) compares its fingerprint with everyone's, first which values it has,
     then the values; on a difference every rank raises the same error, naming the first rank that differs from
     rank 0 and the first value it differs in."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -92,24 +93,26 @@ def check_agreement(fingerprint: Fingerprint, what: str, relative_tolerance: flo
     shape = Fingerprint()
     shape.add("number of values", len(fingerprint.values))
     shape.add("names of values", "|".join(fingerprint.names))
-    difference = _first_difference(shape, relative_tolerance=0.0)
+    difference = _first_difference(shape, group, relative_tolerance=0.0)
     if difference is not None:
         raise ValueError(f"xstage_dit: the ranks disagree on {what}: rank {difference[0]} passes other arguments "
                          f"than rank 0 (its {difference[1]}); every rank must make the same call on the same model "
                          "and inputs")
-    difference = _first_difference(fingerprint, relative_tolerance)
+    difference = _first_difference(fingerprint, group, relative_tolerance)
     if difference is not None:
         raise ValueError(f"xstage_dit: the ranks disagree on {what}: rank {difference[0]}'s {difference[1]} differs "
                          "from rank 0's; every rank must make the same call on the same model and inputs")
 
 
-def _first_difference(fingerprint: Fingerprint, relative_tolerance: float) -> tuple[int, str] | None:
+def _first_difference(fingerprint: Fingerprint, group: dist.ProcessGroup | None,
+                      relative_tolerance: float) -> tuple[int, str] | None:
     """Gathered from every rank (one collective): the first rank that differs from rank 0 and the name of its
     first differing value, or None when all agree (NaN agrees with NaN)."""
     mine = torch.tensor(fingerprint.values, dtype=torch.float64, device=local_device())
-    everyone = mine.new_empty(dist.get_world_size() * mine.numel())
-    all_gather_into(everyone, mine, None)
-    rows = everyone.view(dist.get_world_size(), -1).tolist()
+    size = dist.get_world_size(group)
+    everyone = mine.new_empty(size * mine.numel())
+    all_gather_into(everyone, mine, group)
+    rows = everyone.view(size, -1).tolist()
     for rank, row in enumerate(rows[1:], start=1):
         for name, first, theirs in zip(fingerprint.names, rows[0], row):
             both_nan = math.isnan(first) and math.isnan(theirs)

@@ -104,6 +104,14 @@ def _subgroup(ranks: list[int], timeout_s: float) -> dist.ProcessGroup:
     return _group_cache[key]
 
 
+def world_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """Every rank of the job, in a group whose collectives give up after `timeout_s` (created collectively on
+    first use); None in a single process."""
+    if not dist.is_initialized():
+        return None
+    return _subgroup(list(range(dist.get_world_size())), timeout_s)
+
+
 def build_groups(cfg_degree: int, ulysses_degree: int, timeout_s: float) -> ParallelGroups:
     """This rank's Ulysses and CFG groups, their collectives bounded by `timeout_s`. Degrees were validated by the
     caller before any collective; every rank creates every group, in the same order, as torch.distributed
