@@ -95,13 +95,15 @@ def _ranks_worker(family: str, mode: str, extra_graphs: int) -> None:
     _compile_and_compare(family, mode, extra_graphs)
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
-@pytest.mark.parametrize("mode", ["blocks", "whole"])
-def test_real_depth_compiles_as_often_as_stock_on_two_ranks(family, mode):
+@pytest.mark.parametrize("family, mode, world_size",
+                         [(family, mode, 2) for family in ("flux", "wan") for mode in ("blocks", "whole")]
+                         # every family and mode once more at degree 3 or 4 (uneven token counts there too)
+                         + [("flux", "blocks", 3), ("wan", "whole", 3), ("flux", "whole", 4), ("wan", "blocks", 4)])
+def test_real_depth_compiles_as_often_as_stock_on_several_ranks(family, mode, world_size):
     # the forward pre-hook that splits the tokens compiles as a graph of its own where it sits on a compiled
     # module: Flux's on the model (torch.compile of the model), Wan's on the first block (compile_repeated_blocks)
     extra = 1 if (family, mode) in (("flux", "whole"), ("wan", "blocks")) else 0
-    run_on_ranks(2, _ranks_worker, family, mode, extra, deadline_s=300)
+    run_on_ranks(world_size, _ranks_worker, family, mode, extra, deadline_s=300)
 
 
 def _pipeline(name: str, steps: int):

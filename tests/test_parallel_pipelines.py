@@ -102,9 +102,12 @@ def test_parallel_pipeline_matches_single_process(name: str, world_size: int) ->
 
 @pytest.mark.parametrize(
     "name, world_size, guidance",
-    # every family at 2 x 1 and 2 x 2: pipelines calling the transformer once per branch, then batching ones
-    [(name, world, 3.0) for name in ("tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage",
-                                     "tiny-sd3.5", "tiny-cogvideox", "tiny-ltx", "tiny-hidream") for world in (2, 4)]
+    # every family at 2 x 1 (pipelines calling the transformer once per branch, then batching ones); CFG and
+    # Ulysses together (2 x 2) for each way of calling: pairs, pairs over two transformers, pairs with a text
+    # mask, a batch
+    [(name, 2, 3.0) for name in ("tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage",
+                                 "tiny-sd3.5", "tiny-cogvideox", "tiny-ltx", "tiny-hidream")]
+    + [(name, 4, 3.0) for name in ("tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5")]
     + [("tiny-wan", 2, 1.0)],  # guidance off: every CFG group computes every call
 )
 def test_cfg_parallel_matches_single_process(name: str, world_size: int, guidance: float) -> None:

@@ -194,7 +194,8 @@ class GraphedForward:
             torch.cuda.synchronize(self.device)
             return None
         outputs, output_spec = tree_flatten(output)
-        captured = _Graph(graph, [t for t in static if isinstance(t, torch.Tensor)], outputs, output_spec)
+        captured = _Graph(graph=graph, inputs=[t for t in static if isinstance(t, torch.Tensor)], outputs=outputs,
+                          output_spec=output_spec)
         self._seen.pop(key, None)
         self._graphs[key] = captured
         logger.info("xstage_dit: captured %s's forward in a CUDA graph (%d held)", self.name, len(self._graphs))
