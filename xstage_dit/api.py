@@ -18,8 +18,8 @@ from .cfg_parallel import CfgSplit, PairedCalls
 from .cfg_plan import PAIRS
 from .config import XStageConfig
 from .logging_utils import logger, warn_once
-from .runtime import ParallelGroups, build_groups, ensure_process_group, world_from_env
 from .pipeline_call import is_wrapped, unwrap_pipeline_call, wrap_pipeline_call
+from .runtime import ParallelGroups, build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, call_fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import CrossRankWork, GraphedForward
 from .runtime.distributed import local_device, world_group
@@ -165,9 +165,10 @@ def enable(
     calls with the same inputs; every rank gets the whole result. `fuse_rope=False` keeps diffusers' own
     rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU).
     `check_inputs=False` skips the small collectives in which the ranks check that they got the same
-    arguments and models (weights included) at `enable`, and the same arguments at every pipeline call. `cuda_graphs` (default: on where there is a GPU) captures each
-    transformer's forward per input signature in a CUDA graph and replays it (runtime/cuda_graphs.py); a
-    forward that cannot be captured runs eagerly, with one warning saying why.
+    arguments and models (weights included) at `enable`, and the same arguments at every pipeline call.
+    `cuda_graphs` (default: on where there is a GPU) captures each transformer's forward per input signature
+    in a CUDA graph and replays it (runtime/cuda_graphs.py); a forward that cannot be captured runs eagerly,
+    with one warning saying why.
 
     A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
     arguments: its calls then take part in the CFG split too; other arguments are refused."""
