@@ -85,9 +85,9 @@ def _add_state(fingerprint: Fingerprint, name: str, state: torch.Tensor) -> None
 
 def check_agreement(fingerprint: Fingerprint, what: str, group: dist.ProcessGroup | None = None,
                     relative_tolerance: float = 1e-9) -> None:
-    """Every rank of `group` (default: the default group) compares its fingerprint with everyone's, first which values it has,
-    then the values; on a difference every rank raises the same error, naming the first rank that differs from
-    rank 0 and the first value it differs in."""
+    """Every rank of `group` (default: the default group) compares its fingerprint with everyone's, first which
+    values it has, then the values; on a difference every rank raises the same error, naming the first rank that
+    differs from rank 0 and the first value it differs in."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     shape = Fingerprint()
