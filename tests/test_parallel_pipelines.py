@@ -64,7 +64,7 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
 
     def generate(batch: int, size: str) -> tuple[torch.Tensor, dict[int, set[int]]]:
         tokens_seen.clear()
-        kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=3, guidance=guidance)
+        kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=2, guidance=guidance)
         out = pipe(**kwargs, **zoo.text_embeddings(name, batch, seed=batch), output_type="latent",
                    generator=torch.Generator().manual_seed(7), return_dict=False)[0]
         return out, dict(tokens_seen)
