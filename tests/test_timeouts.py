@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -15,12 +16,12 @@ from dist_harness import run_on_ranks
 TIMEOUT_S = 3.0
 
 
-def _stalled_peer_worker() -> None:
+def _stalled_peer_worker(check_inputs: bool) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # the caller's own group and timeout
     pipe = zoo.build_pipeline("tiny-flux")
-    xstage_dit.enable(pipe, backend="reference", timeout_s=TIMEOUT_S)
+    xstage_dit.enable(pipe, backend="reference", timeout_s=TIMEOUT_S, check_inputs=check_inputs)
     if dist.get_rank() == 1:
-        time.sleep(4 * TIMEOUT_S)  # never joins the forward pass
+        time.sleep(TIMEOUT_S + 6)  # never joins the pipeline call
         return
     entry = zoo.ZOO["tiny-flux"]
     kwargs = zoo.call_kwargs("tiny-flux", height=entry.height, width=entry.width, num_frames=1, steps=1,
@@ -35,5 +36,6 @@ def _stalled_peer_worker() -> None:
     raise AssertionError("rank 0 finished a forward pass without its peer")
 
 
-def test_a_stalled_peer_raises_within_timeout_s_under_the_callers_group():
-    run_on_ranks(2, _stalled_peer_worker, deadline_s=90)
+@pytest.mark.parametrize("check_inputs", [True, False], ids=["stalled-at-the-call-check", "stalled-in-the-forward"])
+def test_a_stalled_peer_raises_within_timeout_s_under_the_callers_group(check_inputs):
+    run_on_ranks(2, _stalled_peer_worker, check_inputs, deadline_s=90)
