@@ -88,7 +88,7 @@ def check_agreement(fingerprint: Fingerprint, what: str, group: dist.ProcessGrou
     """Every rank of `group` (default: the default group) compares its fingerprint with everyone's, first which
     values it has, then the values; on a difference every rank raises the same error, naming the first rank that
     differs from rank 0 and the first value it differs in."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     shape = Fingerprint()
     shape.add("number of values", len(fingerprint.values))
