@@ -47,6 +47,7 @@ def test_producers_that_cannot_all_run_time_out_with_a_message(probe, monkeypatc
 
 def test_calibrate_writes_fits_and_info_lists_them(tmp_path, monkeypatch, capsys):
     from xstage_dit.cli import main
+    from xstage_dit.sp.backends import backends, costs_of
     from xstage_dit.xstage import AttentionShape, Calibration, Planner
 
     monkeypatch.setenv("XSTAGE_CALIBRATION_DIR", str(tmp_path))
@@ -56,7 +57,8 @@ def test_calibrate_writes_fits_and_info_lists_them(tmp_path, monkeypatch, capsys
     assert {c.topology for c in calibrations} <= {"loopback", peers, "pcie"} and len(calibrations) == 2
     for calibration in calibrations:
         assert calibration.fit_error["median"] < 0.3, calibration.fit_error
-        predicted = Planner.from_calibration(calibration).predict(AttentionShape(1, 16384, 0, 24, 128, 8))
+        shape = AttentionShape(1, 16384, 0, 24, 128, 8)
+        predicted = Planner.from_calibration(calibration).predict(shape, costs_of(backends()))
         assert all(0 < t < 1 for t in predicted.values()), predicted
     main(["info"])
     assert "loopback" in capsys.readouterr().out
