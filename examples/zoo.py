@@ -399,3 +399,65 @@ def call_kwargs(name: str, *, height: int, width: int, num_frames: int, steps: i
     if family.video:
         kwargs["num_frames"] = num_frames
     return kwargs
+
+
+@dataclass(frozen=True)
+class VaeEntry:
+    """A VAE alone, for the decode tests and benchmark: its class, config and a latent (B, C, [T,] H, W) to
+    decode; `float32` where diffusers' pipelines keep it in float32."""
+
+    cls: str
+    config: dict[str, Any]
+    latent: tuple[int, ...]
+    float32: bool = False
+
+
+_TINY_HUNYUAN_VAE = {
+    "latent_channels": 4, "block_out_channels": (8, 8, 16, 16), "layers_per_block": 1, "norm_num_groups": 4,
+    "down_block_types": ("HunyuanVideoDownBlock3D",) * 4, "up_block_types": ("HunyuanVideoUpBlock3D",) * 4,
+}
+_TINY_LTX_VAE = {
+    "latent_channels": 8, "block_out_channels": (8, 8, 8, 8), "decoder_block_out_channels": (8, 8, 16, 16),
+    "layers_per_block": (1, 1, 1, 1, 1), "decoder_layers_per_block": (1, 1, 1, 1, 1),
+    "spatio_temporal_scaling": (True, True, True, False), "decoder_spatio_temporal_scaling": (True, True, True, False),
+    "decoder_inject_noise": (False,) * 5, "timestep_conditioning": False, "patch_size": 4, "patch_size_t": 1,
+}
+# latent heights of 7 rows split unevenly over 2, 3 and 4 ranks
+VAES: dict[str, VaeEntry] = {
+    "tiny-kl": VaeEntry("AutoencoderKL", {**_TINY_KL_VAE, "block_out_channels": (8, 16, 16), "sample_size": 64,
+                                          "down_block_types": ("DownEncoderBlock2D",) * 3,
+                                          "up_block_types": ("UpDecoderBlock2D",) * 3}, (2, 4, 7, 5)),
+    "tiny-wan2.1": VaeEntry("AutoencoderKLWan", {"base_dim": 4, "z_dim": 4, "dim_mult": [1, 2, 4, 4],
+                                                 "num_res_blocks": 1, "temperal_downsample": [False, True, True]},
+                            (2, 4, 3, 7, 5), float32=True),
+    "tiny-wan2.2": VaeEntry("AutoencoderKLWan", {
+        "base_dim": 4, "decoder_base_dim": 6, "z_dim": 8, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+        "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12, "out_channels": 12,
+        "patch_size": 2, "scale_factor_spatial": 16}, (2, 8, 3, 7, 5), float32=True),
+    # 6 latent frames: more than HunyuanVideo's framewise decode takes at once, so its temporal tiles run too
+    "tiny-hunyuan-video": VaeEntry("AutoencoderKLHunyuanVideo", _TINY_HUNYUAN_VAE, (2, 4, 6, 7, 5)),
+    "tiny-ltx": VaeEntry("AutoencoderKLLTXVideo", _TINY_LTX_VAE, (2, 8, 3, 7, 5)),
+    "flux": VaeEntry("AutoencoderKL", _FLUX_VAE, (1, 16, 256, 256)),  # 2048 x 2048
+    "wan2.1-720p": VaeEntry("AutoencoderKLWan", _WAN_VAE, (1, 16, 21, 90, 160), float32=True),  # 81 x 720 x 1280
+}
+
+
+def build_vae(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              seed: int = 0) -> torch.nn.Module:
+    """VAES[name] with random weights (seeded: every rank builds the same), in `dtype` unless diffusers keeps it
+    in float32. Weights are drawn around diffusers' initialisation so that every layer changes its input."""
+    entry = VAES[name]
+    torch.manual_seed(seed)
+    with torch.device(device):
+        vae = _in_dtype(torch.float32 if entry.float32 else dtype,
+                        lambda: getattr(diffusers, entry.cls)(**entry.config))
+    with torch.no_grad():
+        for parameter in vae.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=0.05)
+    return vae.eval()
+
+
+def vae_latent(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator(device).manual_seed(seed)
+    return torch.randn(VAES[name].latent, generator=generator, device=device, dtype=dtype)

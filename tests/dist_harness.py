@@ -35,6 +35,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     os._exit(0)
 
 
+def share_one_gpu() -> None:
+    """This process's ranks share GPU 0 (also on a host with more GPUs): call in a worker before CUDA starts."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+
+
 def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 300.0) -> None:
     """Call fn(*args) on `world_size` spawned processes; re-raise the first worker failure."""
     context = mp.start_processes(

@@ -4,7 +4,6 @@ bf16 tolerances: SDPA in bf16 against a float32 reference lands near 1e-3..1e-2 
 attention kernel changes (cuDNN here, whatever SDPA picks in stock diffusers) drifts a little more over steps."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.distributed as dist
 
 import xstage_dit
 import zoo
-from dist_harness import run_on_ranks
+from dist_harness import run_on_ranks, share_one_gpu
 from xstage_dit.sp.local_attention import sdpa_bshd
 
 pytestmark = pytest.mark.gpu
@@ -60,16 +59,10 @@ def test_degree_one_on_gpu_matches_stock(name):
         xstage_dit.disable(pipe)
 
 
-def _share_one_gpu() -> None:
-    """This process's ranks share GPU 0 (also on a host with more GPUs): set before CUDA starts in a worker."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
-    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-
-
 def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None) -> None:
     # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness;
     # symmetric memory's CUDA backend maps the ranks' buffers into each other on the shared GPU
-    _share_one_gpu()
+    share_one_gpu()
     dist.init_process_group("gloo")
     choices = _record_auto_choices()
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
@@ -126,7 +119,7 @@ def test_auto_follows_the_planner_on_one_gpu(tmp_path, monkeypatch):
 
 def _fused_layer_worker(batch: int, text_len: int, seq_len: int, heads: int, head_dim: int) -> None:
     """One real-size attention layer through the fused backend, against float32 SDPA of the whole sequence."""
-    _share_one_gpu()
+    share_one_gpu()
     dist.init_process_group("gloo")
     from xstage_dit.sp.fabric import open_fabric
     from xstage_dit.sp.fused import fused_ulysses
@@ -159,7 +152,7 @@ def _graph_replay_worker(text_len: int, seq_len: int, heads: int) -> None:
     """The fused backend captured in a CUDA graph on one input and replayed on fresh ones: every replay equals
     the eager call on the same input bit for bit (its barriers wait anew on every replay: the epochs advance on
     the device)."""
-    _share_one_gpu()
+    share_one_gpu()
     dist.init_process_group("gloo")
     from xstage_dit.sp.fabric import open_fabric
     from xstage_dit.sp.fused import fused_ulysses

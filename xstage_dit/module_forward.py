@@ -1,5 +1,6 @@
-"""Replacing a module's forward for a while: the layers `enable` puts around a transformer's forward stack
-(CUDA graphs inside, the CFG split outside), each undone exactly, whatever was there before."""
+"""Replacing a module's forward (or another method) for a while: the layers `enable` puts around a transformer's
+forward stack (CUDA graphs inside, the CFG split outside), and the parallel VAE's layers, each undone exactly,
+whatever was there before."""
 from __future__ import annotations
 
 from typing import Callable
@@ -8,17 +9,18 @@ from torch import nn
 
 
 class ReplacedForward:
-    """`model.forward` replaced by `new` (an instance attribute); `inner` is what was called before.
-    `restore()` puts back exactly what was there: an instance attribute someone else set, or none."""
+    """`model.forward` (or another method, `attribute`) replaced by `new` (an instance attribute); `inner` is what
+    was called before. `restore()` puts back exactly what was there: an instance attribute someone else set, or
+    none."""
 
-    def __init__(self, model: nn.Module, new: Callable) -> None:
-        self.model = model
-        self.inner: Callable = model.forward
-        self._previous = model.__dict__.get("forward")
-        model.forward = new
+    def __init__(self, model: nn.Module, new: Callable, attribute: str = "forward") -> None:
+        self.model, self.attribute = model, attribute
+        self.inner: Callable = getattr(model, attribute)
+        self._previous = model.__dict__.get(attribute)
+        setattr(model, attribute, new)
 
     def restore(self) -> None:
         if self._previous is None:
-            del self.model.forward
+            delattr(self.model, self.attribute)
         else:
-            self.model.forward = self._previous
+            setattr(self.model, self.attribute, self._previous)
