@@ -80,6 +80,17 @@ def test_bad_degrees_and_backends(flux_pipe, world, kwargs, message):
     assert not torch.distributed.is_initialized()
 
 
+def test_parallel_vae_where_there_is_none_to_split_is_refused(flux_pipe, world):
+    world(2)
+    with pytest.raises(ValueError, match=r"parallel_vae=True: this pipeline has no VAE; the decode can be split for "
+                                         r"AutoencoderKL, AutoencoderKLHunyuanVideo"):
+        xstage_dit.enable(flux_pipe.transformer, parallel_vae=True)
+    cogvideox = zoo.build_pipeline("tiny-cogvideox")
+    with pytest.raises(ValueError, match="parallel_vae=True: AutoencoderKLCogVideoX has no parallel decode"):
+        xstage_dit.enable(cogvideox, parallel_vae=True)
+    assert not torch.distributed.is_initialized()
+
+
 def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flux_pipe, world):
     world(3)
     with pytest.raises(ValueError, match=r"^cfg_degree=2 does not divide the world size 3$"):
@@ -94,6 +105,7 @@ def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flu
     ({"backend": None}, r"backend must be a name from \["),
     ({"fuse_rope": "yes"}, r"fuse_rope must be True or False, got 'yes'"),
     ({"cuda_graphs": 1}, r"cuda_graphs must be None \(on where there is a GPU\), True or False, got 1"),
+    ({"parallel_vae": "yes"}, r"parallel_vae must be None \(on where supported\), True or False, got 'yes'"),
 ])
 def test_arguments_of_the_wrong_type_are_named(flux_pipe, world, kwargs, message):
     world(4)

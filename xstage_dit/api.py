@@ -14,6 +14,7 @@ from diffusers import ModelMixin
 from torch import nn
 
 from . import patches
+from .patches.vaes import supported_vaes, vae_rule_for
 from .cfg_parallel import CfgSplit, PairedCalls
 from .cfg_plan import PAIRS
 from .config import XStageConfig
@@ -34,6 +35,7 @@ from .sp.backends import available_backends, needs_fabric, resolve_backend
 from .sp.cache_hooks import stateful_hooks
 from .sp.plan import AppliedPlan
 from .sp.sharding import SequenceShard
+from .vae.decode import ParallelDecode
 
 _STATE_ATTR = "_xstage_dit_applied"
 _PROGRESS_ATTR = "_xstage_dit_progress_bar_config"
@@ -58,7 +60,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any,
-                 check_inputs: Any, cuda_graphs: Any) -> None:
+                 check_inputs: Any, cuda_graphs: Any, parallel_vae: Any) -> None:
     """Each argument's type and range, named in the error with the value given."""
     if ulysses_degree is not None and not (_is_int(ulysses_degree) and ulysses_degree >= 1):
         raise TypeError(f"ulysses_degree must be None or an int >= 1, got {ulysses_degree!r}")
@@ -74,6 +76,8 @@ def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: 
             raise TypeError(f"{name} must be True or False, got {value!r}")
     if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
         raise TypeError(f"cuda_graphs must be None (on where there is a GPU), True or False, got {cuda_graphs!r}")
+    if parallel_vae is not None and not isinstance(parallel_vae, bool):
+        raise TypeError(f"parallel_vae must be None (on where supported), True or False, got {parallel_vae!r}")
 
 
 def _ulysses_degree(world_size: int, ulysses_degree: int | None, cfg_degree: int) -> int:
@@ -108,12 +112,26 @@ def _cuda_graphs(asked: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" if asked is None else asked
 
 
+def _parallel_vae(asked: bool | None, vae: nn.Module | None) -> bool:
+    """The decode split by rows by default where the pipeline's VAE is supported; asked for where it is not, an
+    error; otherwise the decode stays whole on every rank, said once."""
+    supported = vae is not None and vae_rule_for(vae) is not None
+    if asked and not supported:
+        what = "this pipeline has no VAE" if vae is None else f"{type(vae).__name__} has no parallel decode"
+        raise ValueError(f"parallel_vae=True: {what}; the decode can be split for "
+                         f"{', '.join(supported_vaes())}")
+    if asked is None and vae is not None and not supported and world_from_env()[0] > 1:
+        warn_once(f"xstage_dit: {type(vae).__name__} has no parallel decode (supported: "
+                  f"{', '.join(supported_vaes())}): every rank decodes the whole latent")
+    return supported if asked is None else asked
+
+
 def _resolve_config(
-    models: list[nn.Module], ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any,
-    check_inputs: Any, cuda_graphs: Any,
+    pipe: Any, models: list[nn.Module], ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any,
+    fuse_rope: Any, check_inputs: Any, cuda_graphs: Any, parallel_vae: Any,
 ) -> XStageConfig:
     """Check every argument against the job and the models, before any collective."""
-    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs, cuda_graphs)
+    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs, cuda_graphs, parallel_vae)
     world_size, _ = world_from_env()
     degree = _ulysses_degree(world_size, ulysses_degree, cfg_degree)
     for model in models:
@@ -124,13 +142,14 @@ def _resolve_config(
     resolve_backend(backend, local_device())
     return XStageConfig(ulysses_degree=degree, cfg_degree=int(cfg_degree), backend=backend,
                         timeout_s=float(timeout_s), fuse_rope=fuse_rope, check_inputs=check_inputs,
-                        cuda_graphs=_cuda_graphs(cuda_graphs, local_device()))
+                        cuda_graphs=_cuda_graphs(cuda_graphs, local_device()),
+                        parallel_vae=_parallel_vae(parallel_vae, getattr(pipe, "vae", None)))
 
 
 def _fingerprint(models: list[nn.Module], config: XStageConfig) -> Fingerprint:
     """What every rank's `enable` must agree on: the resolved arguments, the models' classes and weights."""
     fingerprint = Fingerprint()
-    for name in ("ulysses_degree", "cfg_degree", "backend", "timeout_s", "fuse_rope", "cuda_graphs"):
+    for name in ("ulysses_degree", "cfg_degree", "backend", "timeout_s", "fuse_rope", "cuda_graphs", "parallel_vae"):
         fingerprint.add(name, getattr(config, name))
     for model in models:
         fingerprint.add("model class", type(model).__name__)
@@ -156,6 +175,7 @@ def enable(
     fuse_rope: bool = True,
     check_inputs: bool = True,
     cuda_graphs: bool | None = None,
+    parallel_vae: bool | None = None,
 ) -> Any:
     """Run `pipe`'s transformer(s) with Ulysses sequence parallelism across the job's ranks; returns `pipe`.
 
@@ -168,7 +188,8 @@ def enable(
     arguments and models (weights included) at `enable`, and the same arguments at every pipeline call.
     `cuda_graphs` (default: on where there is a GPU) captures each transformer's forward per input signature
     in a CUDA graph and replays it (runtime/cuda_graphs.py); a forward that cannot be captured runs eagerly,
-    with one warning saying why.
+    with one warning saying why. `parallel_vae` (default: on where the pipeline's VAE is supported) splits the
+    VAE decode by rows across all the job's ranks (vae/); every rank still returns the whole image or video.
 
     A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
     arguments: its calls then take part in the CFG split too; other arguments are refused."""
@@ -177,8 +198,8 @@ def enable(
     if any(state is not None and id(pipe) in state.pipelines for state in enabled) or (
             isinstance(pipe, ModelMixin) and enabled[0] is not None):
         raise RuntimeError(f"xstage_dit.enable was already called on this {type(models[0]).__name__}")
-    config = _resolve_config(models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs,
-                             cuda_graphs)
+    config = _resolve_config(pipe, models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs,
+                             cuda_graphs, parallel_vae)
     if any(state is not None for state in enabled):
         return _attach(pipe, models, enabled, config)
     ensure_process_group(config.timeout_s)
@@ -209,9 +230,9 @@ def enable(
         setattr(model, _STATE_ATTR, Enabled(config, parts, pairs, [id(pipe)]))
     _enable_pipeline(pipe, models, config, pairs)
     logger.info(
-        "xstage_dit enabled on %s: ulysses_degree=%d, cfg_degree=%d, backend=%s, cuda_graphs=%s",
+        "xstage_dit enabled on %s: ulysses_degree=%d, cfg_degree=%d, backend=%s, cuda_graphs=%s, parallel_vae=%s",
         ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.cfg_degree, config.backend,
-        graphs,
+        graphs, config.parallel_vae,
     )
     return pipe
 
@@ -252,7 +273,8 @@ class Enabled:
 
 def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, pairs: PairedCalls) -> None:
     """The pipeline's side: before each call the ranks check that they got the same arguments, and the call
-    tells the CFG split whether it runs CFG; progress bars on rank 0 only."""
+    tells the CFG split whether it runs CFG; the VAE decode split across all ranks; progress bars on rank 0
+    only."""
     cfg = patches.plan_for(models[0]).cfg
     paired = config.cfg_degree > 1 and cfg.mode == PAIRS
     if paired and isinstance(pipe, ModelMixin):
@@ -271,6 +293,11 @@ def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, p
                 yield
 
         wrap_pipeline_call(pipe, around)
+    vae = getattr(pipe, "vae", None)
+    if config.parallel_vae and world_from_env()[0] > 1 and getattr(vae, _STATE_ATTR, None) is None:
+        rule = vae_rule_for(vae)
+        setattr(vae, _STATE_ATTR, ParallelDecode(vae, rule.layers(vae), world_group(config.timeout_s),
+                                                 rule.replicated_because))
     if hasattr(pipe, "set_progress_bar_config") and not is_main_process():
         setattr(pipe, _PROGRESS_ATTR, dict(getattr(pipe, "_progress_bar_config", {})))
         pipe.set_progress_bar_config(disable=True)  # progress bars on the main rank only
@@ -301,6 +328,10 @@ def disable(pipe: Any) -> Any:
             for part in reversed(state.parts):
                 part.remove()
             delattr(model, _STATE_ATTR)
+    vae = getattr(pipe, "vae", None)
+    if getattr(vae, _STATE_ATTR, None) is not None:
+        getattr(vae, _STATE_ATTR).remove()
+        delattr(vae, _STATE_ATTR)
     if is_wrapped(pipe):
         unwrap_pipeline_call(pipe)
     if hasattr(pipe, _PROGRESS_ATTR):

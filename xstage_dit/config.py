@@ -16,6 +16,7 @@ class XStageConfig:
     check_inputs: the ranks check, in one small collective at `enable`, that they got the same arguments and
         models (weights included).
     cuda_graphs: each transformer's forward is captured per input signature in a CUDA graph and replayed.
+    parallel_vae: the VAE decode is split by rows across all the job's ranks.
     """
 
     ulysses_degree: int
@@ -25,3 +26,4 @@ class XStageConfig:
     fuse_rope: bool = True
     check_inputs: bool = True
     cuda_graphs: bool = False
+    parallel_vae: bool = False
