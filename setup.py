@@ -3,12 +3,8 @@ where torch with CUDA and nvcc are available at build time (``pip install --no-b
 import glob
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
-PACKAGES = [
-    "xstage_dit", "xstage_dit.runtime", "xstage_dit.sp", "xstage_dit.kernels", "xstage_dit.xstage",
-    "xstage_dit.probing", "xstage_dit.patches",
-]
 
 
 def cuda_extensions() -> tuple[list, dict]:
@@ -43,7 +39,7 @@ setup(
     name="xstage_dit",
     version="0.1.0",
     description="Ulysses sequence-parallel inference for diffusers DiTs with X-Stage-aware fused kernels",
-    packages=PACKAGES,
+    packages=find_packages(include=["xstage_dit", "xstage_dit.*"]),
     package_data={"xstage_dit": ["calibrations/*.json"]},
     python_requires=">=3.10",
     # what the package imports; the diffusers range is the one the tests ran on
