@@ -30,10 +30,13 @@ def _rows_seen(vae: torch.nn.Module) -> list[int]:
     return seen
 
 
-def _decode_worker(names: list[str], device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   tolerance: float = TOLERANCE) -> None:
+def _decode_worker(names: list[str], device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """On the CPU (float32) the split decode is within TOLERANCE of the unsplit one. In half precision both are
+    compared with a float32 decode of the same weights: the split one may be off by at most twice as much as the
+    unsplit one (its convolutions and reductions run on other shapes, so they round differently)."""
     if device == "cuda":
         share_one_gpu()
+        torch.backends.cudnn.allow_tf32 = False  # float32 means float32 here (Wan's VAE)
     dist.init_process_group("gloo")
     size = dist.get_world_size()
     for name in names:
@@ -49,8 +52,10 @@ def _decode_worker(names: list[str], device: str = "cpu", dtype: torch.dtype = t
             split_rows = set(seen)
             split.remove()
             restored = vae.decode(z, return_dict=False)[0]
-        error = _relative_error(out, ref)
-        assert error < tolerance, f"{name} over {size} ranks on {device}: relative error {error:.2e}"
+            exact = vae.float().decode(z.float(), return_dict=False)[0] if ref.dtype != torch.float32 else ref
+        error = _relative_error(out.float(), exact)
+        bound = TOLERANCE if ref.dtype == torch.float32 else 2 * _relative_error(ref.float(), exact)
+        assert error < bound, f"{name} over {size} ranks on {device}: relative error {error:.2e} (bound {bound:.2e})"
         height, rank = z.shape[-2], dist.get_rank()
         share = height // size + (rank < height % size)
         assert split_rows == {share}, f"{name}: rank {rank}'s decoder saw {split_rows} of {height} rows"
@@ -68,9 +73,8 @@ def test_row_split_decode_matches_one_process(world_size: int, names: list[str])
 
 @pytest.mark.gpu
 def test_row_split_decode_on_gpu_matches_one_process() -> None:
-    """bf16 (Wan's VAE in float32, as diffusers keeps it), 2 processes sharing one GPU: within 1e-2 of the
-    unsplit bf16 decode (convolution algorithms and reduction orders differ with the shard's shape)."""
-    run_on_ranks(2, _decode_worker, TINY, "cuda", torch.bfloat16, 1e-2)
+    """bf16 (Wan's VAE in float32, as diffusers keeps it), 2 processes sharing one GPU."""
+    run_on_ranks(2, _decode_worker, TINY, "cuda", torch.bfloat16)
 
 
 class _Messages(logging.Handler):
