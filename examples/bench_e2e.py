@@ -8,8 +8,9 @@ Pipelines are built from the released models' configs with random weights and ra
 real shapes (no text encoders). Every variant runs the same calls on the same pipeline, interleaved
 (stock, xstage, stock, xstage, ...) so that drift of the machine hits both alike. Per step: median wall time
 between step-end callbacks, and the host's time to issue the step (each step starts on an idle GPU); end to end:
-one pipeline call (denoising loop, and VAE decode with --decode). "stock" runs only in a one-process job: with
-several ranks it would just repeat the one-GPU work.
+one pipeline call (denoising loop, and with --decode the VAE decode, which also gets a column of its own: the
+time from the last step's end to the call's end; xstage variants split it across ranks, `parallel_vae`).
+"stock" runs only in a one-process job: with several ranks it would just repeat the one-GPU work.
 
 A variant is stock or xstage-BACKEND in one of the --modes: eager; compiled (the transformers'
 `compile_repeated_blocks(fullgraph=True)`, as diffusers recommends); graphs (enable(cuda_graphs=True)); both.
@@ -86,8 +87,7 @@ def time_call(pipe, call: dict, device: torch.device) -> StepTimer:
     timer = StepTimer(device)
     timer.start()
     pipe(**call, callback_on_step_end=timer)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    timer.finish()
     return timer
 
 
@@ -129,7 +129,8 @@ def variant_of(pipe, variant: str):
 def measure(pipe, variants: list[str], call: dict, device: torch.device, repeats: int) -> dict[str, dict]:
     """Per variant: step times, call totals and peak memory over `repeats` calls after one warm-up call, the
     variants interleaved."""
-    samples: dict[str, dict[str, list]] = {v: {"steps": [], "host": [], "totals": [], "peak": []} for v in variants}
+    samples: dict[str, dict[str, list]] = {v: {"steps": [], "host": [], "totals": [], "after_loop": [], "peak": []}
+                                           for v in variants}
     for repeat in range(repeats + 1):  # repeat 0 warms up every variant
         for variant in variants:
             with variant_of(pipe, variant):
@@ -143,6 +144,7 @@ def measure(pipe, variants: list[str], call: dict, device: torch.device, repeats
                 samples[variant]["steps"] += timer.step_seconds
                 samples[variant]["host"] += timer.host_seconds
                 samples[variant]["totals"].append(timer.total_seconds)
+                samples[variant]["after_loop"].append(timer.after_loop_seconds)
                 if device.type == "cuda":
                     samples[variant]["peak"].append(torch.cuda.max_memory_allocated(device) / 2**30)
     return samples
@@ -220,6 +222,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
             "step_ms": step * 1e3, "step_ms_all": [s * 1e3 for s in samples[variant]["steps"]],
             "host_ms": statistics.median(samples[variant]["host"]) * 1e3,
             "e2e_s": statistics.median(samples[variant]["totals"]),
+            "decode_s": statistics.median(samples[variant]["after_loop"]) if args.decode else None,
             "peak_gib": max(samples[variant]["peak"], default=None),
             "ratio_to_first_variant": step / baseline, "first_variant": variants[0],
             **provenance(),
@@ -243,19 +246,20 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
         "run), and that speedup divided by the ranks.",
         "",
         "| config | size (h×w×frames) | tokens | ranks | variant | per step (ms) | host (ms) | ratio "
-        "| end to end (s) | peak (GiB) | speedup vs 1-GPU stock | efficiency | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| end to end (s) | of which decode (s) | peak (GiB) | speedup vs 1-GPU stock | efficiency | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         host = f"{r['host_ms']:.1f}" if "host_ms" in r else "-"
+        decode = f"{r['decode_s']:.2f}" if r.get("decode_s") is not None else "-"
         speedup = scaling(r, rows)
         scaled = f"{speedup:.2f}x | {speedup / r['world_size']:.0%}" if speedup else "- | -"
         lines.append(
             f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['tokens']} | {r['world_size']} | "
             f"{r['variant']} | {r['step_ms']:.1f} | {host} | "
             f"{r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
-            f"{r['e2e_s']:.2f} | {peak} | {scaled} | `{r['command']}` |"
+            f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | `{r['command']}` |"
         )
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, prefix.with_suffix(".png"))

@@ -3,8 +3,9 @@ decode across the job's ranks, side by side in alternating rounds of one run; ti
 
     torchrun --nproc_per_node 2 examples/bench_vae.py --vae flux wan2.1-720p --out docs/benchmarks/vae-h200x2
 
-Random weights and latents (zoo.VAES: real-size configs; the tiny ones check the script on CPU). Time is the slowest rank's, peak memory the largest
-rank's (torch.cuda.max_memory_allocated, weights included). Writes OUT.json and OUT.md on the main rank."""
+Random weights and latents (zoo.VAES: real-size configs; the tiny ones check the script on CPU). Time is the
+slowest rank's, peak memory the largest rank's (torch.cuda.max_memory_allocated, weights included). Writes
+OUT.json and OUT.md on the main rank."""
 from __future__ import annotations
 
 import argparse

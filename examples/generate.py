@@ -82,7 +82,7 @@ def main() -> None:
     timer.start()
     result = pipe(**call, generator=torch.Generator().manual_seed(args.seed), output_type="pil",
                   callback_on_step_end=timer)
-    total = timer.total_seconds
+    timer.finish()
 
     if xstage_dit.is_main_process():
         output = args.output or ("output.gif" if is_video else "output.png")
@@ -94,7 +94,8 @@ def main() -> None:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         print(f"{world} rank(s), {device.type}: {len(steps)} steps, per-step median "
               f"{statistics.median(steps) * 1e3:.1f} ms (first {steps[0] * 1e3:.1f} ms), "
-              f"denoising total {total:.2f} s; wrote {output}")
+              f"denoising {timer.total_seconds - timer.after_loop_seconds:.2f} s, decode "
+              f"{timer.after_loop_seconds:.2f} s; wrote {output}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -15,9 +15,14 @@ class StepTimer:
         self.device = device
         self.marks: list[float] = []
         self.issued: list[float] = []  # when the host reached each step's end, before waiting for the GPU
+        self.end: float | None = None
 
     def start(self) -> None:
-        self.marks, self.issued = [self._synchronized()], []
+        self.marks, self.issued, self.end = [self._synchronized()], [], None
+
+    def finish(self) -> None:
+        """Call right after the pipeline call returns: the end of what follows the loop (the VAE decode)."""
+        self.end = self._synchronized()
 
     def __call__(self, pipe, step, timestep, callback_kwargs):
         self.issued.append(time.perf_counter())
@@ -40,4 +45,10 @@ class StepTimer:
 
     @property
     def total_seconds(self) -> float:
-        return self.marks[-1] - self.marks[0]
+        """The whole call, from `start` to `finish`."""
+        return self.end - self.marks[0]
+
+    @property
+    def after_loop_seconds(self) -> float:
+        """From the last step's end to the call's end: the VAE decode and post-processing, if the call decodes."""
+        return self.end - self.marks[-1]
