@@ -97,8 +97,9 @@ def _ranks_worker(family: str, mode: str, extra_graphs: int) -> None:
 
 @pytest.mark.parametrize("family, mode, world_size",
                          [(family, mode, 2) for family in ("flux", "wan") for mode in ("blocks", "whole")]
-                         # every family and mode once more at degree 3 or 4 (uneven token counts there too)
-                         + [("flux", "blocks", 3), ("wan", "whole", 3), ("flux", "whole", 4), ("wan", "blocks", 4)])
+                         # each family once more at degree 3 or 4 (uneven token counts there too); the whole-model
+                         # mode at those degrees compiles the same blocks and takes minutes of CI
+                         + [("flux", "blocks", 3), ("wan", "blocks", 4)])
 def test_real_depth_compiles_as_often_as_stock_on_several_ranks(family, mode, world_size):
     # the forward pre-hook that splits the tokens compiles as a graph of its own where it sits on a compiled
     # module: Flux's on the model (torch.compile of the model), Wan's on the first block (compile_repeated_blocks)
