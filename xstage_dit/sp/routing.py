@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..module_forward import ReplacedForward
 from . import ops
 from .attention import UlyssesAttention
 
@@ -103,12 +104,14 @@ def unroute(module_name: str, kind: str) -> None:
 
 
 class ActiveMark:
-    """A module marked by `mark_active`; `remove()` restores its class."""
+    """A module marked by `mark_active`; `remove()` restores its class (and its instance forward, if wrapped)."""
 
-    def __init__(self, module: nn.Module, original: type) -> None:
-        self.module, self.original = module, original
+    def __init__(self, module: nn.Module, original: type, wrapped: ReplacedForward | None) -> None:
+        self.module, self.original, self.wrapped = module, original, wrapped
 
     def remove(self) -> None:
+        if self.wrapped is not None:
+            self.wrapped.restore()
         self.module.__class__ = self.original
         del self.module._xstage_attention
 
@@ -117,11 +120,29 @@ def mark_active(module: nn.Module, attention: UlyssesAttention) -> ActiveMark:
     """Make `attention` receive the routed calls made while `module` runs. The module's class is swapped for a
     subclass whose forward activates the module's `_xstage_attention`: one subclass per original class, shared
     by every marked module, so that a compiler sees every block's attention module alike (per-module hooks would
-    make it compile each block anew)."""
+    make it compile each block anew). A forward set on the instance before (a diffusers hook registry, e.g. of a
+    cache enabled earlier, or accelerate's) calls the original class's forward and would bypass the subclass:
+    it is wrapped to activate too."""
     original = type(module)
     module.__class__ = _activating(original)
     module._xstage_attention = attention
-    return ActiveMark(module, original)
+    wrapped = None
+    if "forward" in module.__dict__:
+        instance_forward = module.__dict__["forward"]
+        wrapped = ReplacedForward(module, functools.wraps(instance_forward)(
+            functools.partial(_run_active, module, instance_forward)))
+    return ActiveMark(module, original, wrapped)
+
+
+def _run_active(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`forward(*args, **kwargs)` with the module's attention active."""
+    global _active
+    outer = _active
+    _active = module._xstage_attention
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        _active = outer
 
 
 @functools.cache
@@ -129,12 +150,6 @@ def _activating(cls: type) -> type:
     original_forward = cls.forward  # the function itself: a compiler traces it, not an attribute of a type
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        global _active
-        outer = _active
-        _active = self._xstage_attention
-        try:
-            return original_forward(self, *args, **kwargs)
-        finally:
-            _active = outer
+        return _run_active(self, original_forward, self, *args, **kwargs)
 
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
