@@ -303,6 +303,59 @@ def _first_block_cache_worker(name: str, size: str) -> None:
     assert error < TOLERANCE, f"{name}, threshold {threshold:.4f} ({statistics}): relative error {error:.2e}"
 
 
+def _cache_configs(pipe, steps: int) -> dict[str, list]:
+    """diffusers' other cache configs, each on a family it acts on (checked: the cached result differs)."""
+    from diffusers import (FasterCacheConfig, MagCacheConfig, PyramidAttentionBroadcastConfig, SeaCacheConfig,
+                           TaylorSeerCacheConfig)
+
+    every_step = (-1, 1001)
+    return {
+        "tiny-flux": [
+            TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1),
+            PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=2,
+                                            spatial_attention_timestep_skip_range=every_step,
+                                            current_timestep_callback=lambda: pipe.current_timestep),
+            MagCacheConfig(threshold=0.5, num_inference_steps=steps, mag_ratios=[1.0] + [0.98] * (steps - 1)),
+        ],
+        "tiny-wan": [SeaCacheConfig(threshold=1.0)],
+        "tiny-cogvideox": [  # its home: guidance batched with the conditional branch
+            FasterCacheConfig(spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=every_step,
+                              unconditional_batch_skip_range=2, unconditional_batch_timestep_skip_range=every_step,
+                              current_timestep_callback=lambda: pipe.current_timestep, tensor_format="BFCHW"),
+        ],
+    }
+
+
+def _cache_configs_worker() -> None:
+    """Each cache enabled before xstage_dit (so its hooks already wrap the attention modules' forwards): the
+    parallel result equals one process's with the same cache."""
+    steps = 6
+    for name, guidance in (("tiny-flux", 1.0), ("tiny-wan", 1.0), ("tiny-cogvideox", 3.0)):
+        pipe = zoo.build_pipeline(name)
+        pipe.set_progress_bar_config(disable=True)
+        kwargs = zoo.call_kwargs(name, **SIZES[name]["uneven"], steps=steps, guidance=guidance)
+
+        def generate() -> torch.Tensor:
+            return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
+                        generator=torch.Generator().manual_seed(8), return_dict=False)[0]
+
+        uncached = generate()
+        for config in _cache_configs(pipe, steps)[name]:
+            pipe.transformer.enable_cache(config)
+            stock = generate()
+            assert not torch.equal(stock, uncached), f"{name}: {type(config).__name__} changed nothing"
+            xstage_dit.enable(pipe, backend="reference", timeout_s=60)
+            out = generate()
+            xstage_dit.disable(pipe)
+            pipe.transformer.disable_cache()
+            error = _relative_error(out, stock)
+            assert error < TOLERANCE, f"{name}, {type(config).__name__}: relative error {error:.2e}"
+
+
+def test_other_cache_configs_equal_one_process() -> None:
+    run_on_ranks(3, _cache_configs_worker)
+
+
 # "even": no padding, so each rank alone would decide on exactly the recorded statistic; "uneven": the shared
 # decision leaves the padding rows out
 @pytest.mark.parametrize("name, world_size, size", [("tiny-flux", 2, "even"), ("tiny-flux", 3, "uneven"),
