@@ -80,6 +80,31 @@ def test_bad_degrees_and_backends(flux_pipe, world, kwargs, message):
     assert not torch.distributed.is_initialized()
 
 
+def test_a_cache_enabled_while_enabled_keeps_working_after_disable(flux_pipe):
+    """A diffusers hook registered on a marked attention module captures the marked class's forward."""
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    def cache() -> PyramidAttentionBroadcastConfig:
+        return PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=2,
+                                               spatial_attention_timestep_skip_range=(-1, 1001),
+                                               current_timestep_callback=lambda: flux_pipe.current_timestep)
+
+    def generate() -> torch.Tensor:
+        return flux_pipe(**zoo.call_kwargs("tiny-flux", height=24, width=32, num_frames=1, steps=3, guidance=1.0),
+                         **zoo.text_embeddings("tiny-flux", 1, seed=2), output_type="latent",
+                         generator=torch.Generator().manual_seed(8), return_dict=False)[0]
+
+    xstage_dit.enable(flux_pipe)
+    flux_pipe.transformer.enable_cache(cache())
+    generate()
+    xstage_dit.disable(flux_pipe)
+    after = generate()
+    flux_pipe.transformer.disable_cache()
+    flux_pipe.transformer.enable_cache(cache())
+    assert torch.equal(after, generate())
+    flux_pipe.transformer.disable_cache()
+
+
 def test_parallel_vae_where_there_is_none_to_split_is_refused(flux_pipe, world):
     world(2)
     with pytest.raises(ValueError, match=r"parallel_vae=True: this pipeline has no VAE; the decode can be split for "

@@ -135,10 +135,11 @@ def mark_active(module: nn.Module, attention: UlyssesAttention) -> ActiveMark:
 
 
 def _run_active(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`forward(*args, **kwargs)` with the module's attention active."""
+    """`forward(*args, **kwargs)` with the module's attention active; none once the mark is removed (a hook
+    registered while the module was marked still calls the marked class's forward)."""
     global _active
     outer = _active
-    _active = module._xstage_attention
+    _active = getattr(module, "_xstage_attention", None)
     try:
         return forward(*args, **kwargs)
     finally:
