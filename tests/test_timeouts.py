@@ -29,9 +29,12 @@ def _stalled_peer_worker(check_inputs: bool) -> None:
     start = time.monotonic()
     try:
         pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=0), output_type="latent")
-    except RuntimeError:
+    except RuntimeError as error:
         waited = time.monotonic() - start
         assert waited < TIMEOUT_S + 5, f"raised after {waited:.1f}s, timeout_s={TIMEOUT_S}"
+        # the first collective of the forward is the first attention's all-to-all
+        named = "rank 0" in str(error) and ("agree" in str(error) if check_inputs else "all-to-all" in str(error))
+        assert named, f"the error does not say who waited for what: {error}"
         return
     raise AssertionError("rank 0 finished a forward pass without its peer")
 

@@ -93,25 +93,30 @@ def check_agreement(fingerprint: Fingerprint, what: str, group: dist.ProcessGrou
     shape = Fingerprint()
     shape.add("number of values", len(fingerprint.values))
     shape.add("names of values", "|".join(fingerprint.names))
-    difference = _first_difference(shape, group, relative_tolerance=0.0)
+    difference = _first_difference(shape, group, 0.0, what)
     if difference is not None:
         raise ValueError(f"xstage_dit: the ranks disagree on {what}: rank {difference[0]} passes other arguments "
                          f"than rank 0 (its {difference[1]}); every rank must make the same call on the same model "
                          "and inputs")
-    difference = _first_difference(fingerprint, group, relative_tolerance)
+    difference = _first_difference(fingerprint, group, relative_tolerance, what)
     if difference is not None:
         raise ValueError(f"xstage_dit: the ranks disagree on {what}: rank {difference[0]}'s {difference[1]} differs "
                          "from rank 0's; every rank must make the same call on the same model and inputs")
 
 
-def _first_difference(fingerprint: Fingerprint, group: dist.ProcessGroup | None,
-                      relative_tolerance: float) -> tuple[int, str] | None:
+def _first_difference(fingerprint: Fingerprint, group: dist.ProcessGroup | None, relative_tolerance: float,
+                      what: str) -> tuple[int, str] | None:
     """Gathered from every rank (one collective): the first rank that differs from rank 0 and the name of its
-    first differing value, or None when all agree (NaN agrees with NaN)."""
+    first differing value, or None when all agree (NaN agrees with NaN). A peer that never comes (dead, or past
+    the group's timeout) raises naming this rank and what it waited to compare."""
     mine = torch.tensor(fingerprint.values, dtype=torch.float64, device=local_device())
     size = dist.get_world_size(group)
     everyone = mine.new_empty(size * mine.numel())
-    all_gather_into(everyone, mine, group)
+    try:
+        all_gather_into(everyone, mine, group)
+    except (RuntimeError, dist.DistError) as error:
+        raise RuntimeError(f"xstage_dit: rank {dist.get_rank()} waited for the other ranks to agree on {what} and "
+                           f"gave up: {error}") from error
     rows = everyone.view(size, -1).tolist()
     for rank, row in enumerate(rows[1:], start=1):
         for name, first, theirs in zip(fingerprint.names, rows[0], row):
