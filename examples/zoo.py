@@ -434,6 +434,10 @@ VAES: dict[str, VaeEntry] = {
         "base_dim": 4, "decoder_base_dim": 6, "z_dim": 8, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
         "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12, "out_channels": 12,
         "patch_size": 2, "scale_factor_spatial": 16}, (2, 8, 3, 7, 5), float32=True),
+    "tiny-qwenimage": VaeEntry("AutoencoderKLQwenImage", {"base_dim": 4, "z_dim": 4, "dim_mult": [1, 2, 4, 4],
+                                                          "num_res_blocks": 1,
+                                                          "temperal_downsample": [False, True, True]},
+                               (2, 4, 1, 7, 5)),  # images: one latent frame
     # 6 latent frames: more than HunyuanVideo's framewise decode takes at once, so its temporal tiles run too
     "tiny-hunyuan-video": VaeEntry("AutoencoderKLHunyuanVideo", _TINY_HUNYUAN_VAE, (2, 4, 6, 7, 5)),
     "tiny-ltx": VaeEntry("AutoencoderKLLTXVideo", _TINY_LTX_VAE, (2, 8, 3, 7, 5)),

@@ -17,7 +17,7 @@ from xstage_dit.patches.vaes import vae_rule_for
 from xstage_dit.vae.decode import ParallelDecode
 
 TOLERANCE = 1e-4
-TINY = ["tiny-kl", "tiny-wan2.1", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-ltx"]
+TINY = ["tiny-kl", "tiny-wan2.1", "tiny-wan2.2", "tiny-qwenimage", "tiny-hunyuan-video", "tiny-ltx"]
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from diffusers import AutoencoderKL, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo, AutoencoderKLWan
+from diffusers import (AutoencoderKL, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo, AutoencoderKLQwenImage,
+                       AutoencoderKLWan)
 from diffusers.models.autoencoders import autoencoder_kl_hunyuan_video as hunyuan_video
 from diffusers.models.autoencoders import autoencoder_kl_ltx as ltx
+from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwenimage
 from diffusers.models.autoencoders import autoencoder_kl_wan as wan
 from torch import nn
 
@@ -29,12 +31,14 @@ def _kl(vae: AutoencoderKL) -> DecoderLayers:
                          [a for a in decoder.mid_block.attentions if a is not None])
 
 
-def _wan(vae: AutoencoderKLWan) -> DecoderLayers:
+def _wan_like(causal_conv: type, attention: type) -> Callable[[nn.Module], DecoderLayers]:
     # causal 3D convolutions (their cached frames travel with the input), the resamplers' 2D convolutions,
     # RMS norms over channels only; attention per frame over H x W in the mid block
-    decoder = vae.decoder
-    return DecoderLayers(modules_of(decoder, [wan.WanCausalConv3d, nn.Conv2d]), [],
-                         modules_of(decoder, [wan.WanAttentionBlock]))
+    def layers(vae: nn.Module) -> DecoderLayers:
+        decoder = vae.decoder
+        return DecoderLayers(modules_of(decoder, [causal_conv, nn.Conv2d]), [], modules_of(decoder, [attention]))
+
+    return layers
 
 
 def _hunyuan_video(vae: AutoencoderKLHunyuanVideo) -> DecoderLayers:
@@ -58,7 +62,8 @@ def _ltx_noise(vae: AutoencoderKLLTXVideo) -> str | None:
 
 RULES: dict[type, VaeRule] = {
     AutoencoderKL: VaeRule(_kl),
-    AutoencoderKLWan: VaeRule(_wan),
+    AutoencoderKLWan: VaeRule(_wan_like(wan.WanCausalConv3d, wan.WanAttentionBlock)),
+    AutoencoderKLQwenImage: VaeRule(_wan_like(qwenimage.QwenImageCausalConv3d, qwenimage.QwenImageAttentionBlock)),
     AutoencoderKLHunyuanVideo: VaeRule(_hunyuan_video),
     AutoencoderKLLTXVideo: VaeRule(_ltx, _ltx_noise),
 }
