@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import all_gather_into, local_device
+from .distributed import all_gather_into, local_device, waiting_for
 
 
 @dataclass
@@ -112,11 +112,8 @@ def _first_difference(fingerprint: Fingerprint, group: dist.ProcessGroup | None,
     mine = torch.tensor(fingerprint.values, dtype=torch.float64, device=local_device())
     size = dist.get_world_size(group)
     everyone = mine.new_empty(size * mine.numel())
-    try:
+    with waiting_for(f"the other ranks to agree on {what}"):
         all_gather_into(everyone, mine, group)
-    except (RuntimeError, dist.DistError) as error:
-        raise RuntimeError(f"xstage_dit: rank {dist.get_rank()} waited for the other ranks to agree on {what} and "
-                           f"gave up: {error}") from error
     rows = everyone.view(size, -1).tolist()
     for rank, row in enumerate(rows[1:], start=1):
         for name, first, theirs in zip(fingerprint.names, rows[0], row):

@@ -2,10 +2,12 @@
 and derive the Ulysses group for the requested degrees."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -73,6 +75,16 @@ def all_gather_into(output: torch.Tensor, local: torch.Tensor, group: dist.Proce
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with torch.no_grad():  # inference only: collectives are not differentiable
         gather(output, local, group=group)
+
+
+@contextlib.contextmanager
+def waiting_for(what: str) -> Iterator[None]:
+    """A collective in the block that fails (a peer dead, or past the group's timeout) re-raises naming this rank
+    and what it waited for, instead of the backend's bare message."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as error:
+        raise RuntimeError(f"xstage_dit: rank {dist.get_rank()} waited for {what} and gave up: {error}") from error
 
 
 def free_port() -> int:

@@ -7,13 +7,13 @@ of the backends is `all_to_all_single` on the group (NCCL, gloo); the kernel ben
 (a copy), so that it runs exactly the backends' packing and schedule."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ..runtime.distributed import waiting_for
 from .layout import UlyssesLayout
 
 
@@ -41,7 +41,7 @@ Transport = Callable[[torch.Tensor], InFlight]
 def all_to_all(group: dist.ProcessGroup, async_op: bool = False) -> Transport:
     def start(send: torch.Tensor) -> InFlight:
         recv = torch.empty_like(send)
-        with torch.no_grad(), _naming_the_wait(group):  # inference only: collectives are not differentiable
+        with torch.no_grad(), waiting_for(_what(group)):  # inference only: collectives are not differentiable
             work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
         return InFlight(recv, None if work is None else _NamedWork(work, group))
 
@@ -56,19 +56,12 @@ class _NamedWork:
     group: dist.ProcessGroup
 
     def wait(self) -> object:
-        with _naming_the_wait(self.group):
+        with waiting_for(_what(self.group)):
             return self.work.wait()
 
 
-@contextlib.contextmanager
-def _naming_the_wait(group: dist.ProcessGroup) -> Iterator[None]:
-    """A collective's failure (a peer dead or past the group's timeout) re-raised naming this rank, its peers and
-    what it waited for, instead of the backend's bare message."""
-    try:
-        yield
-    except (RuntimeError, dist.DistError) as error:
-        raise RuntimeError(f"xstage_dit: rank {dist.get_rank()} waited for the attention all-to-all of its Ulysses "
-                           f"group (ranks {dist.get_process_group_ranks(group)}) and gave up: {error}") from error
+def _what(group: dist.ProcessGroup) -> str:
+    return f"the attention all-to-all of its Ulysses group (ranks {dist.get_process_group_ranks(group)})"
 
 
 def start_scatter(tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout, transport: Transport,

@@ -93,11 +93,11 @@ class SplitGroupNorm(_Layer):
         norm: nn.GroupNorm = self.module
         batch, channels = x.shape[:2]
         grouped = x.reshape(batch, norm.num_groups, -1)
-        local = torch.stack([torch.full((batch, norm.num_groups), grouped.shape[-1], device=x.device),
-                             grouped.sum(-1, dtype=torch.float32),
-                             (grouped * grouped).sum(-1, dtype=torch.float32)], -1)
-        count, total, squares = split.gather_stats(local.double(), f"the statistics of a {type(norm).__name__}") \
-            .sum(0).unbind(-1)
+        count = torch.full((batch, norm.num_groups), float(grouped.shape[-1]), dtype=torch.float64, device=x.device)
+        local = torch.stack([count, grouped.sum(-1, dtype=torch.float32).double(),
+                             (grouped * grouped).sum(-1, dtype=torch.float32).double()], -1)
+        count, total, squares = split.gather_equal(local, f"the statistics of a {type(norm).__name__}").sum(0) \
+            .unbind(-1)
         mean = total / count
         var = (squares / count - mean * mean).clamp_min(0)
         per_channel = channels // norm.num_groups  # statistics of (sample, group) for each (sample, channel)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..runtime.distributed import all_gather_into
+from ..runtime.distributed import all_gather_into, waiting_for
 
 ROWS = -2  # images (B, C, H, W) and videos (B, C, T, H, W) keep their rows here
 
@@ -54,10 +54,10 @@ class RowSplit:
         self._all_gather(gathered, padded, what)
         return torch.cat([part.narrow(ROWS, 0, n) for part, n in zip(gathered.unbind(0), rows)], dim=ROWS)
 
-    def gather_stats(self, stats: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's `stats` (same shape on every rank), stacked along a new first dimension."""
-        gathered = stats.new_empty((self.size, *stats.shape))
-        self._all_gather(gathered, stats.contiguous(), what)
+    def gather_equal(self, local: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's `local` (the same shape on every rank), stacked along a new first dimension."""
+        gathered = local.new_empty((self.size, *local.shape))
+        self._all_gather(gathered, local.contiguous(), what)
         return gathered
 
     def with_halo(self, tensors: list[torch.Tensor], halo: int, what: str) -> list[torch.Tensor]:
@@ -70,7 +70,7 @@ class RowSplit:
         edges = [torch.cat([t.narrow(ROWS, 0, halo), t.narrow(ROWS, t.shape[ROWS] - halo, halo)], ROWS)
                  for t in tensors]
         flat = torch.cat([e.reshape(-1) for e in edges])
-        gathered = self.gather_stats(flat, what)
+        gathered = self.gather_equal(flat, what)
         out, offset = [], 0
         for t, e in zip(tensors, edges):
             edges_of_every_rank = gathered[:, offset: offset + e.numel()].reshape(self.size, *e.shape)
@@ -90,8 +90,5 @@ class RowSplit:
         return x.narrow(ROWS, top, x.shape[ROWS] - top - bottom)
 
     def _all_gather(self, output: torch.Tensor, local: torch.Tensor, what: str) -> None:
-        try:
+        with waiting_for(f"{what} from the other ranks of the parallel VAE decode"):
             all_gather_into(output.view(-1), local.view(-1), self.group)
-        except (RuntimeError, dist.DistError) as error:  # a dead or stalled peer: say who waited for what
-            raise RuntimeError(f"parallel VAE decode: rank {self.rank} of {self.size} waited for {what} from the "
-                               f"other ranks and failed: {error}") from error
