@@ -25,10 +25,11 @@ class VaeRule:
 
 
 def _kl(vae: AutoencoderKL) -> DecoderLayers:
-    # attention in the mid block over all H x W positions; GroupNorm everywhere, the attention's own included
+    # attention in the mid block over all H x W positions, each rank's rows its queries; GroupNorm everywhere, the
+    # attention's own included
     decoder = vae.decoder
     return DecoderLayers(modules_of(decoder, [nn.Conv2d]), modules_of(decoder, [nn.GroupNorm]),
-                         [a for a in decoder.mid_block.attentions if a is not None])
+                         split_queries=[a for a in decoder.mid_block.attentions if a is not None])
 
 
 def _wan_like(causal_conv: type, attention: type) -> Callable[[nn.Module], DecoderLayers]:
@@ -36,7 +37,7 @@ def _wan_like(causal_conv: type, attention: type) -> Callable[[nn.Module], Decod
     # RMS norms over channels only; attention per frame over H x W in the mid block
     def layers(vae: nn.Module) -> DecoderLayers:
         decoder = vae.decoder
-        return DecoderLayers(modules_of(decoder, [causal_conv, nn.Conv2d]), [], modules_of(decoder, [attention]))
+        return DecoderLayers(modules_of(decoder, [causal_conv, nn.Conv2d]), [], whole=modules_of(decoder, [attention]))
 
     return layers
 
@@ -46,12 +47,12 @@ def _hunyuan_video(vae: AutoencoderKLHunyuanVideo) -> DecoderLayers:
     # its mask from the shapes it sees, so the whole mid block runs on every row
     decoder = vae.decoder
     return DecoderLayers(modules_of(decoder, [hunyuan_video.HunyuanVideoCausalConv3d]),
-                         modules_of(decoder, [nn.GroupNorm]), [decoder.mid_block])
+                         modules_of(decoder, [nn.GroupNorm]), whole=[decoder.mid_block])
 
 
 def _ltx(vae: AutoencoderKLLTXVideo) -> DecoderLayers:
     # convolutions and per-channel norms only; upsampling is depth-to-space
-    return DecoderLayers(modules_of(vae.decoder, [ltx.LTXVideoCausalConv3d]), [], [])
+    return DecoderLayers(modules_of(vae.decoder, [ltx.LTXVideoCausalConv3d]), [])
 
 
 def _ltx_noise(vae: AutoencoderKLLTXVideo) -> str | None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..logging_utils import warn_once
 from ..module_forward import ReplacedForward
-from .layers import HaloConv, SplitGroupNorm, WholeRows, kernel_rows, splitting
+from .layers import HaloConv, SplitGroupNorm, SplitQueries, WholeRows, kernel_rows, splitting
 from .rows import ROWS, RowSplit
 
 
@@ -23,7 +23,8 @@ class DecoderLayers:
 
     convs: list[nn.Module]  # stride-1, same-padded convolutions with kernels taller than one row
     norms: list[nn.GroupNorm]  # group norms over rows (their statistics are reduced across ranks)
-    whole: list[nn.Module]  # modules that must see every row (attention); run whole at the latent resolution
+    whole: list[nn.Module] = dataclasses.field(default_factory=list)  # must see every row; run whole on every rank
+    split_queries: list[nn.Module] = dataclasses.field(default_factory=list)  # diffusers Attention over the image
 
 
 class ParallelDecode:
@@ -35,7 +36,8 @@ class ParallelDecode:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.replicated_because = replicated_because
         self._layers = ([HaloConv(m) for m in layers.convs if kernel_rows(m) > 1]
-                        + [SplitGroupNorm(m) for m in layers.norms] + [WholeRows(m) for m in layers.whole])
+                        + [SplitGroupNorm(m) for m in layers.norms] + [WholeRows(m) for m in layers.whole]
+                        + [SplitQueries(m) for m in layers.split_queries])
         self._decode = ReplacedForward(vae, self._split_decode, attribute="_decode")
 
     def _split_decode(self, z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

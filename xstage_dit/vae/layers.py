@@ -118,3 +118,22 @@ class WholeRows(_Layer):
         with splitting(None):
             out = self.inner(whole, *args, **kwargs)
         return split.own_rows(out)
+
+
+class SplitQueries(_Layer):
+    """diffusers' `Attention` over the image with this rank's rows as the queries and every rank's rows as the keys
+    and values: the attention's group norm (split) normalises this rank's rows, and the normalised rows of every
+    rank, gathered, go in as the key/value input. Each rank computes only its own rows' share of the attention.
+    Needs an attention whose keys are its normalised input (no spatial or cross norm)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        if getattr(module, "spatial_norm", None) is not None or getattr(module, "norm_cross", None):
+            raise ValueError(f"{type(module).__name__} normalises its keys on its own: its queries cannot be split")
+        super().__init__(module)
+
+    def split_forward(self, split: RowSplit, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        attention = self.module
+        x = x.contiguous()
+        normalised = x.flatten(2) if attention.group_norm is None else attention.group_norm(x.flatten(2))
+        keys = split.gather(normalised.view_as(x), f"the key rows of every rank for a {type(attention).__name__}")
+        return self.inner(x, *args, encoder_hidden_states=keys.flatten(2).transpose(1, 2), **kwargs)
