@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import diffusers
+import PIL.Image
 import torch
 
 
@@ -28,6 +29,7 @@ class Family:
     guidance_kwarg: str = "guidance_scale"  # the kwarg that turns classifier-free guidance on
     video: bool = False
     vae_float32: bool = False  # diffusers' examples keep this family's VAE in float32
+    fps: int = 16  # frames per second of the family's videos, as diffusers' examples write them
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class ZooEntry:
     scheduler: dict[str, Any] = field(default_factory=dict)
     boundary_ratio: float | None = None  # Wan 2.2: a second transformer denoises below this noise level
     pipeline_attributes: dict[str, Any] = field(default_factory=dict)
+    pipeline: str | None = None  # another pipeline class of the family (image-to-X); default: the family's
+    images: dict[str, tuple[int, int]] = field(default_factory=dict)  # such a pipeline's image kwargs: (h, w)
+    call_extra: dict[str, Any] = field(default_factory=dict)  # further call kwargs that pipeline needs
 
     @property
     def is_video(self) -> bool:
@@ -98,18 +103,18 @@ FAMILIES: dict[str, Family] = {
     "hunyuan-video": Family(
         "HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel", "AutoencoderKLHunyuanVideo",
         "FlowMatchEulerDiscreteScheduler", _masked("prompt_attention_mask", "negative_prompt_attention_mask"),
-        guidance_kwarg="true_cfg_scale", video=True),
+        guidance_kwarg="true_cfg_scale", video=True, fps=15),
     "qwenimage": Family(
         "QwenImagePipeline", "QwenImageTransformer2DModel", "AutoencoderKLQwenImage",
         "FlowMatchEulerDiscreteScheduler", _masked("prompt_embeds_mask", "negative_prompt_embeds_mask"),
         guidance_kwarg="true_cfg_scale"),
     "ltx": Family(
         "LTXPipeline", "LTXVideoTransformer3DModel", "AutoencoderKLLTXVideo", "FlowMatchEulerDiscreteScheduler",
-        _masked("prompt_attention_mask", "negative_prompt_attention_mask"), video=True),
+        _masked("prompt_attention_mask", "negative_prompt_attention_mask"), video=True, fps=24),
     "sd3": Family("StableDiffusion3Pipeline", "SD3Transformer2DModel", "AutoencoderKL",
                   "FlowMatchEulerDiscreteScheduler", _embeds_and_pooled),
     "cogvideox": Family("CogVideoXPipeline", "CogVideoXTransformer3DModel", "AutoencoderKLCogVideoX",
-                        "CogVideoXDDIMScheduler", _embeds_and_pooled, video=True),
+                        "CogVideoXDDIMScheduler", _embeds_and_pooled, video=True, fps=8),
     "hidream": Family("HiDreamImagePipeline", "HiDreamImageTransformer2DModel", "AutoencoderKL",
                       "FlowMatchEulerDiscreteScheduler", _hidream_text),
 }
@@ -312,6 +317,21 @@ ZOO.update({
     ),
 })
 ZOO["tiny-wan2.2"] = dataclasses.replace(ZOO["tiny-wan"], boundary_ratio=0.9)
+# pipelines that take images, on supported families: the reference image's tokens travel with the image tokens
+# (Kontext: appended to the sequence, 10 x 14 more tokens here) or its latents with the noise's channels (Fill:
+# 16 noise + 16 masked-image + 16 mask channels, packed; Control: 16 + 16; Wan 2.2 A14B image-to-video: 16 noise +
+# 4 mask + 16 image channels)
+ZOO["tiny-flux-kontext"] = dataclasses.replace(ZOO["tiny-flux"], pipeline="FluxKontextPipeline",
+                                               images={"image": (40, 56)}, call_extra={"_auto_resize": False})
+ZOO["tiny-flux-fill"] = dataclasses.replace(
+    ZOO["tiny-flux"], pipeline="FluxFillPipeline", images={"image": (40, 56), "mask_image": (40, 56)},
+    transformer={**ZOO["tiny-flux"].transformer, "in_channels": 48, "out_channels": 16})
+ZOO["tiny-flux-control"] = dataclasses.replace(
+    ZOO["tiny-flux"], pipeline="FluxControlPipeline", images={"control_image": (40, 56)},
+    transformer={**ZOO["tiny-flux"].transformer, "in_channels": 32, "out_channels": 16})
+ZOO["tiny-wan2.2-i2v"] = dataclasses.replace(
+    ZOO["tiny-wan2.2"], pipeline="WanImageToVideoPipeline", images={"image": (40, 56)},
+    transformer={**ZOO["tiny-wan2.2"].transformer, "in_channels": 36})
 # head_dim 64: the smallest the fused backend's kernels take (its GPU tests use these)
 ZOO["tiny-flux-d64"] = dataclasses.replace(
     ZOO["tiny-flux"], transformer={**ZOO["tiny-flux"].transformer, "attention_head_dim": 64, "axes_dims_rope": (16, 24, 24)})
@@ -338,8 +358,8 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
         _keep_fp32_modules(model)
     components = {"transformer": transformers[0], "vae": vae,
                   "scheduler": getattr(diffusers, family.scheduler)(**entry.scheduler)}
-    pipeline_cls = getattr(diffusers, family.pipeline)
-    for component in _text_components(pipeline_cls):
+    pipeline_cls = getattr(diffusers, entry.pipeline or family.pipeline)
+    for component in _absent_components(pipeline_cls, components):
         components[component] = None
     if entry.boundary_ratio is not None:
         components.update(transformer_2=transformers[1], boundary_ratio=entry.boundary_ratio)
@@ -349,10 +369,12 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
     return pipe
 
 
-def _text_components(pipeline_cls: type) -> list[str]:
-    """The pipeline's text encoders and tokenizers (left out: embeddings are passed in)."""
+def _absent_components(pipeline_cls: type, given: dict[str, Any]) -> list[str]:
+    """The pipeline's text and image encoders, tokenizers and processors (left out: embeddings are passed in)."""
     return [name for name in inspect.signature(pipeline_cls.__init__).parameters
-            if name.startswith(("text_encoder", "tokenizer"))]
+            if name.startswith(("text_encoder", "tokenizer", "image_encoder", "image_processor",
+                                "feature_extractor", "processor"))
+            and name not in given]
 
 
 def _in_dtype(dtype: torch.dtype, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -387,18 +409,38 @@ def text_embeddings(name: str, batch: int, seed: int, device: torch.device | str
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
     inputs = FAMILIES[entry.family].text_inputs(entry, batch, draw)
-    return {k: v.to(device) for k, v in inputs.items()}
+    return {k: v.to(device) for k, v in inputs.items() if _takes(entry, k)}  # no negatives without CFG
 
 
 def call_kwargs(name: str, *, height: int, width: int, num_frames: int, steps: int, guidance: float
                 ) -> dict[str, Any]:
-    """Pipeline kwargs for size, steps and classifier-free guidance (> 1 turns it on)."""
-    family = FAMILIES[ZOO[name].family]
-    kwargs: dict[str, Any] = {"height": height, "width": width, "num_inference_steps": steps,
-                              family.guidance_kwarg: guidance}
+    """Pipeline kwargs for size, steps and classifier-free guidance (> 1 turns it on), and the entry's input
+    images (random, seeded) where its pipeline takes some."""
+    entry = ZOO[name]
+    family = FAMILIES[entry.family]
+    kwargs: dict[str, Any] = {"height": height, "width": width, "num_inference_steps": steps, **entry.call_extra}
+    if _takes(entry, family.guidance_kwarg):  # guidance-distilled pipelines (Flux Fill, Control) have no CFG
+        kwargs[family.guidance_kwarg] = guidance
     if family.video:
         kwargs["num_frames"] = num_frames
+    for seed, (kwarg, (image_height, image_width)) in enumerate(entry.images.items()):
+        kwargs[kwarg] = random_image(image_height, image_width, seed)
+    if _takes(entry, "max_area"):
+        kwargs["max_area"] = height * width  # a pipeline that fits its output to an area: the size asked for
     return kwargs
+
+
+def _takes(entry: ZooEntry, kwarg: str) -> bool:
+    """Whether the entry's pipeline takes `kwarg`."""
+    pipeline = entry.pipeline or FAMILIES[entry.family].pipeline
+    return kwarg in inspect.signature(getattr(diffusers, pipeline).__call__).parameters
+
+
+def random_image(height: int, width: int, seed: int = 0) -> PIL.Image.Image:
+    """An RGB image of uniform noise, the same on every rank."""
+    pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(seed),
+                           dtype=torch.uint8)
+    return PIL.Image.fromarray(pixels.numpy())
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,11 @@ _VIDEO_SIZES = {"even": {"height": 32, "width": 32, "num_frames": 9},        # 3
 SIZES = {
     "tiny-flux": {"even": {"height": 24, "width": 32, "num_frames": 1},     # 6 x 8 = 48 image tokens
                   "uneven": {"height": 20, "width": 28, "num_frames": 1}},  # 5 x 7
+    "tiny-flux-kontext": {"even": {"height": 24, "width": 32, "num_frames": 1},  # 48 + 140 reference tokens
+                          "uneven": {"height": 20, "width": 28, "num_frames": 1}},  # 35 + 140
     "tiny-wan": _VIDEO_SIZES,
     "tiny-wan2.2": _VIDEO_SIZES,
+    "tiny-wan2.2-i2v": _VIDEO_SIZES,
     "tiny-hunyuan-video": _VIDEO_SIZES,
     "tiny-cogvideox": _VIDEO_SIZES,
     "tiny-qwenimage": {"even": {"height": 48, "width": 64, "num_frames": 1},   # 6 x 8
@@ -37,6 +40,7 @@ SIZES = {
     "tiny-hidream": {"even": {"height": 32, "width": 32, "num_frames": 1},
                      "uneven": {"height": 32, "width": 64, "num_frames": 1}},
 }
+SIZES["tiny-flux-fill"] = SIZES["tiny-flux-control"] = SIZES["tiny-flux"]  # images enter as channels
 TOLERANCE = 1e-4
 
 
@@ -94,7 +98,10 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
     [(name, n) for name in ("tiny-flux", "tiny-wan") for n in (2, 3, 4)]
     + [(name, n) for name in ("tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
                               "tiny-hidream") for n in (2, 3)]
-    + [("tiny-wan2.2", 2)],
+    + [("tiny-wan2.2", 2)]
+    # pipelines that take images: Kontext's reference tokens are split with the image tokens, the others' image
+    # latents with the noise's channels
+    + [("tiny-flux-kontext", 3), ("tiny-flux-fill", 2), ("tiny-flux-control", 3), ("tiny-wan2.2-i2v", 2)],
 )
 def test_parallel_pipeline_matches_single_process(name: str, world_size: int) -> None:
     run_on_ranks(world_size, _pipeline_worker, name)
@@ -107,7 +114,9 @@ def test_parallel_pipeline_matches_single_process(name: str, world_size: int) ->
     # mask, a batch
     [(name, 2, 3.0) for name in ("tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage",
                                  "tiny-sd3.5", "tiny-cogvideox", "tiny-ltx", "tiny-hidream")]
-    + [(name, 4, 3.0) for name in ("tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5")]
+    + [(name, 4, 3.0) for name in ("tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5",
+                                   "tiny-flux-kontext")]
+    + [("tiny-wan2.2-i2v", 2, 3.0)]
     + [("tiny-wan", 2, 1.0)],  # guidance off: every CFG group computes every call
 )
 def test_cfg_parallel_matches_single_process(name: str, world_size: int, guidance: float) -> None:
