@@ -2,26 +2,38 @@ r"""Generate an image or a video with xstage_dit's Ulysses sequence parallelism.
 
     python examples/generate.py                                   # tiny random Flux, one process
     torchrun --nproc_per_node 2 examples/generate.py              # the same on 2 ranks
+    torchrun --nproc_per_node 2 examples/generate.py --config tiny-flux-kontext --image in.png
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     torchrun --nproc_per_node 8 examples/generate.py --model black-forest-labs/FLUX.1-dev --prompt "a cat"
 
 Without --model the pipeline is built from a config in examples/zoo.py with random weights (no download) and
-the prompt seeds random text embeddings, since such configs have no text encoder. Only the main rank shows
-progress and writes the output."""
+the prompt seeds random text embeddings, since such configs have no text encoder; configs whose pipeline takes
+images (Kontext, Fill, Control, image-to-video) draw random ones unless --image is given. With --model, steps
+and guidance are the pipeline's own defaults unless given, and VAEs that diffusers keeps in float32 (Wan's) stay
+in float32. Only the main rank shows progress and writes the output: PNG/JPEG for images, GIF or MP4 (at the
+model's frame rate; MP4 needs the `video` extra) for videos."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import statistics
+from pathlib import Path
+from typing import Any
 
+import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
-from diffusers.utils import export_to_gif
+from diffusers.utils import export_to_gif, export_to_video
 
 import xstage_dit
 
 import zoo
 from step_timer import StepTimer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp"), (".gif", ".mp4")
+ZOO_STEPS = 4  # random weights: a few steps show the run; more add nothing
 
 
 def parse_args() -> argparse.Namespace:
@@ -30,53 +42,105 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--config", default="tiny-flux", choices=sorted(zoo.ZOO),
                         help="random-weight config used when --model is not given")
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
+    parser.add_argument("--negative-prompt", help="--model only (a config's negative embeddings are random)")
+    parser.add_argument("--image", type=Path, help="input image of image-to-image/video pipelines (Kontext, Edit, "
+                                                   "image-to-video): the pipeline's `image` argument")
     parser.add_argument("--height", type=int)
     parser.add_argument("--width", type=int)
     parser.add_argument("--num-frames", type=int, help="video models only")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--guidance", type=float, default=1.0,
-                        help="classifier-free guidance scale (true CFG for Flux, HunyuanVideo, QwenImage); 1 disables it")
+    parser.add_argument("--steps", type=int, help=f"default: the pipeline's own (--model), {ZOO_STEPS} (--config)")
+    parser.add_argument("--guidance", type=float,
+                        help="classifier-free guidance scale (true CFG for Flux, HunyuanVideo, QwenImage; 1 disables "
+                             "it); default: the pipeline's own (--model), 1 (--config)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--backend", default="auto", choices=xstage_dit.available_backends())
+    parser.add_argument("--ulysses-degree", type=int, help="default: the ranks of each CFG group")
     parser.add_argument("--cfg-degree", type=int, default=1, choices=(1, 2),
                         help="2: split the guidance branches over two groups of ranks")
-    parser.add_argument("--output", help="output file (default: output.png, or output.gif for video)")
+    parser.add_argument("--output", type=Path, help="output file (default: output.png, or output.gif for video)")
     return parser.parse_args()
 
 
-def load_pipeline(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
-    """(pipeline, extra call kwargs, is_video)."""
+def family_of(args: argparse.Namespace) -> zoo.Family | None:
+    """The zoo family of the pipeline asked for (None for a pipeline class the zoo does not know)."""
+    if not args.model:
+        return zoo.FAMILIES[zoo.ZOO[args.config].family]
+    class_name = DiffusionPipeline.load_config(args.model)["_class_name"]
+    return next((f for f in zoo.FAMILIES.values() if class_name.startswith(f.pipeline.removesuffix("Pipeline"))),
+                None)
+
+
+def output_path(args: argparse.Namespace, is_video: bool) -> Path:
+    """The file to write, checked before anything is loaded or generated."""
+    output = args.output or Path("output.gif" if is_video else "output.png")
+    suffixes = VIDEO_SUFFIXES if is_video else IMAGE_SUFFIXES
+    if output.suffix.lower() not in suffixes:
+        raise SystemExit(f"--output {output}: a {'video' if is_video else 'image'} is written as "
+                         f"{', '.join(suffixes)}")
+    if output.suffix.lower() == ".mp4" and importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise SystemExit(f"--output {output}: MP4 needs imageio and imageio-ffmpeg (pip install "
+                         f"'xstage_dit[video]'); or write a .gif")
+    if not output.parent.resolve().is_dir():
+        raise SystemExit(f"--output {output}: no directory {output.parent}")
+    return output
+
+
+def load_pipeline(args: argparse.Namespace, family: zoo.Family | None, device: torch.device, dtype: torch.dtype
+                  ) -> tuple[DiffusionPipeline, dict[str, Any]]:
+    """The pipeline and its call kwargs."""
     if args.model:
-        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype).to(device)
-        is_video = hasattr(pipe, "video_processor")
-        size = {"height": args.height, "width": args.width}
-        if is_video:
-            size["num_frames"] = args.num_frames
+        torch_dtype = {"default": dtype, "vae": torch.float32} if family and family.vae_float32 else dtype
+        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch_dtype).to(device)
+        size = {"height": args.height, "width": args.width, "num_frames": args.num_frames,
+                "num_inference_steps": args.steps}
         call = {k: v for k, v in size.items() if v is not None}
-        call.update(prompt=args.prompt, num_inference_steps=args.steps)
-        family = next((f for f in zoo.FAMILIES.values() if f.pipeline == type(pipe).__name__), None)
-        guidance_kwarg = family.guidance_kwarg if family else "guidance_scale"
-        call[guidance_kwarg] = args.guidance
-        if guidance_kwarg == "true_cfg_scale" and args.guidance > 1:
-            call["negative_prompt"] = ""  # true CFG runs only with a negative prompt
-        return pipe, call, is_video
+        call.update(prompt=args.prompt)
+        if args.negative_prompt is not None:
+            call["negative_prompt"] = args.negative_prompt
+        if args.guidance is not None:
+            guidance_kwarg = family.guidance_kwarg if family else "guidance_scale"
+            call[guidance_kwarg] = args.guidance
+            if guidance_kwarg == "true_cfg_scale" and args.guidance > 1 and args.negative_prompt is None:
+                call["negative_prompt"] = ""  # true CFG runs only with a negative prompt
+        return pipe, call
+    if args.negative_prompt is not None:
+        logging.getLogger(__name__).warning("--negative-prompt needs --model: a config's negative embeddings are "
+                                            "random")
     entry = zoo.ZOO[args.config]
     pipe = zoo.build_pipeline(args.config, device=device, dtype=dtype)
     call = zoo.call_kwargs(
         args.config, height=args.height or entry.height, width=args.width or entry.width,
-        num_frames=args.num_frames or entry.num_frames, steps=args.steps, guidance=args.guidance,
+        num_frames=args.num_frames or entry.num_frames, steps=args.steps or ZOO_STEPS,
+        guidance=1.0 if args.guidance is None else args.guidance,
     )
     call.update(zoo.text_embeddings(args.config, 1, zoo.prompt_seed(args.prompt), device=device, dtype=dtype))
-    return pipe, call, entry.is_video
+    return pipe, call
+
+
+def write(result: Any, output: Path, family: zoo.Family | None) -> None:
+    if output.suffix.lower() not in VIDEO_SUFFIXES:
+        result.images[0].save(output)
+    elif output.suffix.lower() == ".mp4":
+        export_to_video(result.frames[0], str(output), fps=family.fps if family else 16)
+    else:
+        export_to_gif(result.frames[0], str(output), fps=family.fps if family else 16)
 
 
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO if xstage_dit.is_main_process() else logging.WARNING)
     device = xstage_dit.local_device()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    pipe, call, is_video = load_pipeline(args, device, dtype)
-    xstage_dit.enable(pipe, backend=args.backend, cfg_degree=args.cfg_degree)
+    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    family = family_of(args)
+    # a pipeline class the zoo does not know: video or not is known once loaded
+    output = output_path(args, is_video=family.video) if family else None
+    image = PIL.Image.open(args.image).convert("RGB") if args.image else None
+    pipe, call = load_pipeline(args, family, device, dtype)
+    output = output or output_path(args, is_video=hasattr(pipe, "video_processor"))
+    if image is not None:
+        call["image"] = image
+    xstage_dit.enable(pipe, backend=args.backend, ulysses_degree=args.ulysses_degree, cfg_degree=args.cfg_degree)
 
     timer = StepTimer(device)
     timer.start()
@@ -85,11 +149,7 @@ def main() -> None:
     timer.finish()
 
     if xstage_dit.is_main_process():
-        output = args.output or ("output.gif" if is_video else "output.png")
-        if is_video:
-            export_to_gif(result.frames[0], output)
-        else:
-            result.images[0].save(output)
+        write(result, output, family)
         steps = timer.step_seconds
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         print(f"{world} rank(s), {device.type}: {len(steps)} steps, per-step median "
