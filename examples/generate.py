@@ -90,8 +90,8 @@ def load_pipeline(args: argparse.Namespace, family: zoo.Family | None, device: t
                   ) -> tuple[DiffusionPipeline, dict[str, Any]]:
     """The pipeline and its call kwargs."""
     if args.model:
-        torch_dtype = {"default": dtype, "vae": torch.float32} if family and family.vae_float32 else dtype
-        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch_dtype).to(device)
+        dtypes = {"default": dtype, "vae": torch.float32} if family and family.vae_float32 else dtype
+        pipe = DiffusionPipeline.from_pretrained(args.model, dtype=dtypes).to(device)
         size = {"height": args.height, "width": args.width, "num_frames": args.num_frames,
                 "num_inference_steps": args.steps}
         call = {k: v for k, v in size.items() if v is not None}
