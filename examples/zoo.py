@@ -329,6 +329,15 @@ ZOO["tiny-flux-fill"] = dataclasses.replace(
 ZOO["tiny-flux-control"] = dataclasses.replace(
     ZOO["tiny-flux"], pipeline="FluxControlPipeline", images={"control_image": (40, 56)},
     transformer={**ZOO["tiny-flux"].transformer, "in_channels": 32, "out_channels": 16})
+# Qwen-Image Edit resizes its input image to about 1024 x 1024 whatever the output size: a VAE that downsamples 16x
+# keeps that at about 1000 tokens
+_TINY_QWEN_EDIT_VAE = {**ZOO["tiny-qwenimage"].vae, "base_dim": 8, "dim_mult": [1, 1, 1, 1, 1],
+                       "temperal_downsample": [False, True, True, True]}
+ZOO["tiny-qwenimage-edit"] = dataclasses.replace(ZOO["tiny-qwenimage"], pipeline="QwenImageEditPipeline",
+                                                 images={"image": (40, 56)}, vae=_TINY_QWEN_EDIT_VAE,
+                                                 height=64, width=96)
+ZOO["tiny-qwenimage-edit-plus"] = dataclasses.replace(ZOO["tiny-qwenimage-edit"],
+                                                      pipeline="QwenImageEditPlusPipeline")
 ZOO["tiny-wan2.2-i2v"] = dataclasses.replace(
     ZOO["tiny-wan2.2"], pipeline="WanImageToVideoPipeline", images={"image": (40, 56)},
     transformer={**ZOO["tiny-wan2.2"].transformer, "in_channels": 36})

@@ -41,6 +41,11 @@ SIZES = {
                      "uneven": {"height": 32, "width": 64, "num_frames": 1}},
 }
 SIZES["tiny-flux-fill"] = SIZES["tiny-flux-control"] = SIZES["tiny-flux"]  # images enter as channels
+# Qwen-Image Edit: about 1000 tokens of the input image besides these (its VAE downsamples 16x)
+SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = {
+    "even": {"height": 64, "width": 96, "num_frames": 1},      # 2 x 3
+    "uneven": {"height": 160, "width": 224, "num_frames": 1}}  # 5 x 7
+BATCHES = {"tiny-qwenimage-edit-plus": (1,)}  # the pipeline takes one prompt at a time
 TOLERANCE = 1e-4
 
 
@@ -73,7 +78,7 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
                    generator=torch.Generator().manual_seed(7), return_dict=False)[0]
         return out, dict(tokens_seen)
 
-    cases = [(batch, size) for batch in (1, 2) for size in ("even", "uneven")]
+    cases = [(batch, size) for batch in BATCHES.get(name, (1, 2)) for size in ("even", "uneven")]
     stock = {case: generate(*case) for case in cases}
 
     xstage_dit.enable(pipe, cfg_degree=cfg_degree, backend=backend, timeout_s=120)
@@ -101,7 +106,8 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
     + [("tiny-wan2.2", 2)]
     # pipelines that take images: Kontext's reference tokens are split with the image tokens, the others' image
     # latents with the noise's channels
-    + [("tiny-flux-kontext", 3), ("tiny-flux-fill", 2), ("tiny-flux-control", 3), ("tiny-wan2.2-i2v", 2)],
+    + [("tiny-flux-kontext", 3), ("tiny-flux-fill", 2), ("tiny-flux-control", 3), ("tiny-wan2.2-i2v", 2),
+       ("tiny-qwenimage-edit", 2), ("tiny-qwenimage-edit-plus", 2)],
 )
 def test_parallel_pipeline_matches_single_process(name: str, world_size: int) -> None:
     run_on_ranks(world_size, _pipeline_worker, name)
@@ -116,7 +122,7 @@ def test_parallel_pipeline_matches_single_process(name: str, world_size: int) ->
                                  "tiny-sd3.5", "tiny-cogvideox", "tiny-ltx", "tiny-hidream")]
     + [(name, 4, 3.0) for name in ("tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5",
                                    "tiny-flux-kontext")]
-    + [("tiny-wan2.2-i2v", 2, 3.0)]
+    + [("tiny-wan2.2-i2v", 2, 3.0), ("tiny-qwenimage-edit-plus", 2, 3.0)]
     + [("tiny-wan", 2, 1.0)],  # guidance off: every CFG group computes every call
 )
 def test_cfg_parallel_matches_single_process(name: str, world_size: int, guidance: float) -> None:
