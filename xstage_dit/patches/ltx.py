@@ -1,23 +1,15 @@
 """LTX-Video: self-attention over video tokens, cross-attention to (masked) text.
 
-Packed video tokens are split on entry with the rotary table; cross-attention runs locally on each rank's
-tokens (its text mask masks keys only, so it holds for any query split). CFG is one batched call."""
+Packed video tokens are split on entry with the rotary table, and per-token timesteps (image-to-video,
+Condition: conditioning tokens are less noisy) with them; cross-attention runs locally on each rank's tokens
+(its text mask masks keys only, so it holds for any query split). CFG is one batched call."""
 from __future__ import annotations
-
-from typing import Any
 
 from diffusers import LTXVideoTransformer3DModel
 
 from ..cfg_plan import BATCH, CfgPlan
 from ..sp import routing
-from ..sp.plan import SequenceParallelPlan
-
-
-def _check_inputs(arguments: dict[str, Any]) -> None:
-    timestep = arguments.get("timestep")
-    if timestep is not None and timestep.dim() > 1 and timestep.shape[1] > 1:
-        raise NotImplementedError("xstage_dit: LTX per-token timesteps (image-to-video) are not supported yet")
-
+from ..sp.plan import PerToken, SequenceParallelPlan
 
 PLANS = {
     LTXVideoTransformer3DModel: SequenceParallelPlan(
@@ -26,9 +18,8 @@ PLANS = {
         attention_modules=lambda model: [block.attn1 for block in model.transformer_blocks],
         cfg=CfgPlan(BATCH, batch_inputs={"hidden_states": 0, "encoder_hidden_states": 0, "timestep": 0,
                                          "encoder_attention_mask": 0}),
-        shard_inputs={"": {"hidden_states": 1}},
+        shard_inputs={"": {"hidden_states": 1, "timestep": PerToken(1)}},
         shard_outputs={"rope": {0: 1, 1: 1}},
         gather_outputs={"proj_out": 1},
-        check_inputs=_check_inputs,
     )
 }

@@ -1,24 +1,17 @@
 """Wan 2.1 / 2.2: self-attention over video tokens, cross-attention to text.
 
 Video tokens are split after patch embedding (entry of the first block) together with the rotary table;
-cross-attention then runs locally on each rank's token shard, since every rank holds all text tokens."""
+cross-attention then runs locally on each rank's token shard, since every rank holds all text tokens. Wan 2.2
+TI2V's per-token timesteps are split with the tokens on entry, so its per-token modulation (every block's and
+the output norm's) comes out split too."""
 from __future__ import annotations
-
-from typing import Any
 
 from diffusers import WanTransformer3DModel
 
 from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
-from ..sp.plan import SequenceParallelPlan
+from ..sp.plan import PerToken, SequenceParallelPlan
 from . import cfg_rules
-
-
-def _check_inputs(arguments: dict[str, Any]) -> None:
-    timestep = arguments.get("timestep")
-    if timestep is not None and timestep.ndim == 2:
-        raise NotImplementedError("xstage_dit: Wan 2.2 TI2V per-token timesteps are not supported yet")
-
 
 PLANS = {
     WanTransformer3DModel: SequenceParallelPlan(
@@ -30,9 +23,8 @@ PLANS = {
             output_shape=cfg_rules.video_output_shape,
             pipeline_uses_cfg=cfg_rules.guidance_above_one,
         ),
-        shard_inputs={"blocks.0": {"hidden_states": 1}},
+        shard_inputs={"": {"timestep": PerToken(1)}, "blocks.0": {"hidden_states": 1}},
         shard_outputs={"rope": {0: 1, 1: 1}},
         gather_outputs={"proj_out": 1},
-        check_inputs=_check_inputs,
     )
 }

@@ -17,10 +17,23 @@ from .sharding import SequenceShard
 
 
 @dataclass(frozen=True)
+class PerToken:
+    """A forward argument that some calls index by token along `dim` (per-token timesteps or modulation) and
+    others do not (one value per sample): split with the tokens where it has `dim` and more than one entry
+    there, left whole otherwise."""
+
+    dim: int
+
+    def applies_to(self, value: torch.Tensor) -> bool:
+        return value.dim() > self.dim and value.shape[self.dim] > 1
+
+
+@dataclass(frozen=True)
 class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
 
-    shard_inputs: module path ("" is the model) -> {forward argument name: sequence dim} to split on entry.
+    shard_inputs: module path ("" is the model) -> {forward argument name: sequence dim, or PerToken(dim)} to
+        split on entry.
     shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables); a module
         returning one tensor uses index 0.
     gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence.
@@ -42,7 +55,7 @@ class SequenceParallelPlan:
     attention_modules: Callable[[nn.Module], list[nn.Module]]
     cfg: CfgPlan
     num_heads: Callable[[nn.Module], int] = lambda model: model.config.num_attention_heads
-    shard_inputs: dict[str, dict[str, int]] = field(default_factory=dict)
+    shard_inputs: dict[str, dict[str, int | PerToken]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_outputs: dict[str, int] = field(default_factory=dict)
     rotary_site: str | None = None
@@ -56,7 +69,7 @@ def _argument_positions(module: nn.Module) -> dict[str, int]:
     return {name: i for i, name in enumerate(inspect.signature(module.forward).parameters)}
 
 
-def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, int]):
+def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, int | PerToken]):
     positions = _argument_positions(module)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -72,10 +85,12 @@ def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, 
     return hook
 
 
-def _shard_value(shard: SequenceShard, value: Any, dim: int) -> Any:
+def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken) -> Any:
     """A tensor, or a tuple of tensors (rotary tables), split along `dim`."""
     if isinstance(value, (tuple, list)):
-        return type(value)(shard.shard(item, dim) for item in value)
+        return type(value)(_shard_value(shard, item, dim) for item in value)
+    if isinstance(dim, PerToken):
+        return shard.shard(value, dim.dim) if dim.applies_to(value) else value
     return shard.shard(value, dim)
 
 
