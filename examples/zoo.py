@@ -53,6 +53,7 @@ class ZooEntry:
     pipeline: str | None = None  # another pipeline class of the family (image-to-X); default: the family's
     images: dict[str, tuple[int, int]] = field(default_factory=dict)  # such a pipeline's image kwargs: (h, w)
     call_extra: dict[str, Any] = field(default_factory=dict)  # further call kwargs that pipeline needs
+    pipeline_config: dict[str, Any] = field(default_factory=dict)  # constructor arguments (Wan 2.2 TI2V's)
 
     @property
     def is_video(self) -> bool:
@@ -142,6 +143,10 @@ _FLUX_VAE = {
     "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159,
     "use_quant_conv": False, "use_post_quant_conv": False,
 }
+_TINY_WAN22_VAE = {  # Wan 2.2's VAE layout: residual blocks, patch size 2, 16x spatial
+    "base_dim": 4, "decoder_base_dim": 6, "z_dim": 8, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+    "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12, "out_channels": 12,
+    "patch_size": 2, "scale_factor_spatial": 16}
 _TINY_HEADS = 12  # divides by 2, 3 and 4
 
 ZOO: dict[str, ZooEntry] = {
@@ -338,6 +343,13 @@ ZOO["tiny-qwenimage-edit"] = dataclasses.replace(ZOO["tiny-qwenimage"], pipeline
                                                  height=64, width=96)
 ZOO["tiny-qwenimage-edit-plus"] = dataclasses.replace(ZOO["tiny-qwenimage-edit"],
                                                       pipeline="QwenImageEditPlusPipeline")
+# per-token timesteps: LTX image-to-video (the conditioning frame's tokens less noisy); Wan 2.2 TI2V-5B (its own
+# VAE: 16x spatial, 8 latent channels here; the timestep expanded to every token)
+ZOO["tiny-ltx-i2v"] = dataclasses.replace(ZOO["tiny-ltx"], pipeline="LTXImageToVideoPipeline",
+                                          images={"image": (40, 56)})
+ZOO["tiny-wan2.2-ti2v"] = dataclasses.replace(
+    ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "in_channels": 8, "out_channels": 8},
+    vae=_TINY_WAN22_VAE, pipeline_config={"expand_timesteps": True}, height=64, width=64)
 ZOO["tiny-wan2.2-i2v"] = dataclasses.replace(
     ZOO["tiny-wan2.2"], pipeline="WanImageToVideoPipeline", images={"image": (40, 56)},
     transformer={**ZOO["tiny-wan2.2"].transformer, "in_channels": 36})
@@ -372,7 +384,7 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
         components[component] = None
     if entry.boundary_ratio is not None:
         components.update(transformer_2=transformers[1], boundary_ratio=entry.boundary_ratio)
-    pipe = pipeline_cls(**components)
+    pipe = pipeline_cls(**components, **entry.pipeline_config)
     for attribute, value in entry.pipeline_attributes.items():
         setattr(pipe, attribute, value)
     return pipe
@@ -481,10 +493,7 @@ VAES: dict[str, VaeEntry] = {
     "tiny-wan2.1": VaeEntry("AutoencoderKLWan", {"base_dim": 4, "z_dim": 4, "dim_mult": [1, 2, 4, 4],
                                                  "num_res_blocks": 1, "temperal_downsample": [False, True, True]},
                             (2, 4, 3, 7, 5), float32=True),
-    "tiny-wan2.2": VaeEntry("AutoencoderKLWan", {
-        "base_dim": 4, "decoder_base_dim": 6, "z_dim": 8, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
-        "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12, "out_channels": 12,
-        "patch_size": 2, "scale_factor_spatial": 16}, (2, 8, 3, 7, 5), float32=True),
+    "tiny-wan2.2": VaeEntry("AutoencoderKLWan", _TINY_WAN22_VAE, (2, 8, 3, 7, 5), float32=True),
     "tiny-qwenimage": VaeEntry("AutoencoderKLQwenImage", {"base_dim": 4, "z_dim": 4, "dim_mult": [1, 2, 4, 4],
                                                           "num_res_blocks": 1,
                                                           "temperal_downsample": [False, True, True]},

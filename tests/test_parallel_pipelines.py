@@ -45,7 +45,11 @@ SIZES["tiny-flux-fill"] = SIZES["tiny-flux-control"] = SIZES["tiny-flux"]  # ima
 SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = {
     "even": {"height": 64, "width": 96, "num_frames": 1},      # 2 x 3
     "uneven": {"height": 160, "width": 224, "num_frames": 1}}  # 5 x 7
-BATCHES = {"tiny-qwenimage-edit-plus": (1,)}  # the pipeline takes one prompt at a time
+SIZES["tiny-ltx-i2v"] = SIZES["tiny-ltx"]
+SIZES["tiny-wan2.2-ti2v"] = {"even": {"height": 64, "width": 64, "num_frames": 9},     # 3 frames x 2 x 2 (16x VAE)
+                             "uneven": {"height": 32, "width": 224, "num_frames": 17}}  # 5 x 1 x 7
+# EditPlus takes one prompt at a time; Edit's batches are other families' (its ~1024² input image is slow here)
+BATCHES = {"tiny-qwenimage-edit": (1,), "tiny-qwenimage-edit-plus": (1,)}
 TOLERANCE = 1e-4
 
 
@@ -98,44 +102,52 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
     assert torch.equal(out, stock[cases[0]][0]) and tokens == stock[cases[0]][1], "disable did not restore the model"
 
 
-@pytest.mark.parametrize(
-    "name, world_size",
-    [(name, n) for name in ("tiny-flux", "tiny-wan") for n in (2, 3, 4)]
-    + [(name, n) for name in ("tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
-                              "tiny-hidream") for n in (2, 3)]
-    + [("tiny-wan2.2", 2)]
-    # pipelines that take images: Kontext's reference tokens are split with the image tokens, the others' image
-    # latents with the noise's channels
-    + [("tiny-flux-kontext", 3), ("tiny-flux-fill", 2), ("tiny-flux-control", 3), ("tiny-wan2.2-i2v", 2),
-       ("tiny-qwenimage-edit", 2), ("tiny-qwenimage-edit-plus", 2)],
-)
-def test_parallel_pipeline_matches_single_process(name: str, world_size: int) -> None:
-    run_on_ranks(world_size, _pipeline_worker, name)
+def _pipelines_worker(names: list[str], cfg_degree: int = 1, guidance: float = 3.0,
+                      backend: str = "reference") -> None:
+    """One spawn of ranks checks several pipelines in turn (a spawn's start-up costs more than a tiny pipeline)."""
+    for name in names:
+        _pipeline_worker(name, cfg_degree, guidance, backend)
 
 
-@pytest.mark.parametrize(
-    "name, world_size, guidance",
-    # every family at 2 x 1 (pipelines calling the transformer once per branch, then batching ones); CFG and
-    # Ulysses together (2 x 2) for each way of calling: pairs, pairs over two transformers, pairs with a text
-    # mask, a batch
-    [(name, 2, 3.0) for name in ("tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage",
-                                 "tiny-sd3.5", "tiny-cogvideox", "tiny-ltx", "tiny-hidream")]
-    + [(name, 4, 3.0) for name in ("tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5",
-                                   "tiny-flux-kontext")]
-    + [("tiny-wan2.2-i2v", 2, 3.0), ("tiny-qwenimage-edit-plus", 2, 3.0)]
-    + [("tiny-wan", 2, 1.0)],  # guidance off: every CFG group computes every call
-)
-def test_cfg_parallel_matches_single_process(name: str, world_size: int, guidance: float) -> None:
+# pipelines that take images: Kontext's and Qwen-Image Edit's reference tokens are split with the image tokens,
+# the others' image latents travel with the noise's channels; LTX image-to-video and Wan 2.2 TI2V have per-token
+# timesteps, split with the tokens
+ULYSSES = {
+    2: ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5",
+        "tiny-cogvideox", "tiny-hidream", "tiny-flux-fill", "tiny-wan2.2-i2v", "tiny-qwenimage-edit",
+        "tiny-qwenimage-edit-plus"],
+    3: ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
+        "tiny-hidream", "tiny-flux-kontext", "tiny-flux-control", "tiny-ltx-i2v", "tiny-wan2.2-ti2v"],
+    4: ["tiny-flux", "tiny-wan"],
+}
+# (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,
+# then batching ones); CFG and Ulysses together (2 x 2) for each way of calling: pairs, pairs over two
+# transformers, pairs with a text mask, a batch; guidance off: every CFG group computes every call
+CFG = {
+    (2, 3.0): ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-sd3.5",
+               "tiny-cogvideox", "tiny-ltx", "tiny-hidream", "tiny-flux-kontext", "tiny-wan2.2-i2v", "tiny-ltx-i2v",
+               "tiny-wan2.2-ti2v"],
+    (4, 3.0): ["tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5", "tiny-ltx-i2v"],
+    (2, 1.0): ["tiny-wan"],
+}
+
+
+@pytest.mark.parametrize("world_size", list(ULYSSES))
+def test_parallel_pipelines_match_single_process(world_size: int) -> None:
+    run_on_ranks(world_size, _pipelines_worker, ULYSSES[world_size], deadline_s=600)
+
+
+@pytest.mark.parametrize("world_size, guidance", list(CFG))
+def test_cfg_parallel_matches_single_process(world_size: int, guidance: float) -> None:
     """cfg_degree=2: each CFG group runs one branch (guidance 1.0: no CFG, every group runs every call)."""
-    run_on_ranks(world_size, _pipeline_worker, name, 2, guidance)
+    run_on_ranks(world_size, _pipelines_worker, CFG[world_size, guidance], 2, guidance, deadline_s=600)
 
 
-@pytest.mark.parametrize(
-    "name, world_size", [("tiny-flux", 3), ("tiny-wan", 2), ("tiny-hunyuan-video", 2), ("tiny-sd3.5", 3)]
-)
-def test_overlap_backend_matches_single_process(name: str, world_size: int) -> None:
+@pytest.mark.parametrize("world_size, names", [(2, ["tiny-wan", "tiny-hunyuan-video"]),
+                                               (3, ["tiny-flux", "tiny-sd3.5"])])
+def test_overlap_backend_matches_single_process(world_size: int, names: list[str]) -> None:
     """backend="overlap": head chunks in flight while others compute (text first and last, text masks)."""
-    run_on_ranks(world_size, _pipeline_worker, name, 1, 3.0, "overlap")
+    run_on_ranks(world_size, _pipelines_worker, names, 1, 3.0, "overlap")
 
 
 def _bare_transformer_inputs(name: str, generator: torch.Generator) -> dict:

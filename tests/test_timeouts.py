@@ -33,7 +33,7 @@ def _stop(point: str, step: int, steps: int) -> None:
     if point == "killed-between-steps" and step == 0:
         os._exit(0)
     if point == "stalled-before-the-decode" and step == steps - 1:
-        time.sleep(TIMEOUT_S + 6)
+        time.sleep(TIMEOUT_S + 2)
         os._exit(0)
 
 
@@ -43,7 +43,7 @@ def _stalled_peer_worker(point: str) -> None:
     pipe = zoo.build_pipeline("tiny-flux")
     xstage_dit.enable(pipe, backend="reference", timeout_s=TIMEOUT_S, check_inputs=check_inputs)
     if dist.get_rank() == 1 and point in ("stalled-at-the-call-check", "stalled-in-the-forward"):
-        time.sleep(TIMEOUT_S + 6)  # never joins the pipeline call
+        time.sleep(TIMEOUT_S + 2)  # never joins the pipeline call
         return
     entry = zoo.ZOO["tiny-flux"]
     kwargs = zoo.call_kwargs("tiny-flux", height=entry.height, width=entry.width, num_frames=1, steps=steps,
