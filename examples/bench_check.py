@@ -9,7 +9,6 @@ Random weights, real configs (examples/zoo.py). Times are rank 0's; each per-cal
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 
 import xstage_dit
 import zoo
-from provenance import provenance
+from provenance import provenance, write_records
 from xstage_dit import api
 from xstage_dit.runtime import ensure_process_group
 
@@ -90,19 +89,13 @@ def bench(name: str, repeats: int, device: torch.device, dtype: torch.dtype) -> 
 
 
 def write(records: list[dict], prefix: Path) -> None:
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
-    first = records[0]
-    lines = [f"# Rank-agreement checks: {first['card']} x {first['ranks']}, {first['date']}", "",
-             f"torch {first['torch']}, CUDA {first['cuda']}, diffusers {first['diffusers']}; `{first['command']}`. "
-             f"Medians of {first['repeats']}; rank 0's times.", "",
-             "| config | check per pipeline call (ms) | enable with check (s) | enable without (s) | "
+    table = ["| config | check per pipeline call (ms) | enable with check (s) | enable without (s) | "
              "check at enable (s) |", "|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['config']} | {r['call_check_ms']:.2f} | "
-                     f"{r['enable_checked_s']:.3f} | {r['enable_unchecked_s']:.3f} | {r['enable_check_s']:.3f} |")
-    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[4:]))
+        table.append(f"| {r['config']} | {r['call_check_ms']:.2f} | {r['enable_checked_s']:.3f} | "
+                     f"{r['enable_unchecked_s']:.3f} | {r['enable_check_s']:.3f} |")
+    write_records(records, prefix, "Rank-agreement checks", f"Medians of {records[0]['repeats']}; rank 0's times.",
+                  table)
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ OUT.json and OUT.md on the main rank."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 import xstage_dit
 import zoo
-from provenance import provenance
+from provenance import provenance, write_records
 from xstage_dit.patches.vaes import vae_rule_for
 from xstage_dit.vae.decode import ParallelDecode
 
@@ -75,22 +74,16 @@ def bench(name: str, repeats: int, device: torch.device) -> dict:
 
 
 def write(records: list[dict], prefix: Path) -> None:
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
-    first = records[0]
-    lines = [f"# VAE decode: {first['card']} x {first['ranks']}, {first['date']}", "",
-             f"torch {first['torch']}, CUDA {first['cuda']}, diffusers {first['diffusers']}; `{first['command']}`. "
-             f"Whole: every rank decodes the whole latent (one GPU's work, as without parallel_vae); split: the "
-             f"row-split decode over all ranks. Median of {first['repeats']} alternating rounds; time of the "
-             f"slowest rank, peak memory of the largest rank (weights included).", "",
-             "| VAE | latent -> output | dtype | whole s | split s | time ratio | whole peak GiB | split peak GiB | "
+    table = ["| VAE | latent -> output | dtype | whole s | split s | time ratio | whole peak GiB | split peak GiB | "
              "memory ratio | split vs whole rel. error |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['vae']} ({r['class']}) | {tuple(r['latent'])} -> {tuple(r['output'])} | {r['dtype']} | "
+        table.append(f"| {r['vae']} ({r['class']}) | {tuple(r['latent'])} -> {tuple(r['output'])} | {r['dtype']} | "
                      f"{r['whole_s']:.3f} | {r['split_s']:.3f} | {r['time_ratio']:.3f} | {r['whole_peak_gib']:.2f} | "
                      f"{r['split_peak_gib']:.2f} | {r['memory_ratio']:.3f} | {r['relative_error']:.1e} |")
-    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[4:]))
+    write_records(records, prefix, "VAE decode",
+                  "Whole: every rank decodes the whole latent (one GPU's work, as without parallel_vae); split: the "
+                  f"row-split decode over all ranks. Median of {records[0]['repeats']} alternating rounds; time of "
+                  "the slowest rank, peak memory of the largest rank (weights included).", table)
 
 
 def main() -> None:

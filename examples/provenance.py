@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
@@ -34,3 +36,16 @@ def provenance() -> dict[str, str]:
         "diffusers": _version("diffusers"),
         "xstage_dit": xstage_dit.__version__,
     }
+
+
+def write_records(records: list[dict], prefix: Path, title: str, method: str, table: list[str]) -> None:
+    """PREFIX.json (the records) and PREFIX.md: a heading with the first record's card, ranks and date, its
+    versions and command, `method` (how to read the numbers), then `table` (markdown lines), also printed."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
+    first = records[0]
+    lines = [f"# {title}: {first['card']} x {first['ranks']}, {first['date']}", "",
+             f"torch {first['torch']}, CUDA {first['cuda']}, diffusers {first['diffusers']}; `{first['command']}`. "
+             + method, "", *table]
+    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(table))
