@@ -54,6 +54,7 @@ class ZooEntry:
     images: dict[str, tuple[int, int]] = field(default_factory=dict)  # such a pipeline's image kwargs: (h, w)
     call_extra: dict[str, Any] = field(default_factory=dict)  # further call kwargs that pipeline needs
     pipeline_config: dict[str, Any] = field(default_factory=dict)  # constructor arguments (Wan 2.2 TI2V's)
+    image_encoder: dict[str, Any] | None = None  # a CLIP vision encoder's config (Wan 2.1 image-to-video)
 
     @property
     def is_video(self) -> bool:
@@ -343,13 +344,20 @@ ZOO["tiny-qwenimage-edit"] = dataclasses.replace(ZOO["tiny-qwenimage"], pipeline
                                                  height=64, width=96)
 ZOO["tiny-qwenimage-edit-plus"] = dataclasses.replace(ZOO["tiny-qwenimage-edit"],
                                                       pipeline="QwenImageEditPlusPipeline")
-# per-token timesteps: LTX image-to-video (the conditioning frame's tokens less noisy); Wan 2.2 TI2V-5B (its own
-# VAE: 16x spatial, 8 latent channels here; the timestep expanded to every token)
+# per-token timesteps: LTX image-to-video and Condition (the conditioning frame's tokens less noisy); Wan 2.2
+# TI2V-5B (its own VAE: 16x spatial, 8 latent channels here; the timestep expanded to every token)
 ZOO["tiny-ltx-i2v"] = dataclasses.replace(ZOO["tiny-ltx"], pipeline="LTXImageToVideoPipeline",
                                           images={"image": (40, 56)})
+ZOO["tiny-ltx-condition"] = dataclasses.replace(ZOO["tiny-ltx-i2v"], pipeline="LTXConditionPipeline")
 ZOO["tiny-wan2.2-ti2v"] = dataclasses.replace(
     ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "in_channels": 8, "out_channels": 8},
     vae=_TINY_WAN22_VAE, pipeline_config={"expand_timesteps": True}, height=64, width=64)
+# Wan 2.1 image-to-video: the image's CLIP features are extra cross-attention keys (17 tokens here)
+ZOO["tiny-wan2.1-i2v"] = dataclasses.replace(
+    ZOO["tiny-wan"], pipeline="WanImageToVideoPipeline", images={"image": (40, 56)},
+    transformer={**ZOO["tiny-wan"].transformer, "in_channels": 36, "image_dim": 32, "added_kv_proj_dim": 144},
+    image_encoder={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 37,
+                   "image_size": 32, "patch_size": 8})
 ZOO["tiny-wan2.2-i2v"] = dataclasses.replace(
     ZOO["tiny-wan2.2"], pipeline="WanImageToVideoPipeline", images={"image": (40, 56)},
     transformer={**ZOO["tiny-wan2.2"].transformer, "in_channels": 36})
@@ -379,6 +387,8 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
         _keep_fp32_modules(model)
     components = {"transformer": transformers[0], "vae": vae,
                   "scheduler": getattr(diffusers, family.scheduler)(**entry.scheduler)}
+    if entry.image_encoder is not None:
+        components.update(_clip_image_encoder(entry.image_encoder, device, dtype))
     pipeline_cls = getattr(diffusers, entry.pipeline or family.pipeline)
     for component in _absent_components(pipeline_cls, components):
         components[component] = None
@@ -388,6 +398,17 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
     for attribute, value in entry.pipeline_attributes.items():
         setattr(pipe, attribute, value)
     return pipe
+
+
+def _clip_image_encoder(config: dict[str, Any], device: torch.device | str, dtype: torch.dtype) -> dict[str, Any]:
+    """A random CLIP vision encoder and its image processor, as image-to-video pipelines take them."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    with torch.device(device):
+        encoder = _in_dtype(dtype, lambda: CLIPVisionModel(CLIPVisionConfig(**config)))
+    side = config["image_size"]
+    return {"image_encoder": encoder.eval(), "image_processor": CLIPImageProcessor(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side})}
 
 
 def _absent_components(pipeline_cls: type, given: dict[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ PLANS = {
         call_site=("diffusers.models.transformers.transformer_ltx", routing.DISPATCH),
         attention_modules=lambda model: [block.attn1 for block in model.transformer_blocks],
         cfg=CfgPlan(BATCH, batch_inputs={"hidden_states": 0, "encoder_hidden_states": 0, "timestep": 0,
-                                         "encoder_attention_mask": 0}),
+                                         "encoder_attention_mask": 0, "video_coords": 0}),
         shard_inputs={"": {"hidden_states": 1, "timestep": PerToken(1)}},
         shard_outputs={"rope": {0: 1, 1: 1}},
         gather_outputs={"proj_out": 1},
