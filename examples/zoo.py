@@ -344,6 +344,9 @@ ZOO["tiny-qwenimage-edit"] = dataclasses.replace(ZOO["tiny-qwenimage"], pipeline
                                                  height=64, width=96)
 ZOO["tiny-qwenimage-edit-plus"] = dataclasses.replace(ZOO["tiny-qwenimage-edit"],
                                                       pipeline="QwenImageEditPlusPipeline")
+# Edit-2511: the input image's tokens modulated as at timestep 0 (zero_cond_t, a per-token modulation index)
+ZOO["tiny-qwenimage-edit-2511"] = dataclasses.replace(
+    ZOO["tiny-qwenimage-edit-plus"], transformer={**ZOO["tiny-qwenimage"].transformer, "zero_cond_t": True})
 # per-token timesteps: LTX image-to-video and Condition (the conditioning frame's tokens less noisy); Wan 2.2
 # TI2V-5B (its own VAE: 16x spatial, 8 latent channels here; the timestep expanded to every token)
 ZOO["tiny-ltx-i2v"] = dataclasses.replace(ZOO["tiny-ltx"], pipeline="LTXImageToVideoPipeline",

@@ -43,14 +43,14 @@ SIZES = {
 }
 SIZES["tiny-flux-fill"] = SIZES["tiny-flux-control"] = SIZES["tiny-flux"]  # images enter as channels
 # Qwen-Image Edit: about 1000 tokens of the input image besides these (its VAE downsamples 16x)
-SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = {
+SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = SIZES["tiny-qwenimage-edit-2511"] = {
     "even": {"height": 64, "width": 96, "num_frames": 1},      # 2 x 3
     "uneven": {"height": 160, "width": 224, "num_frames": 1}}  # 5 x 7
 SIZES["tiny-ltx-i2v"] = SIZES["tiny-ltx-condition"] = SIZES["tiny-ltx"]
 SIZES["tiny-wan2.2-ti2v"] = {"even": {"height": 64, "width": 64, "num_frames": 9},     # 3 frames x 2 x 2 (16x VAE)
                              "uneven": {"height": 32, "width": 224, "num_frames": 17}}  # 5 x 1 x 7
 # EditPlus takes one prompt at a time; Edit's batches are other families' (its ~1024² input image is slow here)
-BATCHES = {"tiny-qwenimage-edit": (1,), "tiny-qwenimage-edit-plus": (1,)}
+BATCHES = {"tiny-qwenimage-edit": (1,), "tiny-qwenimage-edit-plus": (1,), "tiny-qwenimage-edit-2511": (1,)}
 TOLERANCE = 1e-4
 
 
@@ -112,14 +112,14 @@ def _pipelines_worker(names: list[str], cfg_degree: int = 1, guidance: float = 3
 
 # pipelines that take images: Kontext's and Qwen-Image Edit's reference tokens are split with the image tokens,
 # the others' image latents travel with the noise's channels; LTX image-to-video and Condition and Wan 2.2 TI2V
-# have per-token timesteps, split with the tokens
+# have per-token timesteps, Qwen-Image Edit-2511 a per-token modulation index, split with the tokens
 ULYSSES = {
     2: ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5",
         "tiny-cogvideox", "tiny-hidream", "tiny-flux-fill", "tiny-wan2.2-i2v", "tiny-qwenimage-edit",
         "tiny-qwenimage-edit-plus"],
     3: ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
         "tiny-hidream", "tiny-flux-kontext", "tiny-flux-control", "tiny-ltx-i2v", "tiny-ltx-condition",
-        "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v"],
+        "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-qwenimage-edit-2511"],
     4: ["tiny-flux", "tiny-wan"],
 }
 # (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,

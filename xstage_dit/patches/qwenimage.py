@@ -1,23 +1,19 @@
 """QwenImage: joint [text, image] attention (text first) with a text padding mask.
 
 Packed image tokens are split on entry with the image rotary table (complex, image rows only); the text rotary
-table and the text tokens stay whole. The model builds its mask from the local token count."""
+table and the text tokens stay whole. The model builds its mask from the local token count. Edit models with
+`zero_cond_t` (Edit-2511) pick each image token's modulation by `modulate_index`, which every block gets and
+which is split with the tokens there."""
 from __future__ import annotations
 
 from typing import Any
 
 from diffusers import QwenImageTransformer2DModel
-from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
-from ..sp.plan import SequenceParallelPlan
+from ..sp.plan import PerToken, SequenceParallelPlan
 from . import cfg_rules
-
-
-def _check_model(model: nn.Module) -> None:
-    if getattr(model.config, "zero_cond_t", False):
-        raise NotImplementedError("xstage_dit: QwenImage edit models (zero_cond_t) are not supported yet")
 
 
 def _check_inputs(arguments: dict[str, Any]) -> None:
@@ -31,10 +27,9 @@ PLANS = {
         call_site=("diffusers.models.transformers.transformer_qwenimage", routing.DISPATCH),
         attention_modules=lambda model: [block.attn for block in model.transformer_blocks],
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.token_output_shape, pipeline_uses_cfg=cfg_rules.true_cfg),
-        shard_inputs={"": {"hidden_states": 1}},
+        shard_inputs={"": {"hidden_states": 1}, "transformer_blocks.*": {"modulate_index": PerToken(1)}},
         shard_outputs={"pos_embed": {0: 0}},
         gather_outputs={"proj_out": 1},
-        check_model=_check_model,
         check_inputs=_check_inputs,
     )
 }

@@ -32,8 +32,8 @@ class PerToken:
 class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
 
-    shard_inputs: module path ("" is the model) -> {forward argument name: sequence dim, or PerToken(dim)} to
-        split on entry.
+    shard_inputs: module path ("" is the model; "blocks.*" every child of `blocks`) -> {forward argument name:
+        sequence dim, or PerToken(dim)} to split on entry.
     shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables); a module
         returning one tensor uses index 0.
     gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence.
@@ -63,6 +63,13 @@ class SequenceParallelPlan:
     check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
     install: Callable[[nn.Module], list[Any]] | None = None
+
+
+def _modules_at(model: nn.Module, path: str) -> list[nn.Module]:
+    """The module at `path`, or every child of the module before a trailing ".*"."""
+    if path.endswith(".*"):
+        return list(model.get_submodule(path.removesuffix(".*")).children())
+    return [model.get_submodule(path)]
 
 
 def _argument_positions(module: nn.Module) -> dict[str, int]:
@@ -140,9 +147,9 @@ class AppliedPlan:
         if shard.degree > 1:
             self._marks.append(cache_hooks.SharedCacheDecisions(model, shard))
             for path, dims in plan.shard_inputs.items():
-                module = model.get_submodule(path)
-                hook = _shard_inputs_hook(module, shard, dims)
-                self._hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+                for module in _modules_at(model, path):
+                    hook = _shard_inputs_hook(module, shard, dims)
+                    self._hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             for path, dims in plan.shard_outputs.items():
                 self._hooks.append(model.get_submodule(path).register_forward_hook(_shard_outputs_hook(shard, dims)))
             for path, dim in plan.gather_outputs.items():
