@@ -1,6 +1,8 @@
 """The public API in one process: argument checks that must fail before any collective, and exact restore."""
 from __future__ import annotations
 
+import functools
+
 import diffusers
 import pytest
 import torch
@@ -103,6 +105,30 @@ def test_a_cache_enabled_while_enabled_keeps_working_after_disable(flux_pipe):
     flux_pipe.transformer.enable_cache(cache())
     assert torch.equal(after, generate())
     flux_pipe.transformer.disable_cache()
+
+
+def test_a_forward_wrapped_after_enable_survives_disable(flux_pipe):
+    """An attention module with an instance forward before enable (accelerate's hooks, a cache's registry) that
+    someone wraps again while enabled keeps that wrapper after disable, and it still computes the stock result."""
+    attention = flux_pipe.transformer.transformer_blocks[0].attn
+    stock = _latents(flux_pipe, steps=2)
+    before = attention.forward
+    attention.forward = functools.partial(before)
+    xstage_dit.enable(flux_pipe)
+    calls = []
+    enabled_forward = attention.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return enabled_forward(*args, **kwargs)
+
+    attention.forward = counting
+    xstage_dit.disable(flux_pipe)
+    try:
+        assert attention.forward is counting
+        assert torch.equal(_latents(flux_pipe, steps=2), stock) and calls
+    finally:
+        del attention.forward
 
 
 def test_parallel_vae_where_there_is_none_to_split_is_refused(flux_pipe, world):

@@ -17,7 +17,12 @@ class ReplacedForward:
         self.model, self.attribute = model, attribute
         self.inner: Callable = getattr(model, attribute)
         self._previous = model.__dict__.get(attribute)
+        self._new = new
         setattr(model, attribute, new)
+
+    def is_outermost(self) -> bool:
+        """Nobody replaced `new` since (a wrapper set later would call it, and would be lost by `restore()`)."""
+        return self.model.__dict__.get(self.attribute) is self._new
 
     def restore(self) -> None:
         if self._previous is None:

@@ -104,13 +104,15 @@ def unroute(module_name: str, kind: str) -> None:
 
 
 class ActiveMark:
-    """A module marked by `mark_active`; `remove()` restores its class (and its instance forward, if wrapped)."""
+    """A module marked by `mark_active`; `remove()` restores its class, and its instance forward if wrapped and
+    nobody wrapped that since (a hook registry created after `enable` keeps working: our wrapper inside it then
+    runs the old forward without an active attention)."""
 
     def __init__(self, module: nn.Module, original: type, wrapped: ReplacedForward | None) -> None:
         self.module, self.original, self.wrapped = module, original, wrapped
 
     def remove(self) -> None:
-        if self.wrapped is not None:
+        if self.wrapped is not None and self.wrapped.is_outermost():
             self.wrapped.restore()
         self.module.__class__ = self.original
         del self.module._xstage_attention
