@@ -7,7 +7,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,13 +78,16 @@ def all_gather_into(output: torch.Tensor, local: torch.Tensor, group: dist.Proce
 
 
 @contextlib.contextmanager
-def waiting_for(what: str) -> Iterator[None]:
+def waiting_for(what: str | Callable[[], str]) -> Iterator[None]:
     """A collective in the block that fails (a peer dead, or past the group's timeout) re-raises naming this rank
-    and what it waited for, instead of the backend's bare message."""
+    and what it waited for, instead of the backend's bare message. `what` may be a function, for callers on a
+    hot path: it is called only on failure."""
     try:
         yield
     except (RuntimeError, dist.DistError) as error:
-        raise RuntimeError(f"xstage_dit: rank {dist.get_rank()} waited for {what} and gave up: {error}") from error
+        described = what() if callable(what) else what
+        raise RuntimeError(f"xstage_dit: rank {dist.get_rank()} waited for {described} and gave up: {error}") \
+            from error
 
 
 def free_port() -> int:

@@ -39,11 +39,14 @@ Transport = Callable[[torch.Tensor], InFlight]
 
 
 def all_to_all(group: dist.ProcessGroup, async_op: bool = False) -> Transport:
+    def what() -> str:  # described only when the exchange fails: this runs twice per attention layer
+        return f"the attention all-to-all of its Ulysses group (ranks {dist.get_process_group_ranks(group)})"
+
     def start(send: torch.Tensor) -> InFlight:
         recv = torch.empty_like(send)
-        with torch.no_grad(), waiting_for(_what(group)):  # inference only: collectives are not differentiable
+        with torch.no_grad(), waiting_for(what):  # inference only: collectives are not differentiable
             work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
-        return InFlight(recv, None if work is None else _NamedWork(work, group))
+        return InFlight(recv, None if work is None else _NamedWork(work, what))
 
     return start
 
@@ -53,15 +56,11 @@ class _NamedWork:
     """An all-to-all in flight whose failed wait says which rank waited for which peers."""
 
     work: Waitable
-    group: dist.ProcessGroup
+    what: Callable[[], str]
 
     def wait(self) -> object:
-        with waiting_for(_what(self.group)):
+        with waiting_for(self.what):
             return self.work.wait()
-
-
-def _what(group: dist.ProcessGroup) -> str:
-    return f"the attention all-to-all of its Ulysses group (ranks {dist.get_process_group_ranks(group)})"
 
 
 def start_scatter(tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout, transport: Transport,
