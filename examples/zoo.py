@@ -158,7 +158,7 @@ ZOO: dict[str, ZooEntry] = {
             "num_attention_heads": _TINY_HEADS, "joint_attention_dim": 32, "pooled_projection_dim": 32,
             "guidance_embeds": True, "axes_dims_rope": (4, 6, 6),
         },
-        vae=_TINY_KL_VAE, text_len=7, text_dim=32, pooled_dim=32, height=32, width=48, scheduler=_FLUX_SCHEDULER,
+        vae=_TINY_KL_VAE, text_len=8, text_dim=32, pooled_dim=32, height=32, width=48, scheduler=_FLUX_SCHEDULER,
     ),
     "tiny-wan": ZooEntry(
         family="wan",

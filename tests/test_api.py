@@ -301,6 +301,32 @@ def test_shards_cover_the_sequence_in_order_with_tail_padding(length, degree):
     assert not joined[:, length:].any()
 
 
+@pytest.mark.parametrize("image, text, degree, splits", [
+    (23, 8, 2, True),  # uneven image tokens: the last rank's padding is the sequence's tail
+    (24, 8, 4, True),
+    (23, 7, 2, False),  # unequal text shares
+    (5, 8, 4, False),  # 2, 2, 1, 0 image tokens: rank 2's padding would sit before rank 3's text
+])
+def test_joint_text_splits_only_where_every_chunk_is_a_tail_padded_piece(image, text, degree, splits):
+    """Each rank's [text share, image chunk] laid end to end: the whole text and image, padding only at the
+    tail; where that cannot hold, every rank keeps the whole text."""
+    x, t = torch.arange(1.0, image + 1).reshape(1, image, 1), -torch.arange(1.0, text + 1).reshape(1, text, 1)
+    chunks = []
+    for rank in range(degree):
+        shard = SequenceShard(degree, rank, group=None)
+        local_image, local_text = shard.shard(x, dim=1), shard.shard_text(t, dim=1)
+        assert shard.text_len == (text if splits else 0)
+        chunks.append(torch.cat([local_text, local_image], dim=1))
+    if not splits:
+        assert all(chunk.shape[1] == text + shard.local_len for chunk in chunks)
+        return
+    assert {chunk.shape[1] for chunk in chunks} == {text // degree + shard.local_len}
+    sequence = torch.cat(chunks, dim=1)
+    real = sequence[:, : image + text]
+    assert sorted(real.flatten().tolist()) == sorted([*x.flatten().tolist(), *t.flatten().tolist()])
+    assert not sequence[:, image + text:].any()
+
+
 def test_info_command_describes_this_machine(capsys):
     from xstage_dit.cli import main
 

@@ -26,7 +26,7 @@ DEEP = {
 def _inputs(family: str) -> dict:
     generator = torch.Generator().manual_seed(1)
     if family == "flux":
-        tokens, text = 23, 7  # uneven over 2 ranks
+        tokens, text = 23, 8  # uneven image tokens over 2 ranks; the text splits over 2 and 4, not 3
         return dict(hidden_states=torch.randn(1, tokens, 16, generator=generator),
                     encoder_hidden_states=torch.randn(1, text, 32, generator=generator),
                     pooled_projections=torch.randn(1, 32, generator=generator), timestep=torch.tensor([0.5]),

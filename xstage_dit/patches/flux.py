@@ -1,7 +1,9 @@
 """FLUX.1: joint [text, image] attention in dual- and single-stream blocks.
 
-Image tokens and their position ids are split on entry; text tokens stay whole on every rank, so the rotary
-table the model builds from [txt_ids, local img_ids] follows each local token's true position."""
+Image tokens and their position ids are split on entry, and so are the text tokens and theirs where the
+sequence allows (`JointText`: the model drops its text at the end, and masks none of it); otherwise the text
+stays whole on every rank. Either way the rotary table the model builds from [local txt_ids, local img_ids]
+follows each local token's true position."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,7 +13,7 @@ from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
-from ..sp.plan import SequenceParallelPlan
+from ..sp.plan import JointText, SequenceParallelPlan
 from . import cfg_rules
 
 
@@ -38,8 +40,9 @@ PLANS = {
             output_shape=cfg_rules.token_output_shape,
             pipeline_uses_cfg=cfg_rules.true_cfg_with_pooled_negatives,
         ),
-        # img_ids is (S, 3), or the deprecated (1, S, 3): the sequence is the second-to-last dim either way
-        shard_inputs={"": {"hidden_states": -2, "img_ids": -2}},
+        # ids are (S, 3), or the deprecated (1, S, 3): the sequence is the second-to-last dim either way
+        shard_inputs={"": {"hidden_states": -2, "img_ids": -2,
+                           "encoder_hidden_states": JointText(-2), "txt_ids": JointText(-2)}},
         gather_outputs={"proj_out": -2},
         check_inputs=_check_inputs,
     )

@@ -45,10 +45,12 @@ class UlyssesAttention:
             # a compiled graph keeps the choice and our kernels opaque; eager calls skip the op's dispatch
             run = local_attention_op if torch.compiler.is_compiling() else local_attention
             return run(query, key, value, attn_mask, self.choice.name, scale)
+        # split text tokens lead each rank's chunk and count as sequence tokens; whole text stays `text_len`
+        local_len = shard.local_text_len + shard.local_len
         layout = UlyssesLayout(
-            text_len=query.shape[1] - shard.local_len,
-            seq_len=shard.seq_len,
-            local_len=shard.local_len,
+            text_len=query.shape[1] - local_len,
+            seq_len=shard.text_len + shard.seq_len,
+            local_len=local_len,
             degree=shard.degree,
             rank=shard.rank,
             text_first=self.text_first,

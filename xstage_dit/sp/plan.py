@@ -29,11 +29,20 @@ class PerToken:
 
 
 @dataclass(frozen=True)
+class JointText:
+    """A forward argument holding joint attention's text tokens along `dim`, split between the ranks where the
+    sequence allows it (`SequenceShard.shard_text`), else whole. List it after the image tokens' argument, and
+    only for text without key masks, whose output the model drops at its end."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
 class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
 
     shard_inputs: module path ("" is the model; "blocks.*" every child of `blocks`) -> {forward argument name:
-        sequence dim, or PerToken(dim)} to split on entry.
+        sequence dim, PerToken(dim) or JointText(dim)} to split on entry.
     shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables); a module
         returning one tensor uses index 0.
     gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence.
@@ -55,7 +64,7 @@ class SequenceParallelPlan:
     attention_modules: Callable[[nn.Module], list[nn.Module]]
     cfg: CfgPlan
     num_heads: Callable[[nn.Module], int] = lambda model: model.config.num_attention_heads
-    shard_inputs: dict[str, dict[str, int | PerToken]] = field(default_factory=dict)
+    shard_inputs: dict[str, dict[str, int | PerToken | JointText]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_outputs: dict[str, int] = field(default_factory=dict)
     rotary_site: str | None = None
@@ -76,7 +85,7 @@ def _argument_positions(module: nn.Module) -> dict[str, int]:
     return {name: i for i, name in enumerate(inspect.signature(module.forward).parameters)}
 
 
-def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, int | PerToken]):
+def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, int | PerToken | JointText]):
     positions = _argument_positions(module)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -92,10 +101,12 @@ def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, 
     return hook
 
 
-def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken) -> Any:
+def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken | JointText) -> Any:
     """A tensor, or a tuple of tensors (rotary tables), split along `dim`."""
     if isinstance(value, (tuple, list)):
         return type(value)(_shard_value(shard, item, dim) for item in value)
+    if isinstance(dim, JointText):
+        return shard.shard_text(value, dim.dim)
     if isinstance(dim, PerToken):
         return shard.shard(value, dim.dim) if dim.applies_to(value) else value
     return shard.shard(value, dim)

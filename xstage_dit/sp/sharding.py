@@ -14,13 +14,16 @@ from ..runtime.distributed import all_gather_into
 
 class SequenceShard:
     """The token split of the current forward pass, shared by every shard/gather point and every attention
-    layer of one model. `seq_len` is set by the first tensor sharded in a forward."""
+    layer of one model. `seq_len` is set by the first tensor sharded in a forward; `text_len` by `shard_text`:
+    the joint-attention text tokens split with the image tokens in this forward (0: the text is whole on every
+    rank)."""
 
     def __init__(self, degree: int, rank: int, group: dist.ProcessGroup | None) -> None:
         self.degree = degree
         self.rank = rank
         self.group = group
         self.seq_len = 0
+        self.text_len = 0
 
     @property
     def local_len(self) -> int:
@@ -42,6 +45,28 @@ class SequenceShard:
         mine = x.narrow(dim, self.rank * self.local_len, self.local_len)
         # a fresh tensor with its own strides (a narrowed batch-1 view passes for contiguous with the whole
         # sequence's strides, which a compiled block would guard on apart from its other inputs')
+        return torch.empty(mine.shape, dtype=mine.dtype, device=mine.device).copy_(mine)
+
+    @property
+    def local_text_len(self) -> int:
+        """Split text tokens on each rank."""
+        return self.text_len // self.degree
+
+    def shard_text(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's share of joint-attention text tokens, split after the image tokens of this forward.
+
+        A rank's [text, image] tokens then form one equal chunk of the sequence [text 0, image 0, text 1, ...],
+        which attention may take in that order since RoPE has already placed every token. The text is split only
+        where that chunk layout holds: equal text shares, and image padding on the last rank alone (padding
+        anywhere but the tail would become a key); otherwise every rank keeps all of it."""
+        dim = dim % x.dim()
+        text_len = x.shape[dim]
+        last_rank_tokens = self.seq_len - (self.degree - 1) * self.local_len
+        if text_len % self.degree or last_rank_tokens < 0:
+            self.text_len = 0
+            return x
+        self.text_len = text_len
+        mine = x.narrow(dim, self.rank * self.local_text_len, self.local_text_len)
         return torch.empty(mine.shape, dtype=mine.dtype, device=mine.device).copy_(mine)
 
     def gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
