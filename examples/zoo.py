@@ -119,6 +119,9 @@ FAMILIES: dict[str, Family] = {
                         "CogVideoXDDIMScheduler", _embeds_and_pooled, video=True, fps=8),
     "hidream": Family("HiDreamImagePipeline", "HiDreamImageTransformer2DModel", "AutoencoderKL",
                       "FlowMatchEulerDiscreteScheduler", _hidream_text),
+    "nucleusmoe": Family(
+        "NucleusMoEImagePipeline", "NucleusMoEImageTransformer2DModel", "AutoencoderKLQwenImage",
+        "FlowMatchEulerDiscreteScheduler", _masked("prompt_embeds_mask", "negative_prompt_embeds_mask")),
 }
 
 _FLUX_SCHEDULER = {
@@ -197,6 +200,19 @@ ZOO: dict[str, ZooEntry] = {
         text_len=11, text_dim=32, text_padding=4, height=32, width=48,
         scheduler={"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192, "max_shift": 0.9,
                    "shift": 1.0, "use_dynamic_shifting": True, "time_shift_type": "exponential"},
+    ),
+    # layers 1 and 2 are MoE; 8 experts each take half the tokens (capacity 4) or a quarter (2); 4 key/value heads
+    "tiny-nucleusmoe": ZooEntry(
+        family="nucleusmoe",
+        transformer={"patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 3,
+                     "attention_head_dim": 16, "num_attention_heads": _TINY_HEADS, "num_key_value_heads": 4,
+                     "joint_attention_dim": 32, "axes_dims_rope": (4, 6, 6), "dense_moe_strategy": "leave_first_block_dense",
+                     "num_experts": 8, "moe_intermediate_dim": 32, "capacity_factors": [4.0, 4.0, 2.0]},
+        vae={"base_dim": 24, "z_dim": 4, "dim_mult": [1, 2, 4], "num_res_blocks": 1,
+             "temperal_downsample": [False, True], "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4},
+        text_len=11, text_dim=32, text_padding=4, height=32, width=40,
+        scheduler={"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+                   "shift": 1.0, "use_dynamic_shifting": True},
     ),
     "tiny-ltx": ZooEntry(
         family="ltx",
@@ -306,6 +322,18 @@ ZOO.update({
         vae={}, text_len=256, text_dim=3584, text_padding=128,
         scheduler=ZOO["tiny-qwenimage"].scheduler,
     ),
+    # 17B parameters, 64 routed experts of which each takes 4 or 2 x S / 64 tokens, blocks 0-2 dense
+    "nucleusmoe-image": ZooEntry(
+        family="nucleusmoe",
+        transformer={"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 32,
+                     "attention_head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 4,
+                     "joint_attention_dim": 4096, "axes_dims_rope": (16, 56, 56), "mlp_ratio": 4.0,
+                     "dense_moe_strategy": "leave_first_three_blocks_dense", "num_experts": 64,
+                     "moe_intermediate_dim": 1344, "capacity_factors": [0.0] * 3 + [4.0] * 2 + [2.0] * 27,
+                     "route_scale": 2.5, "use_grouped_mm": True},
+        vae={}, text_len=256, text_dim=4096, text_padding=128,
+        scheduler=ZOO["tiny-nucleusmoe"].scheduler,
+    ),
     "ltx-video": ZooEntry(
         family="ltx",
         transformer={"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
@@ -367,6 +395,11 @@ ZOO["tiny-wan2.2-i2v"] = dataclasses.replace(
 # head_dim 64: the smallest the fused backend's kernels take (its GPU tests use these)
 ZOO["tiny-flux-d64"] = dataclasses.replace(
     ZOO["tiny-flux"], transformer={**ZOO["tiny-flux"].transformer, "attention_head_dim": 64, "axes_dims_rope": (16, 24, 24)})
+# the released config asks for grouped expert matmuls; diffusers' default loops over the experts with a host sync
+ZOO["nucleusmoe-image-loop"] = dataclasses.replace(ZOO["nucleusmoe-image"], transformer={
+    **ZOO["nucleusmoe-image"].transformer, "use_grouped_mm": False})
+ZOO["tiny-nucleusmoe-d64"] = dataclasses.replace(ZOO["tiny-nucleusmoe"], transformer={
+    **ZOO["tiny-nucleusmoe"].transformer, "attention_head_dim": 64, "axes_dims_rope": (16, 24, 24)})
 ZOO["tiny-wan-d64"] = dataclasses.replace(ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "attention_head_dim": 64})
 
 
@@ -387,6 +420,7 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
     for model in (*transformers, vae):
         model.eval()  # HiDream's MoE takes another path in training mode
     for model in transformers:
+        _draw_packed_experts(model)
         _keep_fp32_modules(model)
     components = {"transformer": transformers[0], "vae": vae,
                   "scheduler": getattr(diffusers, family.scheduler)(**entry.scheduler)}
@@ -429,6 +463,17 @@ def _in_dtype(dtype: torch.dtype, build: Callable[[], torch.nn.Module]) -> torch
         return build()
     finally:
         torch.set_default_dtype(previous)
+
+
+def _draw_packed_experts(model: torch.nn.Module) -> None:
+    """Draw the packed expert weights (E, in, out) that diffusers allocates and leaves to a checkpoint (NucleusMoE),
+    as a Linear layer's of that width would be."""
+    for module in model.modules():
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(module, name, None)
+            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 3:
+                with torch.no_grad():
+                    weight.uniform_(-weight.shape[1] ** -0.5, weight.shape[1] ** -0.5)
 
 
 def _keep_fp32_modules(model: torch.nn.Module) -> None:

@@ -107,16 +107,16 @@ def test_real_depth_compiles_as_often_as_stock_on_several_ranks(family, mode, wo
     run_on_ranks(world_size, _ranks_worker, family, mode, extra, deadline_s=300)
 
 
-def _pipeline(name: str, steps: int):
+def _pipeline(name: str, steps: int, dtype: torch.dtype = torch.float32):
     """A zoo pipeline at its default size, and a call of it returning its latents (seeded)."""
-    pipe = zoo.build_pipeline(name)
+    pipe = zoo.build_pipeline(name, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     entry = zoo.ZOO[name]
     kwargs = zoo.call_kwargs(name, height=entry.height, width=entry.width, num_frames=entry.num_frames,
                              steps=steps, guidance=3.0)
 
     def generate() -> torch.Tensor:
-        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0), output_type="latent",
+        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0, dtype=dtype), output_type="latent",
                     generator=torch.Generator().manual_seed(0), return_dict=False)[0]
 
     return pipe, generate
@@ -208,3 +208,24 @@ def test_hidream_compiles_whole_without_a_graph_break():
     xstage_dit its grouped experts (moe.py) trace. bf16: torch._grouped_mm's fake kernel takes bf16 only."""
     eager, compiled, _ = _whole_model_compiled("tiny-hidream", True, torch.bfloat16)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def _nucleus_blocks_worker() -> None:
+    name = "tiny-nucleusmoe"
+    pipe, generate = _pipeline(name, steps=2, dtype=torch.bfloat16)
+    xstage_dit.enable(pipe, backend="reference", timeout_s=120)
+    eager = generate()
+    torch._dynamo.reset()
+    counters.clear()
+    pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
+    compiled = generate()
+    # one graph per kind of block: dense, and MoE at each capacity factor (a float the block's code reads)
+    assert counters["stats"]["unique_graphs"] == 3, counters["stats"]["unique_graphs"]
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_nucleusmoe_blocks_compile_on_two_ranks_without_a_graph_break():
+    """Stock NucleusMoE cannot compile fullgraph (its experts loop over counts read back from the device); with
+    xstage_dit its exact expert choice (the router scores' all-gather, top-k, grouped experts) traces. bf16:
+    torch._grouped_mm's fake kernel takes bf16 only."""
+    run_on_ranks(2, _nucleus_blocks_worker, deadline_s=300)

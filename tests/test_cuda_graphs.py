@@ -24,6 +24,8 @@ SIZES = {  # two resolutions per config: a pipeline call at the second captures 
     "tiny-wan-d64": [{"height": 32, "width": 48, "num_frames": 9}, {"height": 16, "width": 112, "num_frames": 17}],
     "tiny-wan2.2": [{"height": 32, "width": 48, "num_frames": 9}, {"height": 16, "width": 112, "num_frames": 17}],
     "tiny-sd3.5": [{"height": 48, "width": 64, "num_frames": 1}, {"height": 40, "width": 56, "num_frames": 1}],
+    "tiny-nucleusmoe-d64": [{"height": 48, "width": 64, "num_frames": 1},
+                            {"height": 40, "width": 56, "num_frames": 1}],
 }
 
 
@@ -76,6 +78,7 @@ def _two_rank_worker(name: str, backend: str, cfg_degree: int) -> None:
     ("tiny-wan2.2", "reference", 1),
     ("tiny-flux-d64", "fused", 2),  # CFG in pairs of calls: a graph holds this rank's branch
     ("tiny-sd3.5", "reference", 2),  # CFG as a batch
+    ("tiny-nucleusmoe-d64", "fused", 1),  # keys-only text; expert choice's score gather in the graph
 ])
 def test_two_ranks_replays_equal_eager(name, backend, cfg_degree):
     run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, deadline_s=300)

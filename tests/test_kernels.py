@@ -119,7 +119,9 @@ def test_hopper_kernel_compiles():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first, order):
+def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first, order,
+                    text_queries=True):
+    """`text_queries=False`: the text is keys only, the queries are the image tokens."""
     local = -(-seq_len // n_ranks)
 
     def per_rank(text, image):
@@ -129,23 +131,27 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
 
     def valid_rows(x, rank):
         rows = min(local, seq_len - rank * local)
-        return x[:, : text_len + rows] if text_first else torch.cat([x[:, :rows], x[:, local:]], dim=1)
+        text_rows = x.shape[1] - local
+        return x[:, : text_rows + rows] if text_first else torch.cat([x[:, :rows], x[:, local:]], dim=1)
 
     text = [torch.randn(batch, text_len, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
     image = [torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
     key_mask = torch.ones(batch, text_len, dtype=torch.bool, device=device)
     key_mask[-1, text_len // 2 :] = False  # a padded prompt
     fabric = LoopbackFabric(n_ranks, device, initialise=lambda t: t.fill_(float("nan")))
-    joint = [per_rank(t, i) for t, i in zip(text, image)]
+    query_text = text[0] if text_queries else text[0][:, :0]
+    joint = [per_rank(t, i) for t, i in zip((query_text, *text[1:]), image)]
+    layouts = [UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first, text_queries)
+               for rank in range(n_ranks)]
     outs = run_in_lockstep(
-        [fused_steps(*(j[rank] for j in joint), UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first),
-                     fabric.rank(rank), None, key_mask[:, None, None, :], order) for rank in range(n_ranks)],
+        [fused_steps(*(j[rank] for j in joint), layouts[rank], fabric.rank(rank), None, key_mask[:, None, None, :],
+                     order) for rank in range(n_ranks)],
         fabric.rank(0).barrier)
 
-    full = [torch.cat([t, i], dim=1) for t, i in zip(text, image)]
+    full = [torch.cat([t, i], dim=1) for t, i in zip((query_text, *text[1:]), image)]
     keep = torch.cat([key_mask, torch.ones(batch, seq_len, dtype=torch.bool, device=device)], dim=1)
     ref, _ = _reference(*full, text_len + seq_len, keep)
-    expected = per_rank(ref[:, :text_len], ref[:, text_len:])
+    expected = per_rank(ref[:, : query_text.shape[1]], ref[:, query_text.shape[1] :])
     for rank in range(n_ranks):
         out = valid_rows(outs[rank], rank)
         assert not out.isnan().any(), f"rank {rank}: unwritten output rows"
@@ -159,12 +165,20 @@ def test_fused_loopback_interpreted(n_ranks, seq_len, text_first, order):
     _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, order)
 
 
+@pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19)])
+@pytest.mark.parametrize("text_first", [True, False])
+def test_fused_loopback_with_keys_only_text_interpreted(n_ranks, seq_len, text_first):
+    _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, TileOrder.ROTATED,
+                    text_queries=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_ranks", [2, 4, 8])
 @pytest.mark.parametrize("text_first", [True, False])
 @pytest.mark.parametrize("order", list(TileOrder))
-def test_fused_loopback_on_gpu(n_ranks, text_first, order):
-    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, order)
+@pytest.mark.parametrize("text_queries", [True, False])
+def test_fused_loopback_on_gpu(n_ranks, text_first, order, text_queries):
+    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, order, text_queries)
 
 
 def _check_rotary(device, dtype, shape, sequence_dim, strided, tolerance):

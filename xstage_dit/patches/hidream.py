@@ -19,6 +19,7 @@ from ..cfg_plan import BATCH, CfgPlan
 from ..moe import GroupedSwiGLUExperts, dispatch
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
+from ..sp.sharding import SequenceShard
 
 
 class _PatchifyFirst:
@@ -61,7 +62,7 @@ class _GroupedMoE:
         del self.layer.moe_infer
 
 
-def _install(model: nn.Module) -> list[Any]:
+def _install(model: nn.Module, shard: SequenceShard) -> list[Any]:
     return [_PatchifyFirst(model)] + [_GroupedMoE(m) for m in model.modules() if isinstance(m, MOEFeedForwardSwiGLU)]
 
 

@@ -38,6 +38,8 @@ class UlyssesAttention:
         then attends in place of our choice's degree-1 kernel, and of the gathered heads' SDPA at higher degrees."""
         if dropout_p or is_causal:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
+        if attn_mask is not None and attn_mask.dim() == 2:  # a key-padding mask given as (B, keys)
+            attn_mask = attn_mask[:, None, None, :]
         shard = self.shard
         if shard.degree == 1:
             if attention_backend is not None:
@@ -48,15 +50,16 @@ class UlyssesAttention:
         # split text tokens lead each rank's chunk and count as sequence tokens; whole text stays `text_len`
         local_len = shard.local_text_len + shard.local_len
         layout = UlyssesLayout(
-            text_len=query.shape[1] - local_len,
+            text_len=key.shape[1] - local_len,
             seq_len=shard.text_len + shard.seq_len,
             local_len=local_len,
             degree=shard.degree,
             rank=shard.rank,
             text_first=self.text_first,
+            text_queries=query.shape[1] == key.shape[1],
         )
         return ulysses_attention(
             query, key, value, text_key_mask(attn_mask, layout), layout.text_len, layout.seq_len,
-            layout.local_len, layout.degree, layout.rank, layout.text_first, self.choice.name,
+            layout.local_len, layout.degree, layout.rank, layout.text_first, layout.text_queries, self.choice.name,
             shard.group.group_name, scale, attention_backend,
         )

@@ -77,7 +77,8 @@ def start_scatter(tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout, tran
 
 def finish_scatter(flight: InFlight, tensors: tuple[torch.Tensor, ...], layout: UlyssesLayout,
                    heads: slice) -> list[torch.Tensor]:
-    """(B, T + N*L, h, D) per input: this rank's heads of the whole sequence, its text heads first."""
+    """(B, T + N*L, h, D) per input (queries without text rows: (B, N*L, h, D)): this rank's heads of the whole
+    sequence, its text heads first."""
     recv = flight.wait()
     # recv[j] holds rank j's tokens: concatenating over j restores the sequence order
     image = recv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3).unbind(0)
@@ -90,7 +91,7 @@ def finish_scatter(flight: InFlight, tensors: tuple[torch.Tensor, ...], layout: 
 
 def start_gather(out: torch.Tensor, layout: UlyssesLayout, transport: Transport) -> InFlight:
     """Send each rank its image rows of this rank's heads, and every rank this rank's text rows."""
-    n_ranks, text_len = layout.degree, layout.text_len
+    n_ranks, text_len = layout.degree, layout.query_text_len
     image = out[:, text_len:].unflatten(1, (n_ranks, layout.local_len)).transpose(0, 1)  # (N, B, L, h, D)
     if text_len:
         text = out[:, :text_len].unsqueeze(0).expand(n_ranks, -1, -1, -1, -1)
@@ -104,4 +105,4 @@ def finish_gather(flight: InFlight, layout: UlyssesLayout) -> torch.Tensor:
     """(B, T + L, N*h, D) in the layout's token order, heads ordered (rank, chunk head)."""
     recv = flight.wait()
     full = recv.permute(1, 2, 0, 3, 4).flatten(2, 3)  # recv[j]: this rank's rows of rank j's heads
-    return layout.join(full[:, : layout.text_len], full[:, layout.text_len :])
+    return layout.join(full[:, : layout.query_text_len], full[:, layout.query_text_len :])

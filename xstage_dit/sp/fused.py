@@ -62,15 +62,16 @@ def fused_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
     batch, _, heads, head_dim = query.shape
     share = heads // layout.degree
     own_heads = slice(layout.rank * share, (layout.rank + 1) * share)
-    gathered = (batch, layout.gathered_len, share, head_dim)
-    buffers = [fabric.buffer(name, gathered, query.dtype) for name in ("q", "k", "v")]
-    out = fabric.buffer("out", (batch, layout.text_len + layout.local_len, heads, head_dim), query.dtype)
+    rows = {"q": layout.query_gathered_len, "k": layout.gathered_len, "v": layout.gathered_len}
+    buffers = [fabric.buffer(name, (batch, rows[name], share, head_dim), query.dtype) for name in rows]
+    out = fabric.buffer("out", query.shape, query.dtype)
 
     for buffer, tensor in zip(buffers, (query, key, value)):
         text, image = layout.split(tensor)
-        scatter_heads(image, buffer.destinations, buffer.tensor, row0=layout.image_row0)
-        if layout.text_len:
-            buffer.tensor[:, : layout.text_len] = text[:, :, own_heads]
+        text_rows = text.shape[1]
+        scatter_heads(image, buffer.destinations, buffer.tensor, row0=layout.image_row0(text_rows))
+        if text_rows:
+            buffer.tensor[:, :text_rows] = text[:, :, own_heads]
     yield "fused attention (pre-all-to-all)"
     q, k, v = (b.tensor for b in buffers)
     flash_attention(q, k, v, scale=scale, kv_len=layout.key_len, key_mask=keep_keys(text_mask), out=out.tensor,

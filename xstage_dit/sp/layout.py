@@ -2,7 +2,9 @@
 
 A rank holds q, k, v as diffusers builds them for joint attention, (B, T + L, H, D): T replicated text tokens
 and its L image/video tokens (padding included), text first or last. After the pre-attention all-to-all it holds
-H/N heads of the whole sequence, (B, T + N*L, H/N, D): [text, rank 0's tokens, rank 1's, ...]."""
+H/N heads of the whole sequence, (B, T + N*L, H/N, D): [text, rank 0's tokens, rank 1's, ...]. Models whose text
+is only attended to, never attending (keys-only text), pass queries without the text rows: (B, L, H, D) in,
+(B, N*L, H/N, D) gathered, and the output has the queries' shape."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,9 +17,9 @@ from ..xstage.planner import TileOrder
 
 @dataclass(frozen=True)
 class UlyssesLayout:
-    """text_len: replicated text tokens (0 for models without joint attention), before the image tokens if
-    `text_first`, else after them. seq_len: true image/video tokens of the whole sequence; local_len: tokens per
-    rank, padding included."""
+    """text_len: replicated text tokens of the keys (0 for models without joint attention), before the image tokens
+    if `text_first`, else after them; of the queries too where `text_queries`. seq_len: true image/video tokens of
+    the whole sequence; local_len: tokens per rank, padding included."""
 
     text_len: int
     seq_len: int
@@ -25,6 +27,11 @@ class UlyssesLayout:
     degree: int
     rank: int
     text_first: bool = True
+    text_queries: bool = True
+
+    @property
+    def query_text_len(self) -> int:
+        return self.text_len if self.text_queries else 0
 
     @property
     def padded_len(self) -> int:
@@ -32,23 +39,27 @@ class UlyssesLayout:
 
     @property
     def gathered_len(self) -> int:
-        """Rows of the head-sharded tensors: text, then every rank's image tokens."""
+        """Rows of the head-sharded keys and values: text, then every rank's image tokens."""
         return self.text_len + self.padded_len
+
+    @property
+    def query_gathered_len(self) -> int:
+        return self.query_text_len + self.padded_len
 
     @property
     def key_len(self) -> int:
         """Keys attention sees: the padding at the tail of the gathered sequence is not one."""
         return self.text_len + self.seq_len
 
-    @property
-    def image_row0(self) -> int:
-        """This rank's first image row in the head-sharded tensors."""
-        return self.text_len + self.rank * self.local_len
+    def image_row0(self, text_rows: int) -> int:
+        """This rank's first image row in a head-sharded tensor that starts with `text_rows` text rows."""
+        return text_rows + self.rank * self.local_len
 
     def split(self, joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(text, image) parts of a (B, T + L, ...) tensor."""
+        """(text, image) parts of a (B, T + L, ...) tensor, or of queries without text rows."""
         if self.text_first:
-            return joint[:, : self.text_len], joint[:, self.text_len :]
+            text_rows = joint.shape[1] - self.local_len
+            return joint[:, :text_rows], joint[:, text_rows:]
         return joint[:, self.local_len :], joint[:, : self.local_len]
 
     def join(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
@@ -60,17 +71,18 @@ class UlyssesLayout:
         r + 1's image rows (so that ranks do not all store into one destination at once)."""
         if order is TileOrder.RANK_MAJOR:
             return 0
-        return self.text_len + (self.rank + 1) % self.degree * self.local_len
+        return self.query_text_len + (self.rank + 1) % self.degree * self.local_len
 
     def output_scatter(self, destinations: torch.Tensor, heads_per_rank: int, order: TileOrder) -> Scatter:
         """The attention epilogue's stores for this rank's heads: image row r of the head-sharded output to rank
-        r // L at its row r % L, text rows to every rank, into (B, T + L, H, D) buffers at `destinations`."""
+        r // L at its row r % L, text rows to every rank, into buffers shaped like the queries at
+        `destinations`."""
         return Scatter(
             destinations=destinations,
-            text_rows=self.text_len,
+            text_rows=self.query_text_len,
             rows_per_rank=self.local_len,
             text_row0=0 if self.text_first else self.local_len,
-            image_row0=self.text_len if self.text_first else 0,
+            image_row0=self.query_text_len if self.text_first else 0,
             head0=self.rank * heads_per_rank,
             first_row=self.first_row(order),
         )

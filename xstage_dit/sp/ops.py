@@ -33,6 +33,7 @@ def ulysses_attention(
     degree: int,
     rank: int,
     text_first: bool,
+    text_queries: bool,
     backend: str,
     group_name: str,
     scale: float | None,
@@ -41,7 +42,7 @@ def ulysses_attention(
     """The layout travels as its fields (a custom op's arguments are tensors and scalars); `backend` names the
     choice (sp/backends.py) that picks the backend for this call; `attention_backend`, the diffusers attention
     backend the user chose for the model, if any."""
-    layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first)
+    layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first, text_queries)
     chosen = get_choice(backend).pick(query, layout, fabric_ready=fabric_of(group_name) is not None)
     out = chosen.ulysses(query, key, value, layout, _resolve_process_group(group_name), scale, text_mask,
                          gathered_attention(chosen, attention_backend))
@@ -50,8 +51,8 @@ def ulysses_attention(
 
 
 @ulysses_attention.register_fake
-def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, text_first, backend, group_name,
-      scale, attention_backend):
+def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, text_first, text_queries, backend,
+      group_name, scale, attention_backend):
     return torch.empty_like(query)
 
 

@@ -56,7 +56,8 @@ class SequenceParallelPlan:
     text_first: joint attention puts the replicated text tokens before the image tokens (else after).
     check_model: raises, at enable time, for a model configuration the plan cannot shard.
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
-    install: model-specific changes applied with the plan (e.g. a routed MoE), each undone by `.remove()`.
+    install: model-specific changes applied with the plan (e.g. a routed MoE), given the model's token split; each
+        undone by `.remove()`.
     """
 
     family: str
@@ -71,7 +72,7 @@ class SequenceParallelPlan:
     text_first: bool = True
     check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
-    install: Callable[[nn.Module], list[Any]] | None = None
+    install: Callable[[nn.Module, SequenceShard], list[Any]] | None = None
 
 
 def _modules_at(model: nn.Module, path: str) -> list[nn.Module]:
@@ -150,7 +151,7 @@ class AppliedPlan:
         self._marks: list[routing.ActiveMark | cache_hooks.SharedCacheDecisions] = []  # each undone by remove()
 
         shard = attention.shard
-        self._installed = plan.install(model) if plan.install is not None else []
+        self._installed = plan.install(model, shard) if plan.install is not None else []
         if plan.check_inputs is not None:
             self._hooks.append(model.register_forward_pre_hook(
                 _check_inputs_hook(model, plan.check_inputs), with_kwargs=True

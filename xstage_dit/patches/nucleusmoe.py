@@ -1,0 +1,89 @@
+"""NucleusMoE-Image: single-stream blocks whose image queries attend to [image, text] keys (the text is keys only,
+optionally with fewer key/value heads, which the processor repeats before attention), and a mixture of experts
+with expert-choice routing.
+
+Image tokens are split on entry with the image rows of the rotary table; the text stays whole on every rank. The
+model builds its key mask from the local token count. Each MoE layer runs exact expert choice: every rank takes
+the selections one process would make over the whole sequence (sp/expert_choice.py) and runs the routed experts
+on the selected tokens it holds, as one grouped matmul per projection, without host synchronisation."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers import NucleusMoEImageTransformer2DModel
+from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
+from torch import nn
+
+from ..cfg_plan import PAIRS, CfgPlan
+from ..sp import routing
+from ..sp.expert_choice import choose_tokens
+from ..sp.plan import SequenceParallelPlan
+from ..sp.sharding import SequenceShard
+from . import cfg_rules
+
+
+class _ExactExpertChoice:
+    """Replaces one MoE layer's forward with whole-sequence expert choice over `shard`'s split; `remove()` gives
+    the layer its own forward back."""
+
+    def __init__(self, layer: NucleusMoELayer, shard: SequenceShard) -> None:
+        self.layer = layer
+        self.shard = shard
+        layer.forward = self.forward
+
+    def remove(self) -> None:
+        del self.layer.forward
+
+    def forward(self, hidden_states: torch.Tensor, hidden_states_unmodulated: torch.Tensor,
+                timestep: torch.Tensor | None = None) -> torch.Tensor:
+        layer = self.layer
+        batch, local_len, dim = hidden_states.shape
+        router_input = hidden_states_unmodulated
+        if timestep is not None:
+            router_input = torch.cat([timestep.unsqueeze(1).expand(-1, local_len, -1), router_input], dim=-1)
+        logits = layer.gate(router_input)
+        activation = torch.sigmoid if layer.use_sigmoid else lambda x: F.softmax(x, dim=-1)
+        scores = activation(logits.float()).to(logits.dtype)
+
+        choice = choose_tokens(scores, layer.capacity_factor, self.shard)
+        tokens = hidden_states.reshape(batch * local_len, dim)
+        routed = _swiglu_experts(layer.experts.gate_up_proj, layer.experts.down_proj, tokens[choice.rows],
+                                 choice.counts)
+        weights = choice.weights * layer.route_scale
+        routed = (routed.float() * weights.unsqueeze(-1)).to(hidden_states.dtype)
+        # rows past this rank's selections were not computed: they add nothing
+        routed = torch.where(choice.mine.unsqueeze(-1), routed, torch.zeros((), dtype=routed.dtype,
+                                                                            device=routed.device))
+
+        out = layer.shared_expert(hidden_states).reshape(batch * local_len, dim)
+        out = out.scatter_add(0, choice.rows.unsqueeze(-1).expand(-1, dim), routed)
+        return out.reshape(batch, local_len, dim)
+
+
+def _swiglu_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The packed SwiGLU experts on rows grouped by expert, `counts` rows each (rows after them stay
+    uncomputed)."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    gate, up = F.grouped_mm(x, gate_up, offs=offsets).chunk(2, dim=-1)
+    return F.grouped_mm(F.silu(gate) * up, down, offs=offsets).type_as(x)
+
+
+def _install(model: nn.Module, shard: SequenceShard) -> list[Any]:
+    return [_ExactExpertChoice(m, shard) for m in model.modules() if isinstance(m, NucleusMoELayer)]
+
+
+PLANS = {
+    NucleusMoEImageTransformer2DModel: SequenceParallelPlan(
+        family="NucleusMoE-Image",
+        call_site=("diffusers.models.transformers.transformer_nucleusmoe_image", routing.DISPATCH),
+        attention_modules=lambda model: [block.attn for block in model.transformer_blocks],
+        cfg=CfgPlan(PAIRS, output_shape=cfg_rules.token_output_shape, pipeline_uses_cfg=cfg_rules.guidance_above_one),
+        shard_inputs={"": {"hidden_states": 1}},
+        shard_outputs={"pos_embed": {0: 0}},
+        gather_outputs={"proj_out": 1},
+        text_first=False,
+        install=_install,
+    )
+}
