@@ -73,6 +73,8 @@ def test_heads_that_cannot_be_split_name_working_splits(flux_pipe, world, size, 
         ({"timeout_s": 0}, "timeout_s must be a positive number of seconds, got 0"),
         ({"timeout_s": float("inf")}, "timeout_s must be a positive number"),
         ({"cuda_graphs": True}, "cuda_graphs=True needs a GPU; this rank runs on cpu"),
+        ({"expert_parallel": True}, "FluxTransformer2DModel has no mixture-of-experts layers that xstage_dit can "
+                                    "shard"),
     ],
 )
 def test_bad_degrees_and_backends(flux_pipe, world, kwargs, message):
@@ -157,11 +159,23 @@ def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flu
     ({"fuse_rope": "yes"}, r"fuse_rope must be True or False, got 'yes'"),
     ({"cuda_graphs": 1}, r"cuda_graphs must be None \(on where there is a GPU\), True or False, got 1"),
     ({"parallel_vae": "yes"}, r"parallel_vae must be None \(on where supported\), True or False, got 'yes'"),
+    ({"expert_parallel": 1}, r"expert_parallel must be None \(replicated experts\), True or False, got 1"),
 ])
 def test_arguments_of_the_wrong_type_are_named(flux_pipe, world, kwargs, message):
     world(4)
     with pytest.raises(TypeError, match=message):
         xstage_dit.enable(flux_pipe, **kwargs)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("size, message", [
+    (3, r"8 experts do not split over a Ulysses degree of 3; degrees that divide them: \[2, 4, 8\]"),
+    (1, "it needs a Ulysses degree above 1"),
+])
+def test_experts_that_cannot_be_sharded_are_refused(world, size, message):
+    world(size)
+    with pytest.raises(ValueError, match=message):
+        xstage_dit.enable(zoo.build_pipeline("tiny-nucleusmoe"), expert_parallel=True)
     assert not torch.distributed.is_initialized()
 
 

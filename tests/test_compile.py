@@ -210,10 +210,10 @@ def test_hidream_compiles_whole_without_a_graph_break():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
-def _nucleus_blocks_worker() -> None:
+def _nucleus_blocks_worker(expert_parallel: bool) -> None:
     name = "tiny-nucleusmoe"
     pipe, generate = _pipeline(name, steps=2, dtype=torch.bfloat16)
-    xstage_dit.enable(pipe, backend="reference", timeout_s=120)
+    xstage_dit.enable(pipe, backend="reference", timeout_s=120, expert_parallel=expert_parallel)
     eager = generate()
     torch._dynamo.reset()
     counters.clear()
@@ -224,8 +224,10 @@ def _nucleus_blocks_worker() -> None:
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
-def test_nucleusmoe_blocks_compile_on_two_ranks_without_a_graph_break():
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_nucleusmoe_blocks_compile_on_two_ranks_without_a_graph_break(expert_parallel):
     """Stock NucleusMoE cannot compile fullgraph (its experts loop over counts read back from the device); with
-    xstage_dit its exact expert choice (the router scores' all-gather, top-k, grouped experts) traces. bf16:
-    torch._grouped_mm's fake kernel takes bf16 only."""
-    run_on_ranks(2, _nucleus_blocks_worker, deadline_s=300)
+    xstage_dit its exact expert choice (the router scores' all-gather, top-k, grouped experts; expert parallel:
+    the tokens' all-gather and the outputs' reduce-scatter too) traces. bf16: torch._grouped_mm's fake kernel
+    takes bf16 only."""
+    run_on_ranks(2, _nucleus_blocks_worker, expert_parallel, deadline_s=300)

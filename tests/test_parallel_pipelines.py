@@ -65,7 +65,8 @@ def _first_attention(pipe) -> list[torch.nn.Module]:
     return [patches.plan_for(m).attention_modules(m)[0] for m in models]
 
 
-def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, backend: str = "reference") -> None:
+def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, backend: str = "reference",
+                     expert_parallel: bool = False) -> None:
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     # query rows that reach each transformer's first routed attention, per call: proves the sequence is split
@@ -87,7 +88,12 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
     cases = [(batch, size) for batch in BATCHES.get(name, (1, 2)) for size in ("even", "uneven")]
     stock = {case: generate(*case) for case in cases}
 
-    xstage_dit.enable(pipe, cfg_degree=cfg_degree, backend=backend, timeout_s=120)
+    xstage_dit.enable(pipe, cfg_degree=cfg_degree, backend=backend, timeout_s=120, expert_parallel=expert_parallel)
+    if expert_parallel:  # this rank's share of the experts is all its device holds
+        degree = torch.distributed.get_world_size() // cfg_degree
+        experts = {layer.experts.gate_up_proj.shape[0] for layer in pipe.transformer.modules()
+                   if hasattr(layer, "experts")}
+        assert experts == {pipe.transformer.config.num_experts // degree}, experts
     degree = torch.distributed.get_world_size() // cfg_degree
     for case in cases:
         out, tokens = generate(*case)
@@ -105,10 +111,10 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
 
 
 def _pipelines_worker(names: list[str], cfg_degree: int = 1, guidance: float = 3.0,
-                      backend: str = "reference") -> None:
+                      backend: str = "reference", expert_parallel: bool = False) -> None:
     """One spawn of ranks checks several pipelines in turn (a spawn's start-up costs more than a tiny pipeline)."""
     for name in names:
-        _pipeline_worker(name, cfg_degree, guidance, backend)
+        _pipeline_worker(name, cfg_degree, guidance, backend, expert_parallel)
 
 
 # pipelines that take images: Kontext's and Qwen-Image Edit's reference tokens are split with the image tokens,
@@ -152,6 +158,14 @@ def test_cfg_parallel_matches_single_process(world_size: int, guidance: float) -
 def test_overlap_backend_matches_single_process(world_size: int, names: list[str]) -> None:
     """backend="overlap": head chunks in flight while others compute (text first and last, text masks)."""
     run_on_ranks(world_size, _pipelines_worker, names, 1, 3.0, "overlap")
+
+
+@pytest.mark.parametrize("world_size, cfg_degree", [(2, 1), (4, 1), (4, 2)])
+def test_expert_parallel_matches_single_process(world_size: int, cfg_degree: int) -> None:
+    """expert_parallel=True: each rank of a Ulysses group holds 8/N of NucleusMoE's experts, computes every
+    selection of them and the ranks sum each token's contributions; `disable` brings every expert back."""
+    run_on_ranks(world_size, _pipelines_worker, ["tiny-nucleusmoe"], cfg_degree, 3.0, "reference", True,
+                 deadline_s=600)
 
 
 def _bare_transformer_inputs(name: str, generator: torch.Generator) -> dict:

@@ -60,7 +60,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any,
-                 check_inputs: Any, cuda_graphs: Any, parallel_vae: Any) -> None:
+                 check_inputs: Any, cuda_graphs: Any, parallel_vae: Any, expert_parallel: Any) -> None:
     """Each argument's type and range, named in the error with the value given."""
     if ulysses_degree is not None and not (_is_int(ulysses_degree) and ulysses_degree >= 1):
         raise TypeError(f"ulysses_degree must be None or an int >= 1, got {ulysses_degree!r}")
@@ -78,6 +78,8 @@ def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: 
         raise TypeError(f"cuda_graphs must be None (on where there is a GPU), True or False, got {cuda_graphs!r}")
     if parallel_vae is not None and not isinstance(parallel_vae, bool):
         raise TypeError(f"parallel_vae must be None (on where supported), True or False, got {parallel_vae!r}")
+    if expert_parallel is not None and not isinstance(expert_parallel, bool):
+        raise TypeError(f"expert_parallel must be None (replicated experts), True or False, got {expert_parallel!r}")
 
 
 def _ulysses_degree(world_size: int, ulysses_degree: int | None, cfg_degree: int) -> int:
@@ -126,12 +128,34 @@ def _parallel_vae(asked: bool | None, vae: nn.Module | None) -> bool:
     return supported if asked is None else asked
 
 
+def _expert_parallel(asked: bool | None, models: list[nn.Module], degree: int) -> bool:
+    """Experts sharded over the Ulysses group where asked for: the models must have MoE layers whose plan can
+    shard them, with an expert count the degree divides. The default keeps every expert on every rank."""
+    if not asked:
+        return False
+    if degree == 1:
+        raise ValueError("expert_parallel=True shards the experts over the Ulysses group: it needs a Ulysses "
+                         "degree above 1")
+    for model in models:
+        plan = patches.plan_for(model)
+        experts = plan.num_experts(model) if plan.num_experts is not None else 0
+        if not experts:
+            raise ValueError(f"expert_parallel=True: {type(model).__name__} has no mixture-of-experts layers that "
+                             f"xstage_dit can shard (expert parallel runs for NucleusMoE-Image)")
+        if experts % degree:
+            works = [n for n in range(2, experts + 1) if experts % n == 0]
+            raise ValueError(f"expert_parallel=True: {experts} experts do not split over a Ulysses degree of "
+                             f"{degree}; degrees that divide them: {works}")
+    return True
+
+
 def _resolve_config(
     pipe: Any, models: list[nn.Module], ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any,
-    fuse_rope: Any, check_inputs: Any, cuda_graphs: Any, parallel_vae: Any,
+    fuse_rope: Any, check_inputs: Any, cuda_graphs: Any, parallel_vae: Any, expert_parallel: Any,
 ) -> XStageConfig:
     """Check every argument against the job and the models, before any collective."""
-    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs, cuda_graphs, parallel_vae)
+    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs, cuda_graphs, parallel_vae,
+                 expert_parallel)
     world_size, _ = world_from_env()
     degree = _ulysses_degree(world_size, ulysses_degree, cfg_degree)
     for model in models:
@@ -143,13 +167,15 @@ def _resolve_config(
     return XStageConfig(ulysses_degree=degree, cfg_degree=int(cfg_degree), backend=backend,
                         timeout_s=float(timeout_s), fuse_rope=fuse_rope, check_inputs=check_inputs,
                         cuda_graphs=_cuda_graphs(cuda_graphs, local_device()),
-                        parallel_vae=_parallel_vae(parallel_vae, getattr(pipe, "vae", None)))
+                        parallel_vae=_parallel_vae(parallel_vae, getattr(pipe, "vae", None)),
+                        expert_parallel=_expert_parallel(expert_parallel, models, degree))
 
 
 def _fingerprint(models: list[nn.Module], config: XStageConfig) -> Fingerprint:
     """What every rank's `enable` must agree on: the resolved arguments, the models' classes and weights."""
     fingerprint = Fingerprint()
-    for name in ("ulysses_degree", "cfg_degree", "backend", "timeout_s", "fuse_rope", "cuda_graphs", "parallel_vae"):
+    for name in ("ulysses_degree", "cfg_degree", "backend", "timeout_s", "fuse_rope", "cuda_graphs", "parallel_vae",
+                 "expert_parallel"):
         fingerprint.add(name, getattr(config, name))
     for model in models:
         fingerprint.add("model class", type(model).__name__)
@@ -176,6 +202,7 @@ def enable(
     check_inputs: bool = True,
     cuda_graphs: bool | None = None,
     parallel_vae: bool | None = None,
+    expert_parallel: bool | None = None,
 ) -> Any:
     """Run `pipe`'s transformer(s) with Ulysses sequence parallelism across the job's ranks; returns `pipe`.
 
@@ -190,6 +217,8 @@ def enable(
     in a CUDA graph and replays it (runtime/cuda_graphs.py); a forward that cannot be captured runs eagerly,
     with one warning saying why. `parallel_vae` (default: on where the pipeline's VAE is supported) splits the
     VAE decode by rows across all the job's ranks (vae/); every rank still returns the whole image or video.
+    `expert_parallel=True` shards a mixture of experts over the Ulysses group (each rank keeps E/N experts on its
+    device and the others on the host until `disable`); the default keeps every expert on every rank.
 
     A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
     arguments: its calls then take part in the CFG split too; other arguments are refused."""
@@ -199,7 +228,7 @@ def enable(
             isinstance(pipe, ModelMixin) and enabled[0] is not None):
         raise RuntimeError(f"xstage_dit.enable was already called on this {type(models[0]).__name__}")
     config = _resolve_config(pipe, models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs,
-                             cuda_graphs, parallel_vae)
+                             cuda_graphs, parallel_vae, expert_parallel)
     if any(state is not None for state in enabled):
         return _attach(pipe, models, enabled, config)
     ensure_process_group(config.timeout_s)
@@ -221,7 +250,7 @@ def enable(
         plan = patches.plan_for(model)
         shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
         attention = UlyssesAttention(shard, choice, plan.text_first, config.fuse_rope)
-        parts: list[Any] = [AppliedPlan(model, plan, attention)]
+        parts: list[Any] = [AppliedPlan(model, plan, attention, config.expert_parallel)]
         if graphs:  # inside the CFG split: a graph holds this rank's branch, the swap stays outside
             parts.append(GraphedForward(model, groups.device, _cross_rank_work(groups, config, fabric),
                                         functools.partial(stateful_hooks, model)))

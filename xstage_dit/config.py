@@ -17,6 +17,7 @@ class XStageConfig:
         models (weights included).
     cuda_graphs: each transformer's forward is captured per input signature in a CUDA graph and replayed.
     parallel_vae: the VAE decode is split by rows across all the job's ranks.
+    expert_parallel: mixture-of-experts layers keep E/N experts per rank of the Ulysses group (else all).
     """
 
     ulysses_degree: int
@@ -27,3 +28,4 @@ class XStageConfig:
     check_inputs: bool = True
     cuda_graphs: bool = False
     parallel_vae: bool = False
+    expert_parallel: bool = False

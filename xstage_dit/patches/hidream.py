@@ -18,8 +18,7 @@ from torch import nn
 from ..cfg_plan import BATCH, CfgPlan
 from ..moe import GroupedSwiGLUExperts, dispatch
 from ..sp import routing
-from ..sp.plan import SequenceParallelPlan
-from ..sp.sharding import SequenceShard
+from ..sp.plan import PlanContext, SequenceParallelPlan
 
 
 class _PatchifyFirst:
@@ -62,7 +61,7 @@ class _GroupedMoE:
         del self.layer.moe_infer
 
 
-def _install(model: nn.Module, shard: SequenceShard) -> list[Any]:
+def _install(model: nn.Module, context: PlanContext) -> list[Any]:
     return [_PatchifyFirst(model)] + [_GroupedMoE(m) for m in model.modules() if isinstance(m, MOEFeedForwardSwiGLU)]
 
 

@@ -5,7 +5,8 @@ with expert-choice routing.
 Image tokens are split on entry with the image rows of the rotary table; the text stays whole on every rank. The
 model builds its key mask from the local token count. Each MoE layer runs exact expert choice: every rank takes
 the selections one process would make over the whole sequence (sp/expert_choice.py) and runs the routed experts
-on the selected tokens it holds, as one grouped matmul per projection, without host synchronisation."""
+on the selected tokens it holds, as one grouped matmul per projection, without host synchronisation; or, with
+`expert_parallel`, on every selection of the experts it owns (sp/expert_choice.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -18,23 +19,35 @@ from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
-from ..sp.expert_choice import choose_tokens
-from ..sp.plan import SequenceParallelPlan
-from ..sp.sharding import SequenceShard
+from ..sp.expert_choice import choose_for_experts, choose_tokens, gather_tokens, reduce_tokens
+from ..sp.plan import PlanContext, SequenceParallelPlan
 from . import cfg_rules
 
 
 class _ExactExpertChoice:
-    """Replaces one MoE layer's forward with whole-sequence expert choice over `shard`'s split; `remove()` gives
-    the layer its own forward back."""
+    """Replaces one MoE layer's forward with whole-sequence expert choice over the plan's split, with every expert
+    on every rank or, `expert_parallel`, E/N of them per rank (the others' weights move to the host, so the GPU
+    holds only this rank's); `remove()` gives the layer its forward and weights back."""
 
-    def __init__(self, layer: NucleusMoELayer, shard: SequenceShard) -> None:
+    def __init__(self, layer: NucleusMoELayer, context: PlanContext) -> None:
         self.layer = layer
-        self.shard = shard
+        self.shard = context.shard
+        self.own: slice | None = None
+        self._whole: dict[str, torch.Tensor] = {}
+        if context.expert_parallel:
+            share = layer.num_experts // self.shard.degree
+            self.own = slice(self.shard.rank * share, (self.shard.rank + 1) * share)
+            for name in ("gate_up_proj", "down_proj"):
+                weight = getattr(layer.experts, name)
+                self._whole[name] = weight.data.to("cpu")
+                weight.data = weight.data[self.own].clone()
         layer.forward = self.forward
 
     def remove(self) -> None:
         del self.layer.forward
+        for name, whole in self._whole.items():
+            weight = getattr(self.layer.experts, name)
+            weight.data = whole.to(weight.device)
 
     def forward(self, hidden_states: torch.Tensor, hidden_states_unmodulated: torch.Tensor,
                 timestep: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,9 +59,14 @@ class _ExactExpertChoice:
         logits = layer.gate(router_input)
         activation = torch.sigmoid if layer.use_sigmoid else lambda x: F.softmax(x, dim=-1)
         scores = activation(logits.float()).to(logits.dtype)
+        shared = layer.shared_expert(hidden_states)
+        if self.own is None:
+            choice = choose_tokens(scores, layer.capacity_factor, self.shard)
+            tokens = hidden_states.reshape(batch * local_len, dim)
+        else:
+            choice = choose_for_experts(scores, layer.capacity_factor, self.shard, self.own)
+            tokens = gather_tokens(hidden_states, self.shard)
 
-        choice = choose_tokens(scores, layer.capacity_factor, self.shard)
-        tokens = hidden_states.reshape(batch * local_len, dim)
         routed = _swiglu_experts(layer.experts.gate_up_proj, layer.experts.down_proj, tokens[choice.rows],
                                  choice.counts)
         weights = choice.weights * layer.route_scale
@@ -56,10 +74,12 @@ class _ExactExpertChoice:
         # rows past this rank's selections were not computed: they add nothing
         routed = torch.where(choice.mine.unsqueeze(-1), routed, torch.zeros((), dtype=routed.dtype,
                                                                             device=routed.device))
-
-        out = layer.shared_expert(hidden_states).reshape(batch * local_len, dim)
-        out = out.scatter_add(0, choice.rows.unsqueeze(-1).expand(-1, dim), routed)
-        return out.reshape(batch, local_len, dim)
+        if self.own is None:
+            out = shared.reshape(batch * local_len, dim)
+            out = out.scatter_add(0, choice.rows.unsqueeze(-1).expand(-1, dim), routed)
+            return out.reshape(batch, local_len, dim)
+        partial = torch.zeros_like(tokens).index_add_(0, choice.rows, routed)
+        return shared + reduce_tokens(partial, self.shard, batch)
 
 
 def _swiglu_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -70,8 +90,12 @@ def _swiglu_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, 
     return F.grouped_mm(F.silu(gate) * up, down, offs=offsets).type_as(x)
 
 
-def _install(model: nn.Module, shard: SequenceShard) -> list[Any]:
-    return [_ExactExpertChoice(m, shard) for m in model.modules() if isinstance(m, NucleusMoELayer)]
+def _install(model: nn.Module, context: PlanContext) -> list[Any]:
+    return [_ExactExpertChoice(m, context) for m in model.modules() if isinstance(m, NucleusMoELayer)]
+
+
+def _num_experts(model: nn.Module) -> int:
+    return model.config.num_experts if model.config.moe_enabled else 0
 
 
 PLANS = {
@@ -85,5 +109,6 @@ PLANS = {
         gather_outputs={"proj_out": 1},
         text_first=False,
         install=_install,
+        num_experts=_num_experts,
     )
 }

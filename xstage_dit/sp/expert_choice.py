@@ -3,15 +3,18 @@
 In expert-choice routing each expert takes the top C = ceil(capacity_factor * S / E) tokens of a sample's whole
 sequence. A rank that ranked only its own S/N tokens would pick other tokens than one process does, so the
 router scores of every rank are gathered (they are small: S x E per sample) and every rank takes the one-process
-selection, then keeps the selections whose token it holds. No size leaves the device: the selections keep the
-static shape (E * B * C,), this rank's first, grouped by expert, with their count per expert for a grouped matmul
-that computes only those."""
+selection. Replicated experts: a rank keeps the selections whose token it holds; no size leaves the device, the
+selections keep the static shape (E * B * C,), this rank's first, grouped by expert, with their count per expert
+for a grouped matmul that computes only those. Expert parallel: a rank owns E/N experts, gathers the group's
+tokens, computes every selection of its experts (B * C each) and the ranks sum their contributions to each
+token in one reduce-scatter."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..runtime.distributed import all_gather_into, waiting_for
 from .sharding import SequenceShard
@@ -32,9 +35,16 @@ class ExpertChoice:
     counts: torch.Tensor
 
 
-def choose_tokens(scores: torch.Tensor, capacity_factor: float, shard: SequenceShard) -> ExpertChoice:
-    """`scores`: this rank's router scores, (B, L, E), L its tokens (padding included); at degree 1, L is the
-    whole sequence."""
+@dataclass(frozen=True)
+class _Selection:
+    """The one-process selection: `token` (E, B, C) positions in each sample's sequence, `weights` (E * B * C,)
+    expert-major."""
+
+    token: torch.Tensor
+    weights: torch.Tensor
+
+
+def _select(scores: torch.Tensor, capacity_factor: float, shard: SequenceShard) -> _Selection:
     batch, local_len, num_experts = scores.shape
     if shard.degree > 1:
         whole = scores.new_empty((shard.degree * batch, local_len, num_experts))
@@ -49,16 +59,61 @@ def choose_tokens(scores: torch.Tensor, capacity_factor: float, shard: SequenceS
     affinity = whole.transpose(1, 2)  # (B, E, S)
     top = torch.topk(affinity, k=capacity, dim=-1)
     gating = affinity.gather(-1, top.indices).transpose(0, 1).reshape(-1)  # expert-major, as one process
-    token = top.indices.transpose(0, 1).reshape(-1)
-    sample = torch.arange(batch, device=scores.device).view(1, batch, 1).expand(num_experts, -1, capacity).reshape(-1)
-    flat = sample * seq_len + token
+    token = top.indices.transpose(0, 1)
+    flat = _samples(token) * seq_len + token.reshape(-1)
     sums = torch.zeros(batch * seq_len, dtype=gating.dtype, device=scores.device).scatter_add_(0, flat, gating)
-    weights = gating / (sums[flat] + 1e-12)
+    return _Selection(token=token, weights=gating / (sums[flat] + 1e-12))
 
+
+def _samples(token: torch.Tensor) -> torch.Tensor:
+    """The sample of each selection of an (E, B, C) selection, flattened."""
+    experts, batch, capacity = token.shape
+    return torch.arange(batch, device=token.device).view(1, batch, 1).expand(experts, -1, capacity).reshape(-1)
+
+
+def choose_tokens(scores: torch.Tensor, capacity_factor: float, shard: SequenceShard) -> ExpertChoice:
+    """Every expert on every rank (replicated): the selections of this rank's tokens. `scores`: this rank's router
+    scores, (B, L, E), L its tokens (padding included); at degree 1, L is the whole sequence."""
+    batch, local_len, num_experts = scores.shape
+    selection = _select(scores, capacity_factor, shard)
+    token = selection.token.reshape(-1)
     local = token - shard.rank * local_len
     mine = (local >= 0) & (local < local_len)
-    rows = torch.where(mine, sample * local_len + local, 0)
-    expert = torch.arange(num_experts, device=scores.device).repeat_interleave(batch * capacity)
+    rows = torch.where(mine, _samples(selection.token) * local_len + local, 0)
+    expert = torch.arange(num_experts, device=scores.device).repeat_interleave(token.numel() // num_experts)
     order = torch.where(mine, expert, num_experts).argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=scores.device).index_add_(0, expert, mine.long())
-    return ExpertChoice(rows=rows[order], mine=mine[order], weights=weights[order], counts=counts)
+    return ExpertChoice(rows=rows[order], mine=mine[order], weights=selection.weights[order], counts=counts)
+
+
+def choose_for_experts(scores: torch.Tensor, capacity_factor: float, shard: SequenceShard,
+                       experts: slice) -> ExpertChoice:
+    """Expert parallel: every selection of the experts this rank owns (`experts`), whichever rank holds the
+    token; `rows` index the group's gathered tokens (`gather_tokens`). Each expert takes B * C tokens: the
+    shapes are static."""
+    batch, local_len, _ = scores.shape
+    selection = _select(scores, capacity_factor, shard)
+    token = selection.token[experts]
+    owner, local = token // local_len, token % local_len
+    rows = (owner * batch + _samples(token).view_as(token)) * local_len + local
+    per_expert = batch * token.shape[-1]
+    weights = selection.weights[experts.start * per_expert : experts.stop * per_expert]
+    return ExpertChoice(rows=rows.reshape(-1), mine=torch.ones_like(weights, dtype=torch.bool), weights=weights,
+                        counts=torch.full((token.shape[0],), per_expert, dtype=torch.int64, device=scores.device))
+
+
+def gather_tokens(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """Every rank's (B, L, C) tokens, as (N * B * L, C) rows, rank-major."""
+    whole = x.new_empty((shard.degree * x.shape[0], *x.shape[1:]))
+    with waiting_for(lambda: "the other ranks' tokens for its experts"):
+        all_gather_into(whole, x.contiguous(), shard.group)
+    return whole.flatten(0, 1)
+
+
+def reduce_tokens(partial: torch.Tensor, shard: SequenceShard, batch: int) -> torch.Tensor:
+    """This rank's (B, L, C) share of the sum over ranks of (N * B * L, C) per-token contributions."""
+    parts = partial.view(shard.degree * batch, -1, partial.shape[-1])
+    mine = parts.new_empty((batch, *parts.shape[1:]))
+    with waiting_for(lambda: "the other ranks' expert outputs for its tokens"), torch.no_grad():
+        dist.reduce_scatter_tensor(mine, parts, group=shard.group)
+    return mine

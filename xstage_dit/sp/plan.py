@@ -38,6 +38,15 @@ class JointText:
 
 
 @dataclass(frozen=True)
+class PlanContext:
+    """What a plan's `install` is given: the model's token split, and whether its MoE layers run expert
+    parallel (each rank owning E/N experts) rather than replicated."""
+
+    shard: SequenceShard
+    expert_parallel: bool = False
+
+
+@dataclass(frozen=True)
 class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
 
@@ -56,8 +65,9 @@ class SequenceParallelPlan:
     text_first: joint attention puts the replicated text tokens before the image tokens (else after).
     check_model: raises, at enable time, for a model configuration the plan cannot shard.
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
-    install: model-specific changes applied with the plan (e.g. a routed MoE), given the model's token split; each
-        undone by `.remove()`.
+    install: model-specific changes applied with the plan (e.g. a routed MoE), given a PlanContext; each undone by
+        `.remove()`.
+    num_experts: routed experts per MoE layer where the plan's MoE can run expert parallel (0: no MoE layers).
     """
 
     family: str
@@ -72,7 +82,8 @@ class SequenceParallelPlan:
     text_first: bool = True
     check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
-    install: Callable[[nn.Module, SequenceShard], list[Any]] | None = None
+    install: Callable[[nn.Module, PlanContext], list[Any]] | None = None
+    num_experts: Callable[[nn.Module], int] | None = None
 
 
 def _modules_at(model: nn.Module, path: str) -> list[nn.Module]:
@@ -144,14 +155,15 @@ def _gather_output_hook(shard: SequenceShard, dim: int):
 class AppliedPlan:
     """A plan applied to one model; `remove()` restores the model exactly."""
 
-    def __init__(self, model: nn.Module, plan: SequenceParallelPlan, attention: UlyssesAttention) -> None:
+    def __init__(self, model: nn.Module, plan: SequenceParallelPlan, attention: UlyssesAttention,
+                 expert_parallel: bool = False) -> None:
         self.plan = plan
         self.attention = attention
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._marks: list[routing.ActiveMark | cache_hooks.SharedCacheDecisions] = []  # each undone by remove()
 
         shard = attention.shard
-        self._installed = plan.install(model, shard) if plan.install is not None else []
+        self._installed = plan.install(model, PlanContext(shard, expert_parallel)) if plan.install is not None else []
         if plan.check_inputs is not None:
             self._hooks.append(model.register_forward_pre_hook(
                 _check_inputs_hook(model, plan.check_inputs), with_kwargs=True
