@@ -6,14 +6,18 @@ Image tokens are split on entry with the image rows of the rotary table; the tex
 model builds its key mask from the local token count. Each MoE layer runs exact expert choice: every rank takes
 the selections one process would make over the whole sequence (sp/expert_choice.py) and runs the routed experts
 on the selected tokens it holds, as one grouped matmul per projection, without host synchronisation; or, with
-`expert_parallel`, on every selection of the experts it owns (sp/expert_choice.py)."""
+`expert_parallel`, on every selection of the experts it owns (sp/expert_choice.py). The model's rotary tables
+and prompt lengths are computed without host-to-device copies, so that its forward can be captured in a CUDA
+graph."""
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from diffusers import NucleusMoEImageTransformer2DModel
+from diffusers.models.transformers import transformer_nucleusmoe_image
 from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
 from torch import nn
 
@@ -90,8 +94,67 @@ def _swiglu_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, 
     return F.grouped_mm(F.silu(gate) * up, down, offs=offsets).type_as(x)
 
 
+class _TablesOnTheDevice:
+    """The rotary tables of each (image shapes, text length, device) computed once and kept: diffusers rebuilds
+    them every forward from host tables and host scalars, copies that a CUDA graph cannot hold."""
+
+    def __init__(self, pos_embed: nn.Module) -> None:
+        self.pos_embed = pos_embed
+        self._tables: collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
+        pos_embed.forward = self.forward
+
+    def remove(self) -> None:
+        del self.pos_embed.forward
+
+    def forward(self, video_fhw: Any, device: torch.device | None = None,
+                max_txt_seq_len: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (repr(video_fhw), str(device), int(max_txt_seq_len) if max_txt_seq_len is not None else None)
+        if key not in self._tables:
+            self._tables[key] = type(self.pos_embed).forward(self.pos_embed, video_fhw, device, max_txt_seq_len)
+            if len(self._tables) > _KEPT_TABLES:
+                self._tables.popitem(last=False)
+        self._tables.move_to_end(key)
+        return self._tables[key]
+
+
+_KEPT_TABLES = 8
+
+
+def _text_lengths(encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None):
+    """diffusers' `_compute_text_seq_len_from_mask` without its host-to-device copy of a scalar."""
+    batch_size, text_seq_len = encoder_hidden_states.shape[:2]
+    if encoder_hidden_states_mask is None:
+        return text_seq_len, None, None
+    if encoder_hidden_states_mask.shape[:2] != (batch_size, text_seq_len):
+        raise ValueError(f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
+                         f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len}).")
+    mask = encoder_hidden_states_mask.to(torch.bool)
+    positions = torch.arange(text_seq_len, device=mask.device)
+    last = torch.where(mask, positions, 0).max(dim=1).values + 1
+    return text_seq_len, last.masked_fill(~mask.any(dim=1), text_seq_len), mask
+
+
+class _SyncFreeTextLengths:
+    """Rebinds the model module's `_compute_text_seq_len_from_mask` (called by name in its forward) to
+    `_text_lengths` while any NucleusMoE model is enabled."""
+
+    holders = 0
+    original = transformer_nucleusmoe_image._compute_text_seq_len_from_mask
+
+    def __init__(self) -> None:
+        if _SyncFreeTextLengths.holders == 0:
+            transformer_nucleusmoe_image._compute_text_seq_len_from_mask = _text_lengths
+        _SyncFreeTextLengths.holders += 1
+
+    def remove(self) -> None:
+        _SyncFreeTextLengths.holders -= 1
+        if _SyncFreeTextLengths.holders == 0:
+            transformer_nucleusmoe_image._compute_text_seq_len_from_mask = _SyncFreeTextLengths.original
+
+
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
-    return [_ExactExpertChoice(m, context) for m in model.modules() if isinstance(m, NucleusMoELayer)]
+    return ([_TablesOnTheDevice(model.pos_embed), _SyncFreeTextLengths()]
+            + [_ExactExpertChoice(m, context) for m in model.modules() if isinstance(m, NucleusMoELayer)])
 
 
 def _num_experts(model: nn.Module) -> int:
