@@ -2,6 +2,7 @@
 variables, the way torchrun starts them; fail the calling test with the workers' error or on a deadline."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -12,7 +13,9 @@ import torch.multiprocessing as mp
 from xstage_dit.runtime.distributed import free_port
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, deadline_s: float, fn: Callable[..., Any], args: tuple) -> None:
+    # a rank still running shortly before the caller's deadline prints where each of its threads is stuck
+    faulthandler.dump_traceback_later(max(1.0, deadline_s - 10), exit=False)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -44,7 +47,8 @@ def share_one_gpu() -> None:
 def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 300.0) -> None:
     """Call fn(*args) on `world_size` spawned processes; re-raise the first worker failure."""
     context = mp.start_processes(
-        _worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False, start_method="spawn"
+        _worker, args=(world_size, free_port(), deadline_s, fn, args), nprocs=world_size, join=False,
+        start_method="spawn"
     )
     end = time.monotonic() + deadline_s
     while not context.join(timeout=1.0):

@@ -81,7 +81,7 @@ def _two_rank_worker(name: str, backend: str, cfg_degree: int) -> None:
     ("tiny-nucleusmoe-d64", "fused", 1),  # keys-only text; expert choice's score gather in the graph
 ])
 def test_two_ranks_replays_equal_eager(name, backend, cfg_degree):
-    run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, deadline_s=300)
+    run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, deadline_s=150)
 
 
 def test_a_cached_forward_runs_eagerly_with_one_warning(caplog):
