@@ -119,6 +119,8 @@ FAMILIES: dict[str, Family] = {
                         "CogVideoXDDIMScheduler", _embeds_and_pooled, video=True, fps=8),
     "hidream": Family("HiDreamImagePipeline", "HiDreamImageTransformer2DModel", "AutoencoderKL",
                       "FlowMatchEulerDiscreteScheduler", _hidream_text),
+    "flux2": Family("Flux2Pipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2", "FlowMatchEulerDiscreteScheduler",
+                    _embeds_and_pooled),
     "nucleusmoe": Family(
         "NucleusMoEImagePipeline", "NucleusMoEImageTransformer2DModel", "AutoencoderKLQwenImage",
         "FlowMatchEulerDiscreteScheduler", _masked("prompt_embeds_mask", "negative_prompt_embeds_mask")),
@@ -200,6 +202,16 @@ ZOO: dict[str, ZooEntry] = {
         text_len=11, text_dim=32, text_padding=4, height=32, width=48,
         scheduler={"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192, "max_shift": 0.9,
                    "shift": 1.0, "use_dynamic_shifting": True, "time_shift_type": "exponential"},
+    ),
+    "tiny-flux2": ZooEntry(
+        family="flux2",
+        transformer={"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1,
+                     "attention_head_dim": 16, "num_attention_heads": _TINY_HEADS, "joint_attention_dim": 32,
+                     "timestep_guidance_channels": 32, "axes_dims_rope": (4, 4, 4, 4), "guidance_embeds": True},
+        vae={"block_out_channels": (8, 16), "latent_channels": 4, "norm_num_groups": 4, "layers_per_block": 1,
+             "down_block_types": ("DownEncoderBlock2D",) * 2, "up_block_types": ("UpDecoderBlock2D",) * 2,
+             "sample_size": 32},
+        text_len=8, text_dim=32, height=24, width=32, scheduler=_FLUX_SCHEDULER,
     ),
     # layers 1 and 2 are MoE; 8 experts each take half the tokens (capacity 4) or a quarter (2); 4 key/value heads
     "tiny-nucleusmoe": ZooEntry(
@@ -323,6 +335,15 @@ ZOO.update({
         vae={}, text_len=256, text_dim=3584, text_padding=128,
         scheduler=ZOO["tiny-qwenimage"].scheduler,
     ),
+    # FLUX.2 [dev]: the transformer's defaults are the released config (8 double, 48 single blocks, 48 heads)
+    "flux2-dev": ZooEntry(
+        family="flux2",
+        transformer={"patch_size": 1, "in_channels": 128, "num_layers": 8, "num_single_layers": 48,
+                     "attention_head_dim": 128, "num_attention_heads": 48, "joint_attention_dim": 15360,
+                     "timestep_guidance_channels": 256, "mlp_ratio": 3.0, "axes_dims_rope": (32, 32, 32, 32),
+                     "rope_theta": 2000, "guidance_embeds": True},
+        vae={}, text_len=512, text_dim=15360, scheduler=_FLUX_SCHEDULER,
+    ),
     # 17B parameters, 64 routed experts of which each takes 4 or 2 x S / 64 tokens, blocks 0-2 dense
     "nucleusmoe-image": ZooEntry(
         family="nucleusmoe",
@@ -399,6 +420,11 @@ ZOO["tiny-flux-d64"] = dataclasses.replace(
 # the released config asks for grouped expert matmuls; diffusers' default loops over the experts with a host sync
 ZOO["nucleusmoe-image-loop"] = dataclasses.replace(ZOO["nucleusmoe-image"], transformer={
     **ZOO["nucleusmoe-image"].transformer, "use_grouped_mm": False})
+# FLUX.2 [klein]: no guidance embedding, true CFG in pairs of calls unless the pipeline is configured distilled
+ZOO["tiny-flux2-klein"] = dataclasses.replace(ZOO["tiny-flux2"], pipeline="Flux2KleinPipeline", transformer={
+    **ZOO["tiny-flux2"].transformer, "guidance_embeds": False})
+# FLUX.2 with a reference image: its latents' tokens are appended to the image tokens
+ZOO["tiny-flux2-edit"] = dataclasses.replace(ZOO["tiny-flux2"], images={"image": (64, 80)})
 ZOO["tiny-nucleusmoe-d64"] = dataclasses.replace(ZOO["tiny-nucleusmoe"], transformer={
     **ZOO["tiny-nucleusmoe"].transformer, "attention_head_dim": 64, "axes_dims_rope": (16, 24, 24)})
 ZOO["tiny-wan-d64"] = dataclasses.replace(ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "attention_head_dim": 64})

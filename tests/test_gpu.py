@@ -46,10 +46,11 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-wan-d64": {"height": 16, "width": 112, "num_frames": 17},
          "tiny-hunyuan-video": {"height": 16, "width": 112, "num_frames": 17},
          "tiny-nucleusmoe": {"height": 40, "width": 56, "num_frames": 1},
+         "tiny-flux2": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-nucleusmoe-d64": {"height": 40, "width": 56, "num_frames": 1}}
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-nucleusmoe"])
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2"])
 def test_degree_one_on_gpu_matches_stock(name):
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)

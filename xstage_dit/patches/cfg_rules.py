@@ -36,3 +36,9 @@ def true_cfg(a: dict[str, Any]) -> bool:
 def guidance_above_one(a: dict[str, Any]) -> bool:
     """WanPipeline (do_classifier_free_guidance)."""
     return a.get("guidance_scale", 1.0) > 1
+
+
+def guidance_above_one_unless_distilled(a: dict[str, Any]) -> bool:
+    """Flux2KleinPipeline: guidance_scale > 1 on a pipeline not configured `is_distilled`; Flux2Pipeline, whose
+    config has no such entry, embeds its guidance and never calls the transformer twice."""
+    return a.get("guidance_scale", 1.0) > 1 and not getattr(a["self"].config, "is_distilled", True)
