@@ -119,6 +119,8 @@ FAMILIES: dict[str, Family] = {
                         "CogVideoXDDIMScheduler", _embeds_and_pooled, video=True, fps=8),
     "hidream": Family("HiDreamImagePipeline", "HiDreamImageTransformer2DModel", "AutoencoderKL",
                       "FlowMatchEulerDiscreteScheduler", _hidream_text),
+    "wan-vace": Family("WanVACEPipeline", "WanVACETransformer3DModel", "AutoencoderKLWan", "UniPCMultistepScheduler",
+                       _embeds_and_pooled, video=True, vae_float32=True),
     "flux2": Family("Flux2Pipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2", "FlowMatchEulerDiscreteScheduler",
                     _embeds_and_pooled),
     "nucleusmoe": Family(
@@ -425,6 +427,12 @@ ZOO["tiny-flux2-klein"] = dataclasses.replace(ZOO["tiny-flux2"], pipeline="Flux2
     **ZOO["tiny-flux2"].transformer, "guidance_embeds": False})
 # FLUX.2 with a reference image: its latents' tokens are appended to the image tokens
 ZOO["tiny-flux2-edit"] = dataclasses.replace(ZOO["tiny-flux2"], images={"image": (64, 80)})
+# Wan VACE without a control video (its text-to-video use): control blocks before main blocks 0 and 1
+ZOO["tiny-wan-vace"] = dataclasses.replace(ZOO["tiny-wan"], family="wan-vace", transformer={
+    **ZOO["tiny-wan"].transformer, "vace_layers": [0, 1], "vace_in_channels": 96})
+# Wan 2.1 VACE 14B: the 14B transformer with a control block before every fifth block
+ZOO["wan-vace-14b"] = dataclasses.replace(ZOO["wan-14b"], family="wan-vace", transformer={
+    **ZOO["wan-14b"].transformer, "vace_layers": list(range(0, 40, 5)), "vace_in_channels": 96})
 ZOO["tiny-nucleusmoe-d64"] = dataclasses.replace(ZOO["tiny-nucleusmoe"], transformer={
     **ZOO["tiny-nucleusmoe"].transformer, "attention_head_dim": 64, "axes_dims_rope": (16, 24, 24)})
 ZOO["tiny-wan-d64"] = dataclasses.replace(ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "attention_head_dim": 64})

@@ -27,6 +27,7 @@ SIZES = {
     "tiny-wan2.2": _VIDEO_SIZES,
     "tiny-wan2.2-i2v": _VIDEO_SIZES,
     "tiny-wan2.1-i2v": _VIDEO_SIZES,
+    "tiny-wan-vace": _VIDEO_SIZES,
     "tiny-hunyuan-video": _VIDEO_SIZES,
     "tiny-cogvideox": _VIDEO_SIZES,
     "tiny-qwenimage": {"even": {"height": 48, "width": 64, "num_frames": 1},   # 6 x 8
@@ -53,7 +54,8 @@ SIZES["tiny-ltx-i2v"] = SIZES["tiny-ltx-condition"] = SIZES["tiny-ltx"]
 SIZES["tiny-wan2.2-ti2v"] = {"even": {"height": 64, "width": 64, "num_frames": 9},     # 3 frames x 2 x 2 (16x VAE)
                              "uneven": {"height": 32, "width": 224, "num_frames": 17}}  # 5 x 1 x 7
 # EditPlus takes one prompt at a time; Edit's batches are other families' (its ~1024² input image is slow here)
-BATCHES = {"tiny-qwenimage-edit": (1,), "tiny-qwenimage-edit-plus": (1,), "tiny-qwenimage-edit-2511": (1,)}
+BATCHES = {"tiny-qwenimage-edit": (1,), "tiny-qwenimage-edit-plus": (1,), "tiny-qwenimage-edit-2511": (1,),
+           "tiny-wan-vace": (1,)}  # WanVACEPipeline generates one video per call
 TOLERANCE = 1e-4
 
 
@@ -125,11 +127,11 @@ def _pipelines_worker(names: list[str], cfg_degree: int = 1, guidance: float = 3
 ULYSSES = {
     2: ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5",
         "tiny-cogvideox", "tiny-hidream", "tiny-flux-fill", "tiny-wan2.2-i2v", "tiny-qwenimage-edit",
-        "tiny-qwenimage-edit-plus", "tiny-nucleusmoe", "tiny-flux2", "tiny-flux2-klein"],
+        "tiny-qwenimage-edit-plus", "tiny-nucleusmoe", "tiny-flux2", "tiny-flux2-klein", "tiny-wan-vace"],
     3: ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
         "tiny-hidream", "tiny-flux-kontext", "tiny-flux-control", "tiny-ltx-i2v", "tiny-ltx-condition",
         "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-qwenimage-edit-2511", "tiny-nucleusmoe", "tiny-flux2",
-        "tiny-flux2-klein", "tiny-flux2-edit"],
+        "tiny-flux2-klein", "tiny-flux2-edit", "tiny-wan-vace"],
     4: ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2"],
 }
 # (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,
@@ -138,7 +140,8 @@ ULYSSES = {
 CFG = {
     (2, 3.0): ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-sd3.5",
                "tiny-cogvideox", "tiny-ltx", "tiny-hidream", "tiny-flux-kontext", "tiny-wan2.2-i2v", "tiny-ltx-i2v",
-               "tiny-ltx-condition", "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-nucleusmoe", "tiny-flux2-klein"],
+               "tiny-ltx-condition", "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-nucleusmoe", "tiny-flux2-klein",
+               "tiny-wan-vace"],
     (4, 3.0): ["tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5", "tiny-ltx-i2v",
                "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein"],
     (2, 1.0): ["tiny-wan"],
