@@ -141,7 +141,7 @@ def _expert_parallel(asked: bool | None, models: list[nn.Module], degree: int) -
         experts = plan.num_experts(model) if plan.num_experts is not None else 0
         if not experts:
             raise ValueError(f"expert_parallel=True: {type(model).__name__} has no mixture-of-experts layers that "
-                             f"xstage_dit can shard (expert parallel runs for NucleusMoE-Image)")
+                             f"xstage_dit can shard (expert parallel runs for NucleusMoE-Image and HiDream)")
         if experts % degree:
             works = [n for n in range(2, experts + 1) if experts % n == 0]
             raise ValueError(f"expert_parallel=True: {experts} experts do not split over a Ulysses degree of "

@@ -4,7 +4,8 @@ F.scaled_dot_product_attention directly.
 
 The model patchifies its latents inside forward; we do that first (same function), so that image tokens,
 their position ids and HiDream's own padding mask are split on entry like Flux's, and `img_sizes` become
-Python ints (no host sync in unpatchify). The MoE runs sync-free and grouped (xstage_dit.moe)."""
+Python ints (no host sync in unpatchify). The MoE runs sync-free and grouped (xstage_dit.moe), with every
+expert on every rank or, with `expert_parallel`, E/N per rank."""
 from __future__ import annotations
 
 import inspect
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..cfg_plan import BATCH, CfgPlan
 from ..moe import GroupedSwiGLUExperts, dispatch
+from ..sp.expert_choice import gather_tokens, reduce_tokens
 from ..sp import routing
 from ..sp.plan import PlanContext, SequenceParallelPlan
 
@@ -45,24 +47,39 @@ class _PatchifyFirst:
 
 
 class _GroupedMoE:
-    """Replaces one MoE layer's `moe_infer` (a Python loop sized by `.cpu()` counts) with the grouped one."""
+    """Replaces one MoE layer's `moe_infer` (a Python loop sized by `.cpu()` counts) with the grouped one; with
+    `expert_parallel`, this rank holds E/N experts, computes their share of the group's gathered tokens, and the
+    ranks sum each token's contributions in one reduce-scatter."""
 
-    def __init__(self, layer: MOEFeedForwardSwiGLU) -> None:
+    def __init__(self, layer: MOEFeedForwardSwiGLU, context: PlanContext) -> None:
         self.layer = layer
-        experts = GroupedSwiGLUExperts(layer.experts)
+        shard = context.shard
+        held = None
+        if context.expert_parallel:
+            share = len(layer.experts) // shard.degree
+            held = slice(shard.rank * share, (shard.rank + 1) * share)
+        self.experts = experts = GroupedSwiGLUExperts(layer.experts, held)
         top_k = layer.num_activated_experts
 
         def moe_infer(x: torch.Tensor, expert_index: torch.Tensor, expert_weight: torch.Tensor) -> torch.Tensor:
-            return experts(x, dispatch(expert_index, expert_weight.view(-1), top_k, experts.num_experts))
+            if held is None:
+                return experts(x, dispatch(expert_index, expert_weight.view(-1), top_k, experts.num_experts))
+            tokens = gather_tokens(x.unsqueeze(0), shard)
+            index = gather_tokens(expert_index.view(1, -1, top_k), shard).view(-1)
+            weight = gather_tokens(expert_weight.view(1, -1, top_k), shard).view(-1)
+            partial = experts(tokens, dispatch(index, weight, top_k, experts.num_experts, held))
+            return reduce_tokens(partial, shard, batch=1).view_as(x)
 
         layer.moe_infer = moe_infer
 
     def remove(self) -> None:
         del self.layer.moe_infer
+        self.experts.restore()
 
 
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
-    return [_PatchifyFirst(model)] + [_GroupedMoE(m) for m in model.modules() if isinstance(m, MOEFeedForwardSwiGLU)]
+    return [_PatchifyFirst(model)] + [_GroupedMoE(m, context) for m in model.modules()
+                                      if isinstance(m, MOEFeedForwardSwiGLU)]
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -81,5 +98,6 @@ PLANS = {
         gather_outputs={"final_layer": 1},
         text_first=False,
         install=_install,
+        num_experts=lambda model: model.config.num_routed_experts,
     )
 }
