@@ -20,6 +20,8 @@ DEEP = {
     "flux": (diffusers.FluxTransformer2DModel, {**zoo.ZOO["tiny-flux"].transformer, "num_layers": 6,
                                                  "num_single_layers": 10}),
     "wan": (diffusers.WanTransformer3DModel, {**zoo.ZOO["tiny-wan"].transformer, "num_layers": 10}),
+    "flux2": (diffusers.Flux2Transformer2DModel, {**zoo.ZOO["tiny-flux2"].transformer, "num_layers": 6,
+                                                   "num_single_layers": 10}),
 }
 
 
@@ -32,6 +34,12 @@ def _inputs(family: str) -> dict:
                     pooled_projections=torch.randn(1, 32, generator=generator), timestep=torch.tensor([0.5]),
                     guidance=torch.tensor([3.0]), img_ids=torch.randn(tokens, 3, generator=generator),
                     txt_ids=torch.zeros(text, 3), return_dict=False)
+    if family == "flux2":
+        tokens, text = 23, 8
+        return dict(hidden_states=torch.randn(1, tokens, 16, generator=generator),
+                    encoder_hidden_states=torch.randn(1, text, 32, generator=generator), timestep=torch.tensor([0.5]),
+                    guidance=torch.tensor([3.0]), img_ids=torch.randn(1, tokens, 4, generator=generator),
+                    txt_ids=torch.randn(1, text, 4, generator=generator), return_dict=False)
     return dict(hidden_states=torch.randn(1, 16, 3, 6, 10, generator=generator), timestep=torch.tensor([500]),
                 encoder_hidden_states=torch.randn(1, 9, 32, generator=generator), return_dict=False)
 
@@ -99,7 +107,7 @@ def _ranks_worker(family: str, mode: str, extra_graphs: int) -> None:
                          [(family, mode, 2) for family in ("flux", "wan") for mode in ("blocks", "whole")]
                          # each family once more at degree 3 or 4 (uneven token counts there too); the whole-model
                          # mode at those degrees compiles the same blocks and takes minutes of CI
-                         + [("flux", "blocks", 3), ("wan", "blocks", 4)])
+                         + [("flux", "blocks", 3), ("wan", "blocks", 4), ("flux2", "blocks", 2)])
 def test_real_depth_compiles_as_often_as_stock_on_several_ranks(family, mode, world_size):
     # the forward pre-hook that splits the tokens compiles as a graph of its own where it sits on a compiled
     # module: Flux's on the model (torch.compile of the model), Wan's on the first block (compile_repeated_blocks)
