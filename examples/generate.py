@@ -56,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--backend", default="auto", choices=xstage_dit.available_backends())
     parser.add_argument("--ulysses-degree", type=int, help="default: the ranks of each CFG group")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="split a mixture of experts over the Ulysses group (NucleusMoE-Image, HiDream)")
     parser.add_argument("--cfg-degree", type=int, default=1, choices=(1, 2),
                         help="2: split the guidance branches over two groups of ranks")
     parser.add_argument("--output", type=Path, help="output file (default: output.png, or output.gif for video)")
@@ -140,7 +142,8 @@ def main() -> None:
     output = output or output_path(args, is_video=hasattr(pipe, "video_processor"))
     if image is not None:
         call["image"] = image
-    xstage_dit.enable(pipe, backend=args.backend, ulysses_degree=args.ulysses_degree, cfg_degree=args.cfg_degree)
+    xstage_dit.enable(pipe, backend=args.backend, ulysses_degree=args.ulysses_degree, cfg_degree=args.cfg_degree,
+                      expert_parallel=args.expert_parallel)
 
     timer = StepTimer(device)
     timer.start()
