@@ -17,7 +17,8 @@ from ..sp.plan import JointText, SequenceParallelPlan
 from . import cfg_rules
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
+def attention_of_both_streams(model: nn.Module) -> list[nn.Module]:
+    """The `attn` of every dual-stream and single-stream block (the Flux layout, which FLUX.2 keeps)."""
     return [block.attn for block in (*model.transformer_blocks, *model.single_transformer_blocks)]
 
 
@@ -34,7 +35,7 @@ PLANS = {
         family="Flux",
         call_site=("diffusers.models.transformers.transformer_flux", routing.DISPATCH),
         rotary_site="diffusers.models.transformers.transformer_flux",
-        attention_modules=_attention_modules,
+        attention_modules=attention_of_both_streams,
         cfg=CfgPlan(
             PAIRS,
             output_shape=cfg_rules.token_output_shape,

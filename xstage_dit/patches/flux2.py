@@ -10,16 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from diffusers import Flux2Transformer2DModel
-from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
 from ..sp.plan import JointText, SequenceParallelPlan
 from . import cfg_rules
-
-
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    return [block.attn for block in (*model.transformer_blocks, *model.single_transformer_blocks)]
+from .flux import attention_of_both_streams
 
 
 def _check_inputs(arguments: dict[str, Any]) -> None:
@@ -33,7 +29,7 @@ PLANS = {
         family="FLUX.2",
         call_site=("diffusers.models.transformers.transformer_flux2", routing.DISPATCH),
         rotary_site="diffusers.models.transformers.transformer_flux2",
-        attention_modules=_attention_modules,
+        attention_modules=attention_of_both_streams,
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.token_output_shape,
                     pipeline_uses_cfg=cfg_rules.guidance_above_one_unless_distilled),
         # ids are (S, 4) or (B, S, 4): the sequence is the second-to-last dim either way

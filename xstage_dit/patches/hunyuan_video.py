@@ -12,6 +12,7 @@ from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
 from ..sp.plan import SequenceParallelPlan
 from . import cfg_rules
+from .flux import attention_of_both_streams
 
 
 def _check_model(model: nn.Module) -> None:
@@ -25,7 +26,7 @@ PLANS = {
         call_site=("diffusers.models.transformers.transformer_hunyuan_video", routing.DISPATCH),
         # its processor imports apply_rotary_emb from embeddings inside the call
         rotary_site="diffusers.models.embeddings",
-        attention_modules=lambda model: [b.attn for b in (*model.transformer_blocks, *model.single_transformer_blocks)],
+        attention_modules=attention_of_both_streams,
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.video_output_shape,
                     pipeline_uses_cfg=cfg_rules.true_cfg_with_pooled_negatives),
         shard_outputs={"x_embedder": {0: 1}, "rope": {0: 0, 1: 0}},
