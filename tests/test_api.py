@@ -404,3 +404,17 @@ def test_flux2_reference_kv_cache_is_refused_before_any_collective():
             pipe.transformer(**inputs, kv_cache_mode="extract", num_ref_tokens=2)
     finally:
         xstage_dit.disable(pipe)
+
+
+def test_cfg_split_of_a_family_that_guides_otherwise_is_refused(world):
+    """HunyuanVideo 1.5's pipeline guides through a guider: cfg_degree=2 is refused before any collective."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    world(4)
+    model = HunyuanVideo15Transformer3DModel(in_channels=9, out_channels=4, num_attention_heads=4,
+                                             attention_head_dim=16, num_layers=1, num_refiner_layers=1,
+                                             text_embed_dim=32, text_embed_2_dim=24, image_embed_dim=16,
+                                             rope_axes_dim=(4, 6, 6))
+    with pytest.raises(ValueError, match="cfg_degree=2: HunyuanVideo 1.5's pipelines run guidance"):
+        xstage_dit.enable(model, cfg_degree=2)
+    assert not torch.distributed.is_initialized()

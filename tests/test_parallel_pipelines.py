@@ -217,6 +217,42 @@ def test_bare_transformer_matches_single_process(name: str, world_size: int) -> 
     run_on_ranks(world_size, _bare_transformer_worker, name)
 
 
+# HunyuanVideo 1.5 at the transformer (its pipeline's guider and VAE are not in the zoo): tiny widths, two blocks
+_HUNYUAN_VIDEO15 = {"in_channels": 9, "out_channels": 4, "num_attention_heads": 12, "attention_head_dim": 16,
+                    "num_layers": 2, "num_refiner_layers": 1, "text_embed_dim": 32, "text_embed_2_dim": 24,
+                    "image_embed_dim": 16, "rope_axes_dim": (4, 6, 6), "task_type": "t2v"}
+
+
+def _hunyuan_video15_worker() -> None:
+    """35 video tokens (5 frames x 1 x 7), padded prompts of two lengths, text-to-video (zero image embeds)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    torch.manual_seed(0)
+    model = HunyuanVideo15Transformer3DModel(**_HUNYUAN_VIDEO15).eval()
+    generator = torch.Generator().manual_seed(4)
+    mask, mask_2 = torch.ones(2, 6, dtype=torch.long), torch.ones(2, 4, dtype=torch.long)
+    mask[1, 3:], mask_2[0, 2:] = 0, 0
+    inputs = dict(hidden_states=torch.randn(2, 9, 5, 1, 7, generator=generator), timestep=torch.tensor([500.0, 500.0]),
+                  encoder_hidden_states=torch.randn(2, 6, 32, generator=generator), encoder_attention_mask=mask,
+                  encoder_hidden_states_2=torch.randn(2, 4, 24, generator=generator),
+                  encoder_attention_mask_2=mask_2, image_embeds=torch.zeros(2, 3, 16))
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        xstage_dit.enable(model, timeout_s=120)
+        out = model(**inputs).sample
+        xstage_dit.disable(model)
+        again = model(**inputs).sample
+    error = _relative_error(out, ref)
+    assert error < TOLERANCE, f"HunyuanVideo 1.5 transformer: relative error {error:.2e}"
+    assert torch.equal(again, ref), "disable did not restore the model"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hunyuan_video15_transformer_matches_single_process(world_size: int) -> None:
+    """Its (queries x keys) padding masks reach attention as their first row's key-padding mask."""
+    run_on_ranks(world_size, _hunyuan_video15_worker)
+
+
 def _from_pipe_worker() -> None:
     """A pipeline made by from_pipe shares the enabled transformer: called as it is, it warns once that the CFG
     split is off (and still equals one process); enabled with the same arguments it splits the branches;

@@ -10,13 +10,14 @@ from torch import nn
 
 BATCH = "batch"
 PAIRS = "pairs"
+UNSPLIT = "unsplit"  # the family's pipelines guide in a way cfg_degree=2 cannot split (e.g. through a guider)
 
 
 @dataclass(frozen=True)
 class CfgPlan:
     """How a model family's pipelines do CFG.
 
-    mode: BATCH or PAIRS.
+    mode: BATCH, PAIRS, or UNSPLIT (cfg_degree=2 is refused).
     batch_inputs: forward argument name -> its batch dim, for the arguments that carry the batch (BATCH); lists
         (e.g. per-sample sizes) are split like dim 0.
     output_shape: the forward output's shape from the model and the shape of its `hidden_states` input (PAIRS).

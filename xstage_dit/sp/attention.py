@@ -17,11 +17,12 @@ class UlyssesAttention:
     where the active module's settings are)."""
 
     def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
-                 fuse_rope: bool = True) -> None:
+                 fuse_rope: bool = True, query_key_masks: bool = False) -> None:
         self.shard = shard
         self.choice = choice
         self.text_first = text_first
         self.fuse_rope = fuse_rope
+        self.query_key_masks = query_key_masks
 
     def __call__(
         self,
@@ -40,6 +41,8 @@ class UlyssesAttention:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
         if attn_mask is not None and attn_mask.dim() == 2:  # a key-padding mask given as (B, keys)
             attn_mask = attn_mask[:, None, None, :]
+        if attn_mask is not None and self.query_key_masks:  # the row of an unmasked query: its key-padding mask
+            attn_mask = attn_mask[:, :, :1]
         shard = self.shard
         if shard.degree == 1:
             if attention_backend is not None:

@@ -63,6 +63,8 @@ class SequenceParallelPlan:
     rotary_site: the diffusers module whose processors call `apply_rotary_emb` by name, routed to our RoPE
         kernel (routing.ROTARY); None where the family rotates some other way.
     text_first: joint attention puts the replicated text tokens before the image tokens (else after).
+    query_key_masks: the model's attention masks are (B, 1, queries, keys) outer products of a key-padding mask
+        whose first query (an image token) is never masked; attention takes that row as the key-padding mask.
     check_model: raises, at enable time, for a model configuration the plan cannot shard.
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
     install: model-specific changes applied with the plan (e.g. a routed MoE), given a PlanContext; each undone by
@@ -80,6 +82,7 @@ class SequenceParallelPlan:
     gather_outputs: dict[str, int] = field(default_factory=dict)
     rotary_site: str | None = None
     text_first: bool = True
+    query_key_masks: bool = False
     check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
     install: Callable[[nn.Module, PlanContext], list[Any]] | None = None
