@@ -21,8 +21,9 @@ import torch.distributed as dist
 from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
 
 import xstage_dit
+import zoo
 from provenance import provenance, write_records
-from xstage_dit.patches.nucleusmoe import _ExactExpertChoice
+from xstage_dit.patches.nucleusmoe import ExactExpertChoice
 from xstage_dit.runtime import ensure_process_group
 from xstage_dit.sp.plan import PlanContext
 from xstage_dit.sp.sharding import SequenceShard
@@ -36,8 +37,7 @@ def _layer(capacity_factor: float, grouped: bool, device: torch.device) -> Nucle
     with torch.device(device):
         layer = NucleusMoELayer(DIM, EXPERT_DIM, EXPERTS, capacity_factor, use_sigmoid=False, route_scale=2.5,
                                 use_grouped_mm=grouped).to(torch.bfloat16).eval()
-    for weight in (layer.experts.gate_up_proj, layer.experts.down_proj):  # allocated empty by diffusers
-        weight.data.uniform_(-weight.shape[1] ** -0.5, weight.shape[1] ** -0.5)
+    zoo.draw_packed_experts(layer)
     return layer
 
 
@@ -77,7 +77,7 @@ def bench(mode: str, size: str, capacity_factor: float, repeats: int, device: to
     timestep = torch.randn(1, DIM, device=device, dtype=torch.bfloat16, generator=generator)
     wrapper = None
     if mode.startswith("xstage"):
-        wrapper = _ExactExpertChoice(layer, PlanContext(shard, expert_parallel=mode == "xstage-expert-parallel"))
+        wrapper = ExactExpertChoice(layer, PlanContext(shard, expert_parallel=mode == "xstage-expert-parallel"))
     torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         ms = _time(lambda: layer(x, unmodulated, timestep), repeats)

@@ -455,7 +455,7 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
     for model in (*transformers, vae):
         model.eval()  # HiDream's MoE takes another path in training mode
     for model in transformers:
-        _draw_packed_experts(model)
+        draw_packed_experts(model)
         _keep_fp32_modules(model)
     components = {"transformer": transformers[0], "vae": vae,
                   "scheduler": getattr(diffusers, family.scheduler)(**entry.scheduler)}
@@ -500,7 +500,7 @@ def _in_dtype(dtype: torch.dtype, build: Callable[[], torch.nn.Module]) -> torch
         torch.set_default_dtype(previous)
 
 
-def _draw_packed_experts(model: torch.nn.Module) -> None:
+def draw_packed_experts(model: torch.nn.Module) -> None:
     """Draw the packed expert weights (E, in, out) that diffusers allocates and leaves to a checkpoint (NucleusMoE),
     as a Linear layer's of that width would be."""
     for module in model.modules():

@@ -28,7 +28,7 @@ from ..sp.plan import PlanContext, SequenceParallelPlan
 from . import cfg_rules
 
 
-class _ExactExpertChoice:
+class ExactExpertChoice:
     """Replaces one MoE layer's forward with whole-sequence expert choice over the plan's split, with every expert
     on every rank or, `expert_parallel`, E/N of them per rank (the others' weights move to the host, so the GPU
     holds only this rank's); `remove()` gives the layer its forward and weights back."""
@@ -75,9 +75,9 @@ class _ExactExpertChoice:
                                  choice.counts)
         weights = choice.weights * layer.route_scale
         routed = (routed.float() * weights.unsqueeze(-1)).to(hidden_states.dtype)
-        # rows past this rank's selections were not computed: they add nothing
-        routed = torch.where(choice.mine.unsqueeze(-1), routed, torch.zeros((), dtype=routed.dtype,
-                                                                            device=routed.device))
+        if choice.mine is not None:  # rows past this rank's selections were not computed: they add nothing
+            routed = torch.where(choice.mine.unsqueeze(-1), routed, torch.zeros((), dtype=routed.dtype,
+                                                                                device=routed.device))
         if self.own is None:
             out = shared.reshape(batch * local_len, dim)
             out = out.scatter_add(0, choice.rows.unsqueeze(-1).expand(-1, dim), routed)
@@ -154,7 +154,7 @@ class _SyncFreeTextLengths:
 
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
     return ([_TablesOnTheDevice(model.pos_embed), _SyncFreeTextLengths()]
-            + [_ExactExpertChoice(m, context) for m in model.modules() if isinstance(m, NucleusMoELayer)])
+            + [ExactExpertChoice(m, context) for m in model.modules() if isinstance(m, NucleusMoELayer)])
 
 
 def _num_experts(model: nn.Module) -> int:

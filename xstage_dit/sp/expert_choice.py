@@ -25,22 +25,23 @@ class ExpertChoice:
     """One layer's selections on this rank, E * B * C of them, this rank's first and grouped by expert.
 
     rows: the selected token's row in this rank's (B * L) tokens (0 for other ranks' tokens);
-    mine: whether this rank holds the token;
+    mine: whether this rank holds the token; None where it computes every selection (expert parallel);
     weights: the gate weight one process gives the selection (normalised over the experts that took its token);
     counts: this rank's selections per expert, (E,) int64 (the grouped matmul's group sizes)."""
 
     rows: torch.Tensor
-    mine: torch.Tensor
+    mine: torch.Tensor | None
     weights: torch.Tensor
     counts: torch.Tensor
 
 
 @dataclass(frozen=True)
 class _Selection:
-    """The one-process selection: `token` (E, B, C) positions in each sample's sequence, `weights` (E * B * C,)
-    expert-major."""
+    """The one-process selection: `token` (E, B, C) positions in each sample's sequence; `sample` and `weights`
+    (E * B * C,) expert-major: each selection's sample and gate weight."""
 
     token: torch.Tensor
+    sample: torch.Tensor
     weights: torch.Tensor
 
 
@@ -60,15 +61,10 @@ def _select(scores: torch.Tensor, capacity_factor: float, shard: SequenceShard) 
     top = torch.topk(affinity, k=capacity, dim=-1)
     gating = affinity.gather(-1, top.indices).transpose(0, 1).reshape(-1)  # expert-major, as one process
     token = top.indices.transpose(0, 1)
-    flat = _samples(token) * seq_len + token.reshape(-1)
+    sample = torch.arange(batch, device=scores.device).view(1, batch, 1).expand(num_experts, -1, capacity).reshape(-1)
+    flat = sample * seq_len + token.reshape(-1)
     sums = torch.zeros(batch * seq_len, dtype=gating.dtype, device=scores.device).scatter_add_(0, flat, gating)
-    return _Selection(token=token, weights=gating / (sums[flat] + 1e-12))
-
-
-def _samples(token: torch.Tensor) -> torch.Tensor:
-    """The sample of each selection of an (E, B, C) selection, flattened."""
-    experts, batch, capacity = token.shape
-    return torch.arange(batch, device=token.device).view(1, batch, 1).expand(experts, -1, capacity).reshape(-1)
+    return _Selection(token=token, sample=sample, weights=gating / (sums[flat] + 1e-12))
 
 
 def choose_tokens(scores: torch.Tensor, capacity_factor: float, shard: SequenceShard) -> ExpertChoice:
@@ -79,7 +75,7 @@ def choose_tokens(scores: torch.Tensor, capacity_factor: float, shard: SequenceS
     token = selection.token.reshape(-1)
     local = token - shard.rank * local_len
     mine = (local >= 0) & (local < local_len)
-    rows = torch.where(mine, _samples(selection.token) * local_len + local, 0)
+    rows = torch.where(mine, selection.sample * local_len + local, 0)
     expert = torch.arange(num_experts, device=scores.device).repeat_interleave(token.numel() // num_experts)
     order = torch.where(mine, expert, num_experts).argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=scores.device).index_add_(0, expert, mine.long())
@@ -93,13 +89,14 @@ def choose_for_experts(scores: torch.Tensor, capacity_factor: float, shard: Sequ
     shapes are static."""
     batch, local_len, _ = scores.shape
     selection = _select(scores, capacity_factor, shard)
-    token = selection.token[experts]
+    token = selection.token[experts].reshape(-1)
+    per_expert = batch * selection.token.shape[-1]
+    held = slice(experts.start * per_expert, experts.stop * per_expert)
     owner, local = token // local_len, token % local_len
-    rows = (owner * batch + _samples(token).view_as(token)) * local_len + local
-    per_expert = batch * token.shape[-1]
-    weights = selection.weights[experts.start * per_expert : experts.stop * per_expert]
-    return ExpertChoice(rows=rows.reshape(-1), mine=torch.ones_like(weights, dtype=torch.bool), weights=weights,
-                        counts=torch.full((token.shape[0],), per_expert, dtype=torch.int64, device=scores.device))
+    rows = (owner * batch + selection.sample[held]) * local_len + local
+    return ExpertChoice(rows=rows, mine=None, weights=selection.weights[held],
+                        counts=torch.full((experts.stop - experts.start,), per_expert, dtype=torch.int64,
+                                          device=scores.device))
 
 
 def gather_tokens(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:

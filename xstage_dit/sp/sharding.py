@@ -42,10 +42,7 @@ class SequenceShard:
         if pad:
             widths = [0, 0] * (x.dim() - dim - 1) + [0, pad]
             x = F.pad(x, widths)
-        mine = x.narrow(dim, self.rank * self.local_len, self.local_len)
-        # a fresh tensor with its own strides (a narrowed batch-1 view passes for contiguous with the whole
-        # sequence's strides, which a compiled block would guard on apart from its other inputs')
-        return torch.empty(mine.shape, dtype=mine.dtype, device=mine.device).copy_(mine)
+        return _fresh(x.narrow(dim, self.rank * self.local_len, self.local_len))
 
     @property
     def local_text_len(self) -> int:
@@ -66,8 +63,7 @@ class SequenceShard:
             self.text_len = 0
             return x
         self.text_len = text_len
-        mine = x.narrow(dim, self.rank * self.local_text_len, self.local_text_len)
-        return torch.empty(mine.shape, dtype=mine.dtype, device=mine.device).copy_(mine)
+        return _fresh(x.narrow(dim, self.rank * self.local_text_len, self.local_text_len))
 
     def gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole sequence along `dim` from every rank's chunk, padding removed."""
@@ -76,3 +72,9 @@ class SequenceShard:
         full = front.new_empty((self.degree * front.shape[0], *front.shape[1:]))
         all_gather_into(full, front, self.group)
         return full[: self.seq_len].movedim(0, dim)
+
+
+def _fresh(chunk: torch.Tensor) -> torch.Tensor:
+    """A copy with its own strides: a narrowed batch-1 view passes for contiguous with the whole sequence's
+    strides, which a compiled block would guard on apart from its other inputs'."""
+    return torch.empty(chunk.shape, dtype=chunk.dtype, device=chunk.device).copy_(chunk)
