@@ -97,6 +97,16 @@ def _hidream_text(entry: ZooEntry, batch: int, draw) -> dict[str, torch.Tensor]:
     return out
 
 
+def _caption_lists(entry: ZooEntry, batch: int, draw) -> dict[str, list[torch.Tensor]]:
+    """Z-Image takes one caption tensor per prompt, as long as its prompt (its pipeline drops the padding):
+    every other prompt here is `text_padding` tokens shorter, and the negative ones shorter still."""
+    out = {}
+    for prefix, padding in (("", entry.text_padding), ("negative_", 2 * entry.text_padding)):
+        out[f"{prefix}prompt_embeds"] = [draw(entry.text_len - (i % 2) * padding, entry.text_dim)
+                                         for i in range(batch)]
+    return out
+
+
 FAMILIES: dict[str, Family] = {
     "flux": Family("FluxPipeline", "FluxTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
                    _embeds_and_pooled, guidance_kwarg="true_cfg_scale"),
@@ -123,6 +133,8 @@ FAMILIES: dict[str, Family] = {
                        _embeds_and_pooled, video=True, vae_float32=True),
     "flux2": Family("Flux2Pipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2", "FlowMatchEulerDiscreteScheduler",
                     _embeds_and_pooled),
+    "zimage": Family("ZImagePipeline", "ZImageTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
+                     _caption_lists),
     "nucleusmoe": Family(
         "NucleusMoEImagePipeline", "NucleusMoEImageTransformer2DModel", "AutoencoderKLQwenImage",
         "FlowMatchEulerDiscreteScheduler", _masked("prompt_embeds_mask", "negative_prompt_embeds_mask")),
@@ -228,6 +240,15 @@ ZOO: dict[str, ZooEntry] = {
         text_len=11, text_dim=32, text_padding=4, height=32, width=40,
         scheduler={"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
                    "shift": 1.0, "use_dynamic_shifting": True},
+    ),
+    # 64 + 32 caption tokens, or 32 + 32 (the model pads each part to a multiple of 32 tokens)
+    "tiny-zimage": ZooEntry(
+        family="zimage",
+        transformer={"all_patch_size": (2,), "all_f_patch_size": (1,), "in_channels": 4, "dim": 16 * _TINY_HEADS,
+                     "n_layers": 2, "n_refiner_layers": 1, "n_heads": _TINY_HEADS, "n_kv_heads": _TINY_HEADS,
+                     "cap_feat_dim": 32, "axes_dims": [4, 6, 6]},
+        vae=_TINY_KL_VAE, text_len=40, text_dim=32, text_padding=12, height=32, width=48,
+        scheduler={"shift": 3.0},
     ),
     "tiny-ltx": ZooEntry(
         family="ltx",
@@ -358,6 +379,15 @@ ZOO.update({
         vae={}, text_len=256, text_dim=4096, text_padding=128,
         scheduler=ZOO["tiny-nucleusmoe"].scheduler,
     ),
+    # Z-Image (Turbo and base share it): 30 layers and 2 refiner layers of each kind, 30 heads of 128
+    "zimage": ZooEntry(
+        family="zimage",
+        transformer={"all_patch_size": (2,), "all_f_patch_size": (1,), "in_channels": 16, "dim": 3840,
+                     "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "norm_eps": 1e-5,
+                     "qk_norm": True, "cap_feat_dim": 2560, "rope_theta": 256.0, "t_scale": 1000.0,
+                     "axes_dims": [32, 48, 48]},
+        vae=_FLUX_VAE, text_len=512, text_dim=2560, text_padding=256, scheduler={"shift": 3.0},
+    ),
     "ltx-video": ZooEntry(
         family="ltx",
         transformer={"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
@@ -435,6 +465,8 @@ ZOO["wan-vace-14b"] = dataclasses.replace(ZOO["wan-14b"], family="wan-vace", tra
     **ZOO["wan-14b"].transformer, "vace_layers": list(range(0, 40, 5)), "vace_in_channels": 96})
 ZOO["tiny-nucleusmoe-d64"] = dataclasses.replace(ZOO["tiny-nucleusmoe"], transformer={
     **ZOO["tiny-nucleusmoe"].transformer, "attention_head_dim": 64, "axes_dims_rope": (16, 24, 24)})
+ZOO["tiny-zimage-d64"] = dataclasses.replace(ZOO["tiny-zimage"], transformer={
+    **ZOO["tiny-zimage"].transformer, "dim": 64 * _TINY_HEADS, "axes_dims": [16, 24, 24]})
 ZOO["tiny-wan-d64"] = dataclasses.replace(ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "attention_head_dim": 64})
 
 
@@ -525,7 +557,7 @@ def prompt_seed(prompt: str) -> int:
 
 
 def text_embeddings(name: str, batch: int, seed: int, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Random positive and negative text inputs with the model's real shapes, as pipeline kwargs."""
     entry = ZOO[name]
     generator = torch.Generator().manual_seed(seed)
@@ -534,7 +566,9 @@ def text_embeddings(name: str, batch: int, seed: int, device: torch.device | str
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
     inputs = FAMILIES[entry.family].text_inputs(entry, batch, draw)
-    return {k: v.to(device) for k, v in inputs.items() if _takes(entry, k)}  # no negatives without CFG
+    # prompt masks are made on the host; Z-Image's captions are lists of drawn tensors
+    return {k: v if isinstance(v, list) else v.to(device)
+            for k, v in inputs.items() if _takes(entry, k)}  # no negatives without CFG
 
 
 def call_kwargs(name: str, *, height: int, width: int, num_frames: int, steps: int, guidance: float

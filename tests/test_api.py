@@ -61,6 +61,16 @@ def test_heads_that_cannot_be_split_name_working_splits(flux_pipe, world, size, 
         xstage_dit.enable(flux_pipe, **kwargs)
 
 
+def test_z_image_heads_name_the_degrees_they_allow(world):
+    """Z-Image's 30 heads (its own config key, `n_heads`): 4 ranks only as 2 CFG groups of 2."""
+    world(4)
+    model = diffusers.ZImageTransformer2DModel(dim=30 * 16, n_heads=30, n_kv_heads=30, n_layers=1,
+                                               n_refiner_layers=1, in_channels=4, cap_feat_dim=32,
+                                               axes_dims=[4, 6, 6])
+    with pytest.raises(ValueError, match=r"30 attention heads, .* these work: cfg_degree=2 \(Ulysses over 2 ranks\)$"):
+        xstage_dit.enable(model)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -161,14 +161,14 @@ def _pipeline_graphs(name: str, enabled: bool) -> int:
 
 
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx",
-                                  "tiny-flux2", "tiny-wan-vace"])
+                                  "tiny-flux2", "tiny-wan-vace", "tiny-zimage"])
 def test_every_family_with_repeated_blocks_compiles_as_often_as_stock(name):
     """The families whose diffusers model names its repeated blocks (SD3, CogVideoX and HiDream do not), four
     blocks deep, one process."""
     import dataclasses
 
     entry = zoo.ZOO[name]
-    deep = {key: 4 for key in ("num_layers", "num_single_layers") if key in entry.transformer}
+    deep = {key: 4 for key in ("num_layers", "num_single_layers", "n_layers") if key in entry.transformer}
     zoo.ZOO[f"{name}-deep"] = dataclasses.replace(entry, transformer={**entry.transformer, **deep})
     try:
         assert _pipeline_graphs(f"{name}-deep", True) == _pipeline_graphs(f"{name}-deep", False)

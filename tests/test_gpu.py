@@ -47,10 +47,12 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-hunyuan-video": {"height": 16, "width": 112, "num_frames": 17},
          "tiny-nucleusmoe": {"height": 40, "width": 56, "num_frames": 1},
          "tiny-flux2": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-nucleusmoe-d64": {"height": 40, "width": 56, "num_frames": 1}}
+         "tiny-nucleusmoe-d64": {"height": 40, "width": 56, "num_frames": 1},
+         "tiny-zimage": {"height": 20, "width": 28, "num_frames": 1},
+         "tiny-zimage-d64": {"height": 20, "width": 28, "num_frames": 1}}
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2"])
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2", "tiny-zimage"])
 def test_degree_one_on_gpu_matches_stock(name):
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
@@ -103,7 +105,9 @@ def _record_auto_choices() -> list[str]:
     # head_dim 64 runs the fused kernels; head_dim 16 (tiny-hunyuan-video) checks the fallback to reference
     + [(name, "fused", n) for name in ("tiny-flux-d64", "tiny-wan-d64", "tiny-hunyuan-video") for n in (2, 4)]
     # keys-only text (queries are the image tokens), grouped-query attention and exact expert choice
-    + [("tiny-nucleusmoe", "reference", 2), ("tiny-nucleusmoe-d64", "fused", 2)],
+    + [("tiny-nucleusmoe", "reference", 2), ("tiny-nucleusmoe-d64", "fused", 2)]
+    # image-only refiner attention, then [image, caption] with the captions' padding masks (batch 2)
+    + [("tiny-zimage", "reference", 2), ("tiny-zimage-d64", "fused", 3)],
 )
 def test_ranks_on_one_gpu_match_single_process(name, backend, world_size):
     run_on_ranks(world_size, _same_gpu_worker, name, backend, deadline_s=150)

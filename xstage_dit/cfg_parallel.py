@@ -30,7 +30,7 @@ def _sample(output: Any) -> torch.Tensor:
     return output.sample if isinstance(output, Transformer2DModelOutput) else output[0]
 
 
-def _package(sample: torch.Tensor, return_dict: bool) -> Any:
+def _package(sample: Any, return_dict: bool) -> Any:
     return Transformer2DModelOutput(sample=sample) if return_dict else (sample,)
 
 
@@ -38,6 +38,20 @@ def _gather_batch(local: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     full = local.new_empty((groups.cfg_degree * local.shape[0], *local.shape[1:]))
     all_gather_into(full, local.contiguous(), groups.cfg_group)
     return full
+
+
+def _gather_samples(local: torch.Tensor | list[torch.Tensor], groups: ParallelGroups) -> Any:
+    """Every CFG group's samples in batch order: a batched tensor, or a list of one tensor per sample (Z-Image's
+    output, samples of one shape)."""
+    if isinstance(local, list):
+        return list(_gather_batch(torch.stack(local), groups).unbind(0))
+    return _gather_batch(local, groups)
+
+
+def _batch_size(arguments: dict[str, Any], batch_inputs: dict[str, int]) -> int:
+    name, dim = next(iter(batch_inputs.items()))
+    value = arguments[name]
+    return len(value) if isinstance(value, list) else value.shape[dim]
 
 
 class PairedCalls:
@@ -87,7 +101,7 @@ class CfgSplit:
     def _batch_forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._signature.bind(*args, **kwargs)
         arguments = bound.arguments
-        batch = arguments["hidden_states"].shape[0]
+        batch = _batch_size(arguments, self.plan.batch_inputs)
         degree, rank = self.groups.cfg_degree, self.groups.cfg_rank
         if batch % degree:
             warn_once(f"xstage_dit: batch {batch} does not split over cfg_degree={degree}; every CFG group "
@@ -100,7 +114,7 @@ class CfgSplit:
             elif isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] == batch:
                 arguments[name] = value.chunk(degree, dim=dim)[rank]
         out = self._forward(*bound.args, **bound.kwargs)
-        return _package(_gather_batch(_sample(out), self.groups), arguments.get("return_dict", True))
+        return _package(_gather_samples(_sample(out), self.groups), arguments.get("return_dict", True))
 
     def _paired_forward(self, *args: Any, **kwargs: Any) -> Any:
         pairs = self.pairs

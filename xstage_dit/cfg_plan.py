@@ -19,7 +19,7 @@ class CfgPlan:
 
     mode: BATCH, PAIRS, or UNSPLIT (cfg_degree=2 is refused).
     batch_inputs: forward argument name -> its batch dim, for the arguments that carry the batch (BATCH); lists
-        (e.g. per-sample sizes) are split like dim 0.
+        (e.g. per-sample sizes, or per-sample inputs) are split like dim 0. The first one's size is the batch.
     output_shape: the forward output's shape from the model and the shape of its `hidden_states` input (PAIRS).
     pipeline_uses_cfg: whether a pipeline call with these (bound, defaults applied) arguments runs CFG (PAIRS).
     """

@@ -74,6 +74,14 @@ class SequenceShard:
         return full[: self.seq_len].movedim(0, dim)
 
 
+    def gather_leading(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        """The inverse of sharding the first `seq_len` entries along `dim` of a tensor whose other entries (text
+        tokens after the image tokens) every rank holds whole: the image tokens gathered, the rest kept."""
+        dim = dim % local.dim()
+        image, rest = local.split([self.local_len, local.shape[dim] - self.local_len], dim=dim)
+        return torch.cat([self.gather(image, dim), rest], dim=dim)
+
+
 def _fresh(chunk: torch.Tensor) -> torch.Tensor:
     """A copy with its own strides: a narrowed batch-1 view passes for contiguous with the whole sequence's
     strides, which a compiled block would guard on apart from its other inputs'."""
