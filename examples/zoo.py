@@ -97,6 +97,14 @@ def _hidream_text(entry: ZooEntry, batch: int, draw) -> dict[str, torch.Tensor]:
     return out
 
 
+def _float_masked(entry: ZooEntry, batch: int, draw) -> dict[str, torch.Tensor]:
+    """Chroma: embeddings and 0/1 prompt masks in the embeddings' dtype (its blocks add them to the logits)."""
+    out = _embeds_and_pooled(entry, batch, draw)
+    for prefix, padding in (("", entry.text_padding), ("negative_", entry.text_padding // 2)):
+        out[f"{prefix}prompt_attention_mask"] = _prompt_mask(entry, batch, padding).to(out["prompt_embeds"].dtype)
+    return out
+
+
 def _caption_lists(entry: ZooEntry, batch: int, draw) -> dict[str, list[torch.Tensor]]:
     """Z-Image takes one caption tensor per prompt, as long as its prompt (its pipeline drops the padding):
     every other prompt here is `text_padding` tokens shorter, and the negative ones shorter still."""
@@ -133,6 +141,8 @@ FAMILIES: dict[str, Family] = {
                        _embeds_and_pooled, video=True, vae_float32=True),
     "flux2": Family("Flux2Pipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2", "FlowMatchEulerDiscreteScheduler",
                     _embeds_and_pooled),
+    "chroma": Family("ChromaPipeline", "ChromaTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
+                     _float_masked),
     "zimage": Family("ZImagePipeline", "ZImageTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
                      _caption_lists),
     "nucleusmoe": Family(
@@ -240,6 +250,14 @@ ZOO: dict[str, ZooEntry] = {
         text_len=11, text_dim=32, text_padding=4, height=32, width=40,
         scheduler={"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
                    "shift": 1.0, "use_dynamic_shifting": True},
+    ),
+    "tiny-chroma": ZooEntry(
+        family="chroma",
+        transformer={"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1,
+                     "attention_head_dim": 16, "num_attention_heads": _TINY_HEADS, "joint_attention_dim": 32,
+                     "axes_dims_rope": (4, 6, 6), "approximator_num_channels": 16, "approximator_hidden_dim": 32,
+                     "approximator_layers": 1},
+        vae=_TINY_KL_VAE, text_len=11, text_dim=32, text_padding=4, height=32, width=48, scheduler=_FLUX_SCHEDULER,
     ),
     # 64 + 32 caption tokens, or 32 + 32 (the model pads each part to a multiple of 32 tokens)
     "tiny-zimage": ZooEntry(
@@ -378,6 +396,15 @@ ZOO.update({
                      "route_scale": 2.5, "use_grouped_mm": True},
         vae={}, text_len=256, text_dim=4096, text_padding=128,
         scheduler=ZOO["tiny-nucleusmoe"].scheduler,
+    ),
+    # Chroma1-HD: FLUX.1's 19 + 38 blocks with a 5-layer approximator for the modulation
+    "chroma": ZooEntry(
+        family="chroma",
+        transformer={"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+                     "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                     "axes_dims_rope": (16, 56, 56), "approximator_num_channels": 64,
+                     "approximator_hidden_dim": 5120, "approximator_layers": 5},
+        vae=_FLUX_VAE, text_len=512, text_dim=4096, text_padding=256, scheduler=_FLUX_SCHEDULER,
     ),
     # Z-Image (Turbo and base share it): 30 layers and 2 refiner layers of each kind, 30 heads of 128
     "zimage": ZooEntry(

@@ -45,7 +45,7 @@ def test_unsupported_transformer_names_supported_families():
     model = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
                                             sample_size=8, norm_num_groups=4)
     with pytest.raises(TypeError, match=r"no sequence-parallel patch for DiTTransformer2DModel; supported: "
-                                        r"CogVideoX .*HiDream .*Wan"):
+                                        r"Chroma .*CogVideoX .*HiDream .*Wan"):
         xstage_dit.enable(model)
 
 

@@ -49,10 +49,12 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-flux2": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-nucleusmoe-d64": {"height": 40, "width": 56, "num_frames": 1},
          "tiny-zimage": {"height": 20, "width": 28, "num_frames": 1},
+         "tiny-chroma": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-zimage-d64": {"height": 20, "width": 28, "num_frames": 1}}
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2", "tiny-zimage"])
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2", "tiny-zimage",
+                                  "tiny-chroma"])
 def test_degree_one_on_gpu_matches_stock(name):
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
@@ -107,7 +109,9 @@ def _record_auto_choices() -> list[str]:
     # keys-only text (queries are the image tokens), grouped-query attention and exact expert choice
     + [("tiny-nucleusmoe", "reference", 2), ("tiny-nucleusmoe-d64", "fused", 2)]
     # image-only refiner attention, then [image, caption] with the captions' padding masks (batch 2)
-    + [("tiny-zimage", "reference", 2), ("tiny-zimage-d64", "fused", 3)],
+    + [("tiny-zimage", "reference", 2), ("tiny-zimage-d64", "fused", 3)]
+    # pair-bias masks: the fused choice runs the reference backend, with one warning
+    + [("tiny-chroma", "fused", 2)],
 )
 def test_ranks_on_one_gpu_match_single_process(name, backend, world_size):
     run_on_ranks(world_size, _same_gpu_worker, name, backend, deadline_s=150)

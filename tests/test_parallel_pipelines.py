@@ -48,6 +48,7 @@ SIZES["tiny-flux2"] = SIZES["tiny-flux2-klein"] = SIZES["tiny-flux"]  # 2x VAE, 
 # Z-Image pads its image tokens to a multiple of 32: 96 tokens (6 x 16), and 35 made 64 ("uneven" only for N = 3)
 SIZES["tiny-zimage"] = {"even": {"height": 24, "width": 64, "num_frames": 1},
                         "uneven": {"height": 20, "width": 28, "num_frames": 1}}
+SIZES["tiny-chroma"] = SIZES["tiny-flux"]
 SIZES["tiny-flux2-edit"] = SIZES["tiny-flux"]  # + the reference image's 16 x 20 tokens
 # Qwen-Image Edit: about 1000 tokens of the input image besides these (its VAE downsamples 16x)
 SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = SIZES["tiny-qwenimage-edit-2511"] = {
@@ -136,11 +137,11 @@ ULYSSES = {
     2: ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5",
         "tiny-cogvideox", "tiny-hidream", "tiny-flux-fill", "tiny-wan2.2-i2v", "tiny-qwenimage-edit",
         "tiny-qwenimage-edit-plus", "tiny-nucleusmoe", "tiny-flux2", "tiny-flux2-klein", "tiny-wan-vace",
-        "tiny-zimage"],
+        "tiny-zimage", "tiny-chroma"],
     3: ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
         "tiny-hidream", "tiny-flux-kontext", "tiny-flux-control", "tiny-ltx-i2v", "tiny-ltx-condition",
         "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-qwenimage-edit-2511", "tiny-nucleusmoe", "tiny-flux2",
-        "tiny-flux2-klein", "tiny-flux2-edit", "tiny-wan-vace", "tiny-zimage"],
+        "tiny-flux2-klein", "tiny-flux2-edit", "tiny-wan-vace", "tiny-zimage", "tiny-chroma"],
     4: ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2"],
 }
 # (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,
@@ -150,7 +151,7 @@ CFG = {
     (2, 3.0): ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-sd3.5",
                "tiny-cogvideox", "tiny-ltx", "tiny-hidream", "tiny-flux-kontext", "tiny-wan2.2-i2v", "tiny-ltx-i2v",
                "tiny-ltx-condition", "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-nucleusmoe", "tiny-flux2-klein",
-               "tiny-wan-vace", "tiny-zimage"],
+               "tiny-wan-vace", "tiny-zimage", "tiny-chroma"],
     (4, 3.0): ["tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5", "tiny-ltx-i2v",
                "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage"],
     (2, 1.0): ["tiny-wan"],

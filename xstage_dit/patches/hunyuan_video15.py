@@ -3,14 +3,15 @@ image-conditioning tokens, the ByT5 tokens and the prompt tokens, valid ones fir
 
 Video tokens are split at the patch embedding's output together with the rotary table (video tokens only). Its
 processor turns the padding mask into a (queries x keys) mask, the outer product of the key-padding mask, whose
-first query is a video token and never masked: attention takes that row (`query_key_masks`). The rows of masked
-(padding) text queries then differ from the model's, and no other token reads them: padding keys stay masked."""
+first query is a video token and never masked: attention takes that row (`QueryKeyMasks.FIRST_ROW`). The rows of
+masked (padding) text queries then differ from the model's, and no other token reads them: padding keys stay masked."""
 from __future__ import annotations
 
 from diffusers import HunyuanVideo15Transformer3DModel
 
 from ..cfg_plan import UNSPLIT, CfgPlan
 from ..sp import routing
+from ..sp.masks import QueryKeyMasks
 from ..sp.plan import SequenceParallelPlan
 
 PLANS = {
@@ -25,6 +26,6 @@ PLANS = {
         shard_outputs={"x_embedder": {0: 1}, "rope": {0: 0, 1: 0}},
         gather_outputs={"proj_out": 1},
         text_first=False,
-        query_key_masks=True,
+        query_key_masks=QueryKeyMasks.FIRST_ROW,
     )
 }

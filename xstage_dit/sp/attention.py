@@ -6,7 +6,9 @@ import torch
 from .backends import BackendChoice
 from .layout import UlyssesLayout
 from .local_attention import diffusers_attention
-from .masks import text_key_mask
+from ..logging_utils import warn_once
+from .backends import FALLBACK
+from .masks import QueryKeyMasks, text_key_mask
 from .ops import local_attention, local_attention_op, ulysses_attention
 from .sharding import SequenceShard
 
@@ -17,7 +19,7 @@ class UlyssesAttention:
     where the active module's settings are)."""
 
     def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
-                 fuse_rope: bool = True, query_key_masks: bool = False) -> None:
+                 fuse_rope: bool = True, query_key_masks: QueryKeyMasks | None = None) -> None:
         self.shard = shard
         self.choice = choice
         self.text_first = text_first
@@ -41,15 +43,22 @@ class UlyssesAttention:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
         if attn_mask is not None and attn_mask.dim() == 2:  # a key-padding mask given as (B, keys)
             attn_mask = attn_mask[:, None, None, :]
-        if attn_mask is not None and self.query_key_masks:  # the row of an unmasked query: its key-padding mask
-            attn_mask = attn_mask[:, :, :1]
+        pair_bias = attn_mask is not None and self.query_key_masks is QueryKeyMasks.PAIR_BIAS
         shard = self.shard
+        choice = self.choice.name
+        if pair_bias and shard.degree == 1:  # the model's own mask, which only SDPA takes
+            if choice != FALLBACK and not torch.compiler.is_compiling():
+                warn_once(f"xstage_dit backend {choice!r} does not take pair-bias attention masks (Chroma's); "
+                          f"running {FALLBACK!r}")
+            choice = FALLBACK
+        elif attn_mask is not None and self.query_key_masks is not None:  # the first (always valid) query's row
+            attn_mask = attn_mask[:, :, :1]
         if shard.degree == 1:
             if attention_backend is not None:
                 return diffusers_attention(attention_backend)(query, key, value, attn_mask, scale)
             # a compiled graph keeps the choice and our kernels opaque; eager calls skip the op's dispatch
             run = local_attention_op if torch.compiler.is_compiling() else local_attention
-            return run(query, key, value, attn_mask, self.choice.name, scale)
+            return run(query, key, value, attn_mask, choice, scale)
         # split text tokens lead each rank's chunk and count as sequence tokens; whole text stays `text_len`
         local_len = shard.local_text_len + shard.local_len
         layout = UlyssesLayout(
@@ -63,6 +72,6 @@ class UlyssesAttention:
         )
         return ulysses_attention(
             query, key, value, text_key_mask(attn_mask, layout), layout.text_len, layout.seq_len,
-            layout.local_len, layout.degree, layout.rank, layout.text_first, layout.text_queries, self.choice.name,
-            shard.group.group_name, scale, attention_backend,
+            layout.local_len, layout.degree, layout.rank, layout.text_first, layout.text_queries, choice,
+            shard.group.group_name, scale, attention_backend, pair_bias,
         )

@@ -3,9 +3,24 @@ additive. Joint-attention models mask their padded prompt tokens this way; image
 padding, which the backends drop by key length."""
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 
 from .layout import UlyssesLayout
+
+
+class QueryKeyMasks(Enum):
+    """How a model's (B, 1, queries, keys) masks, built from one per-token vector m whose first query's entry is
+    always 1 (a valid text or image token), reach the backends: as their first row, m over the keys.
+
+    FIRST_ROW: boolean outer products whose masked (padding) query rows no other token reads, so that every row
+    may take the first one's key-padding mask (HunyuanVideo 1.5).
+    PAIR_BIAS: additive 0/1 outer products m_q m_k that every query adds to its logits, padding queries included,
+    whose rows other tokens read as keys (Chroma): attention rebuilds the pair bias over the gathered tokens."""
+
+    FIRST_ROW = "first_row"
+    PAIR_BIAS = "pair_bias"
 
 
 def check_key_padding(mask: torch.Tensor) -> None:
@@ -44,3 +59,14 @@ def with_image_keys(text_mask: torch.Tensor | None, image_len: int) -> torch.Ten
     else:
         image = torch.zeros(shape, dtype=text_mask.dtype, device=text_mask.device)
     return torch.cat([text_mask, image], dim=-1)
+
+
+def pair_bias(text_factor: torch.Tensor, layout: UlyssesLayout, query_rows: int, key_rows: int) -> torch.Tensor:
+    """The additive (B, 1, queries, keys) bias m_q m_k over the gathered [text, image] tokens (text first) of a
+    per-token 0/1 factor given on the text tokens, (B, 1, 1, T); every image token's factor is 1."""
+    if not (layout.text_first and layout.text_queries):
+        raise ValueError("xstage_dit: pair-bias masks need text first, attending as queries")
+    factor = text_factor[:, 0, 0]  # (B, T)
+    ones = factor.new_ones(factor.shape[0], max(query_rows, key_rows) - factor.shape[1])
+    tokens = torch.cat([factor, ones], dim=1)
+    return (tokens[:, :query_rows, None] * tokens[:, None, :key_rows]).unsqueeze(1)

@@ -15,10 +15,12 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..logging_utils import warn_once
-from .backends import Backend, LocalAttention, get_choice
+from .backends import FALLBACK, Backend, LocalAttention, get_backend, get_choice
+from .exchange import all_to_all
 from .fabric import fabric_of
 from .layout import UlyssesLayout
 from .local_attention import diffusers_attention, sdpa_bshd
+from .reference import serial_exchange
 
 
 @torch.library.custom_op("xstage::ulysses_attention", mutates_args=())
@@ -38,12 +40,21 @@ def ulysses_attention(
     group_name: str,
     scale: float | None,
     attention_backend: str | None,
+    pair_bias: bool = False,
 ) -> torch.Tensor:
     """The layout travels as its fields (a custom op's arguments are tensors and scalars); `backend` names the
     choice (sp/backends.py) that picks the backend for this call; `attention_backend`, the diffusers attention
-    backend the user chose for the model, if any."""
+    backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor of a pair
+    bias (masks.QueryKeyMasks.PAIR_BIAS), which only the reference backend attends with."""
     layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first, text_queries)
     chosen = get_choice(backend).pick(query, layout, fabric_ready=fabric_of(group_name) is not None)
+    if pair_bias and text_mask is not None:
+        if chosen.name != FALLBACK:
+            warn_once(f"xstage_dit backend {chosen.name!r} does not take pair-bias attention masks (Chroma's); "
+                      f"running {FALLBACK!r}")
+        return serial_exchange(query, key, value, layout, all_to_all(_resolve_process_group(group_name)), scale,
+                               text_mask, gathered_attention(get_backend(FALLBACK), attention_backend),
+                               text_factor=True)
     out = chosen.ulysses(query, key, value, layout, _resolve_process_group(group_name), scale, text_mask,
                          gathered_attention(chosen, attention_backend))
     # a custom op owns its output: a symmetric backend's is a reused fabric buffer
@@ -52,7 +63,7 @@ def ulysses_attention(
 
 @ulysses_attention.register_fake
 def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, text_first, text_queries, backend,
-      group_name, scale, attention_backend):
+      group_name, scale, attention_backend, pair_bias=False):
     return torch.empty_like(query)
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from ..cfg_plan import CfgPlan
 from . import cache_hooks, routing
 from .attention import UlyssesAttention
+from .masks import QueryKeyMasks
 from .sharding import SequenceShard
 
 
@@ -38,6 +39,14 @@ class JointText:
 
 
 @dataclass(frozen=True)
+class JointTokens:
+    """A forward argument indexed by [text, image] tokens along `dim` (e.g. a padding mask over both): its text
+    entries stay whole, its image entries (the last ones) are split. List it after the image tokens' argument."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
 class PlanContext:
     """What a plan's `install` is given: the model's token split, and whether its MoE layers run expert
     parallel (each rank owning E/N experts) rather than replicated."""
@@ -51,7 +60,7 @@ class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
 
     shard_inputs: module path ("" is the model; "blocks.*" every child of `blocks`) -> {forward argument name:
-        sequence dim, PerToken(dim) or JointText(dim)} to split on entry.
+        sequence dim, PerToken(dim), JointText(dim) or JointTokens(dim)} to split on entry.
     shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables); a module
         returning one tensor uses index 0.
     gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence.
@@ -63,8 +72,8 @@ class SequenceParallelPlan:
     rotary_site: the diffusers module whose processors call `apply_rotary_emb` by name, routed to our RoPE
         kernel (routing.ROTARY); None where the family rotates some other way.
     text_first: joint attention puts the replicated text tokens before the image tokens (else after).
-    query_key_masks: the model's attention masks are (B, 1, queries, keys) outer products of a key-padding mask
-        whose first query (an image token) is never masked; attention takes that row as the key-padding mask.
+    query_key_masks: the kind of (B, 1, queries, keys) masks the model builds from a per-token vector
+        (masks.QueryKeyMasks), or None: its masks are key-padding masks.
     check_model: raises, at enable time, for a model configuration the plan cannot shard.
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
     install: model-specific changes applied with the plan (e.g. a routed MoE), given a PlanContext; each undone by
@@ -77,12 +86,12 @@ class SequenceParallelPlan:
     attention_modules: Callable[[nn.Module], list[nn.Module]]
     cfg: CfgPlan
     num_heads: Callable[[nn.Module], int] = lambda model: model.config.num_attention_heads
-    shard_inputs: dict[str, dict[str, int | PerToken | JointText]] = field(default_factory=dict)
+    shard_inputs: dict[str, dict[str, int | PerToken | JointText | JointTokens]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_outputs: dict[str, int] = field(default_factory=dict)
     rotary_site: str | None = None
     text_first: bool = True
-    query_key_masks: bool = False
+    query_key_masks: QueryKeyMasks | None = None
     check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
     install: Callable[[nn.Module, PlanContext], list[Any]] | None = None
@@ -100,7 +109,8 @@ def _argument_positions(module: nn.Module) -> dict[str, int]:
     return {name: i for i, name in enumerate(inspect.signature(module.forward).parameters)}
 
 
-def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, int | PerToken | JointText]):
+def _shard_inputs_hook(module: nn.Module, shard: SequenceShard,
+                       dims: dict[str, int | PerToken | JointText | JointTokens]):
     positions = _argument_positions(module)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -116,12 +126,14 @@ def _shard_inputs_hook(module: nn.Module, shard: SequenceShard, dims: dict[str, 
     return hook
 
 
-def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken | JointText) -> Any:
+def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken | JointText | JointTokens) -> Any:
     """A tensor, or a tuple of tensors (rotary tables), split along `dim`."""
     if isinstance(value, (tuple, list)):
         return type(value)(_shard_value(shard, item, dim) for item in value)
     if isinstance(dim, JointText):
         return shard.shard_text(value, dim.dim)
+    if isinstance(dim, JointTokens):
+        return shard.shard_after_text(value, dim.dim)
     if isinstance(dim, PerToken):
         return shard.shard(value, dim.dim) if dim.applies_to(value) else value
     return shard.shard(value, dim)

@@ -74,6 +74,13 @@ class SequenceShard:
         return full[: self.seq_len].movedim(0, dim)
 
 
+    def shard_after_text(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's share of a tensor indexed by [text, image] tokens along `dim` (a joint padding mask): every
+        text entry, then its chunk of the image entries, the last `seq_len` (split after the image tokens)."""
+        dim = dim % x.dim()
+        text, image = x.split([x.shape[dim] - self.seq_len, self.seq_len], dim=dim)
+        return torch.cat([text, self.shard(image, dim)], dim=dim)
+
     def gather_leading(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         """The inverse of sharding the first `seq_len` entries along `dim` of a tensor whose other entries (text
         tokens after the image tokens) every rank holds whole: the image tokens gathered, the rest kept."""
