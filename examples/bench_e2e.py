@@ -71,15 +71,16 @@ def parse_args() -> argparse.Namespace:
 
 
 class CountTokens:
-    """Image/video tokens the transformer sees: the sequence length at the module its plan gathers."""
+    """Image/video tokens the transformer's blocks see: the query rows of its first routed attention module
+    (image or video tokens only, in every supported family), this rank's share once enabled."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        (path,) = patches.plan_for(model).gather_outputs
+        first_attention = patches.plan_for(model).attention_modules(model)[0]
         self.count = 0
-        self._handle = model.get_submodule(path).register_forward_hook(self._record)
+        self._handle = first_attention.register_forward_pre_hook(self._record, with_kwargs=True)
 
-    def _record(self, module, args, output) -> None:
-        self.count = self.count or output.shape[1]
+    def _record(self, module, args, kwargs) -> None:
+        self.count = self.count or kwargs.get("hidden_states", args[0] if args else None).shape[1]
 
     def remove(self) -> None:
         self._handle.remove()
