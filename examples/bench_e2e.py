@@ -199,8 +199,11 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
     profiles = []
     if args.profile and device.type == "cuda":  # torch.profiler's kernel times need a GPU
         profiles = profile_variants(pipe, variants, call, name, args.steps)
+    has_cp_plan = getattr(pipe.transformer, "_cp_plan", None) is not None
     del pipe
-    if args.diffusers_cp and world_size > 1 and device.type == "cuda":  # diffusers' device mesh needs GPUs
+    if args.diffusers_cp and world_size > 1 and not has_cp_plan and xstage_dit.is_main_process():
+        print(f"{name}: diffusers has no context-parallel plan (_cp_plan) for this model")
+    if args.diffusers_cp and world_size > 1 and has_cp_plan and device.type == "cuda":  # its mesh needs GPUs
         # its own copy of the pipeline (context parallelism cannot be undone), built after ours is freed so that
         # peak memory stays comparable; timed after the others, not interleaved with them
         torch.cuda.empty_cache()
