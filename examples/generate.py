@@ -159,6 +159,9 @@ def main() -> None:
               f"{statistics.median(steps) * 1e3:.1f} ms (first {steps[0] * 1e3:.1f} ms), "
               f"denoising {timer.total_seconds - timer.after_loop_seconds:.2f} s, decode "
               f"{timer.after_loop_seconds:.2f} s; wrote {output}")
+    # CUDA graphs that hold NCCL collectives must be gone before the process group (pytorch#115388)
+    xstage_dit.disable(pipe)
+    del pipe
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

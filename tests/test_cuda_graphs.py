@@ -81,8 +81,11 @@ def _two_rank_worker(name: str, backend: str, cfg_degree: int) -> None:
     ("tiny-flux-d64", "fused", 2),  # CFG in pairs of calls: a graph holds this rank's branch
     ("tiny-sd3.5", "reference", 2),  # CFG as a batch
     # keys-only text; expert choice's score gather in the graph
+    # on two GPUs every step replays equal, then the ranks' destroy_process_group hangs while a graph holding
+    # NCCL collectives lives (pytorch#115388; disable, then freeing the pipeline, let it return); disable now
+    # destroys its graphs, not yet seen to suffice
     pytest.param("tiny-nucleusmoe-d64", "fused", 1, marks=pytest.mark.xfail(
-        run=False, reason="hangs on two GPUs (NCCL): neither rank returns within 150 s and no wait raises")),
+        run=False, reason="destroy_process_group hangs after NCCL collectives were captured (pytorch#115388)")),
 ])
 def test_two_ranks_replays_equal_eager(name, backend, cfg_degree):
     run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, deadline_s=150)

@@ -124,7 +124,11 @@ class GraphedForward:
         functools.update_wrapper(forward, self._inner)  # its signature is the model's, for layers around it
 
     def remove(self) -> None:
+        """Restores the forward and destroys the graphs now: a graph that holds NCCL collectives and outlives
+        this (in a reference cycle, say) keeps `destroy_process_group` from returning (pytorch#115388)."""
         self._replaced.restore()
+        for held in self._graphs.values():
+            held.graph.reset()
         self._graphs.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
