@@ -30,6 +30,7 @@ class Family:
     video: bool = False
     vae_float32: bool = False  # diffusers' examples keep this family's VAE in float32
     fps: int = 16  # frames per second of the family's videos, as diffusers' examples write them
+    components: Callable[[], dict[str, Any]] | None = None  # pipeline components besides models (a guider)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,24 @@ def _float_masked(entry: ZooEntry, batch: int, draw) -> dict[str, torch.Tensor]:
     return out
 
 
+def _hunyuan_video15_text(entry: ZooEntry, batch: int, draw) -> dict[str, torch.Tensor]:
+    """Its two text encoders' states and padding masks (Qwen2.5-VL's, then ByT5's), positive and negative."""
+    byt5_len, byt5_dim = entry.extra_text["byt5"]
+    out = {}
+    for prefix, padding in (("", entry.text_padding), ("negative_", entry.text_padding // 2)):
+        out[f"{prefix}prompt_embeds"] = draw(batch, entry.text_len, entry.text_dim)
+        out[f"{prefix}prompt_embeds_mask"] = _prompt_mask(entry, batch, padding)
+        out[f"{prefix}prompt_embeds_2"] = draw(batch, byt5_len, byt5_dim)
+        out[f"{prefix}prompt_embeds_mask_2"] = _prompt_mask(dataclasses.replace(entry, text_len=byt5_len), batch,
+                                                            padding // 2)
+    return out
+
+
+def _guider() -> dict[str, Any]:
+    """HunyuanVideo 1.5 guides through a guider component: classifier-free guidance at its pipelines' scale."""
+    return {"guider": diffusers.ClassifierFreeGuidance(guidance_scale=6.0)}
+
+
 def _caption_lists(entry: ZooEntry, batch: int, draw) -> dict[str, list[torch.Tensor]]:
     """Z-Image takes one caption tensor per prompt, as long as its prompt (its pipeline drops the padding):
     every other prompt here is `text_padding` tokens shorter, and the negative ones shorter still."""
@@ -141,6 +160,9 @@ FAMILIES: dict[str, Family] = {
                        _embeds_and_pooled, video=True, vae_float32=True),
     "flux2": Family("Flux2Pipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2", "FlowMatchEulerDiscreteScheduler",
                     _embeds_and_pooled),
+    "hunyuan-video15": Family(
+        "HunyuanVideo15Pipeline", "HunyuanVideo15Transformer3DModel", "AutoencoderKLHunyuanVideo15",
+        "FlowMatchEulerDiscreteScheduler", _hunyuan_video15_text, video=True, fps=24, components=_guider),
     "chroma": Family("ChromaPipeline", "ChromaTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
                      _float_masked),
     "zimage": Family("ZImagePipeline", "ZImageTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
@@ -258,6 +280,16 @@ ZOO: dict[str, ZooEntry] = {
                      "axes_dims_rope": (4, 6, 6), "approximator_num_channels": 16, "approximator_hidden_dim": 32,
                      "approximator_layers": 1},
         vae=_TINY_KL_VAE, text_len=11, text_dim=32, text_padding=4, height=32, width=48, scheduler=_FLUX_SCHEDULER,
+    ),
+    # text-to-video: 2 x 4 + 1 input channels (noise, conditioning latents, their mask)
+    "tiny-hunyuan-video15": ZooEntry(
+        family="hunyuan-video15",
+        transformer={"in_channels": 9, "out_channels": 4, "num_attention_heads": _TINY_HEADS, "attention_head_dim": 16,
+                     "num_layers": 2, "num_refiner_layers": 1, "text_embed_dim": 32, "text_embed_2_dim": 24,
+                     "image_embed_dim": 16, "rope_axes_dim": (4, 6, 6), "task_type": "t2v"},
+        vae={"latent_channels": 4, "block_out_channels": (8, 8, 8, 8, 8), "layers_per_block": 1},
+        text_len=11, text_dim=32, text_padding=4, extra_text={"byt5": (5, 24)}, height=32, width=48, num_frames=9,
+        scheduler={"shift": 7.0},
     ),
     # 64 + 32 caption tokens, or 32 + 32 (the model pads each part to a multiple of 32 tokens)
     "tiny-zimage": ZooEntry(
@@ -406,6 +438,12 @@ ZOO.update({
                      "approximator_hidden_dim": 5120, "approximator_layers": 5},
         vae=_FLUX_VAE, text_len=512, text_dim=4096, text_padding=256, scheduler=_FLUX_SCHEDULER,
     ),
+    # HunyuanVideo 1.5 text-to-video (8.3B): the transformer's defaults are the released config, 54 blocks
+    "hunyuan-video15": ZooEntry(
+        family="hunyuan-video15",
+        transformer={"task_type": "t2v"}, vae={}, text_len=1000, text_dim=3584, text_padding=500,
+        extra_text={"byt5": (256, 1472)}, height=720, width=1280, num_frames=121, scheduler={"shift": 7.0},
+    ),
     # Z-Image (Turbo and base share it): 30 layers and 2 refiner layers of each kind, 30 heads of 128
     "zimage": ZooEntry(
         family="zimage",
@@ -517,7 +555,8 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
         draw_packed_experts(model)
         _keep_fp32_modules(model)
     components = {"transformer": transformers[0], "vae": vae,
-                  "scheduler": getattr(diffusers, family.scheduler)(**entry.scheduler)}
+                  "scheduler": getattr(diffusers, family.scheduler)(**entry.scheduler),
+                  **(family.components() if family.components is not None else {})}
     if entry.image_encoder is not None:
         components.update(_clip_image_encoder(entry.image_encoder, device, dtype))
     pipeline_cls = getattr(diffusers, entry.pipeline or family.pipeline)

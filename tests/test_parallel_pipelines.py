@@ -28,6 +28,7 @@ SIZES = {
     "tiny-wan2.2-i2v": _VIDEO_SIZES,
     "tiny-wan2.1-i2v": _VIDEO_SIZES,
     "tiny-wan-vace": _VIDEO_SIZES,
+    "tiny-hunyuan-video15": _VIDEO_SIZES,
     "tiny-hunyuan-video": _VIDEO_SIZES,
     "tiny-cogvideox": _VIDEO_SIZES,
     "tiny-qwenimage": {"even": {"height": 48, "width": 64, "num_frames": 1},   # 6 x 8
@@ -141,7 +142,7 @@ ULYSSES = {
     3: ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
         "tiny-hidream", "tiny-flux-kontext", "tiny-flux-control", "tiny-ltx-i2v", "tiny-ltx-condition",
         "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-qwenimage-edit-2511", "tiny-nucleusmoe", "tiny-flux2",
-        "tiny-flux2-klein", "tiny-flux2-edit", "tiny-wan-vace", "tiny-zimage", "tiny-chroma"],
+        "tiny-flux2-klein", "tiny-flux2-edit", "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-hunyuan-video15"],
     4: ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2"],
 }
 # (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,
@@ -223,18 +224,12 @@ def test_bare_transformer_matches_single_process(name: str, world_size: int) -> 
     run_on_ranks(world_size, _bare_transformer_worker, name)
 
 
-# HunyuanVideo 1.5 at the transformer (its pipeline's guider and VAE are not in the zoo): tiny widths, two blocks
-_HUNYUAN_VIDEO15 = {"in_channels": 9, "out_channels": 4, "num_attention_heads": 12, "attention_head_dim": 16,
-                    "num_layers": 2, "num_refiner_layers": 1, "text_embed_dim": 32, "text_embed_2_dim": 24,
-                    "image_embed_dim": 16, "rope_axes_dim": (4, 6, 6), "task_type": "t2v"}
-
-
 def _hunyuan_video15_worker() -> None:
     """35 video tokens (5 frames x 1 x 7), padded prompts of two lengths, text-to-video (zero image embeds)."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     torch.manual_seed(0)
-    model = HunyuanVideo15Transformer3DModel(**_HUNYUAN_VIDEO15).eval()
+    model = HunyuanVideo15Transformer3DModel(**zoo.ZOO["tiny-hunyuan-video15"].transformer).eval()
     generator = torch.Generator().manual_seed(4)
     mask, mask_2 = torch.ones(2, 6, dtype=torch.long), torch.ones(2, 4, dtype=torch.long)
     mask[1, 3:], mask_2[0, 2:] = 0, 0
