@@ -52,7 +52,8 @@ class ZooEntry:
     boundary_ratio: float | None = None  # Wan 2.2: a second transformer denoises below this noise level
     pipeline_attributes: dict[str, Any] = field(default_factory=dict)
     pipeline: str | None = None  # another pipeline class of the family (image-to-X); default: the family's
-    images: dict[str, tuple[int, int]] = field(default_factory=dict)  # such a pipeline's image kwargs: (h, w)
+    # such a pipeline's image kwargs: (h, w), or None for the size of the output asked for (image-to-image)
+    images: dict[str, tuple[int, int] | None] = field(default_factory=dict)
     call_extra: dict[str, Any] = field(default_factory=dict)  # further call kwargs that pipeline needs
     pipeline_config: dict[str, Any] = field(default_factory=dict)  # constructor arguments (Wan 2.2 TI2V's)
     image_encoder: dict[str, Any] | None = None  # a CLIP vision encoder's config (Wan 2.1 image-to-video)
@@ -530,6 +531,12 @@ ZOO["wan-vace-14b"] = dataclasses.replace(ZOO["wan-14b"], family="wan-vace", tra
     **ZOO["wan-14b"].transformer, "vace_layers": list(range(0, 40, 5)), "vace_in_channels": 96})
 ZOO["tiny-nucleusmoe-d64"] = dataclasses.replace(ZOO["tiny-nucleusmoe"], transformer={
     **ZOO["tiny-nucleusmoe"].transformer, "attention_head_dim": 64, "axes_dims_rope": (16, 24, 24)})
+ZOO["tiny-zimage-img2img"] = dataclasses.replace(ZOO["tiny-zimage"], pipeline="ZImageImg2ImgPipeline",
+                                                 images={"image": None})
+ZOO["tiny-zimage-inpaint"] = dataclasses.replace(ZOO["tiny-zimage"], pipeline="ZImageInpaintPipeline",
+                                                 images={"image": None, "mask_image": None})
+ZOO["tiny-chroma-img2img"] = dataclasses.replace(ZOO["tiny-chroma"], pipeline="ChromaImg2ImgPipeline",
+                                                 images={"image": None})
 ZOO["tiny-zimage-d64"] = dataclasses.replace(ZOO["tiny-zimage"], transformer={
     **ZOO["tiny-zimage"].transformer, "dim": 64 * _TINY_HEADS, "axes_dims": [16, 24, 24]})
 ZOO["tiny-wan-d64"] = dataclasses.replace(ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "attention_head_dim": 64})
@@ -648,8 +655,8 @@ def call_kwargs(name: str, *, height: int, width: int, num_frames: int, steps: i
         kwargs[family.guidance_kwarg] = guidance
     if family.video:
         kwargs["num_frames"] = num_frames
-    for seed, (kwarg, (image_height, image_width)) in enumerate(entry.images.items()):
-        kwargs[kwarg] = random_image(image_height, image_width, seed)
+    for seed, (kwarg, size) in enumerate(entry.images.items()):
+        kwargs[kwarg] = random_image(*(size or (height, width)), seed)
     if _takes(entry, "max_area"):
         kwargs["max_area"] = height * width  # a pipeline that fits its output to an area: the size asked for
     return kwargs

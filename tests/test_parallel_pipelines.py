@@ -49,7 +49,8 @@ SIZES["tiny-flux2"] = SIZES["tiny-flux2-klein"] = SIZES["tiny-flux"]  # 2x VAE, 
 # Z-Image pads its image tokens to a multiple of 32: 96 tokens (6 x 16), and 35 made 64 ("uneven" only for N = 3)
 SIZES["tiny-zimage"] = {"even": {"height": 24, "width": 64, "num_frames": 1},
                         "uneven": {"height": 20, "width": 28, "num_frames": 1}}
-SIZES["tiny-chroma"] = SIZES["tiny-flux"]
+SIZES["tiny-chroma"] = SIZES["tiny-chroma-img2img"] = SIZES["tiny-flux"]
+SIZES["tiny-zimage-img2img"] = SIZES["tiny-zimage-inpaint"] = SIZES["tiny-zimage"]
 SIZES["tiny-flux2-edit"] = SIZES["tiny-flux"]  # + the reference image's 16 x 20 tokens
 # Qwen-Image Edit: about 1000 tokens of the input image besides these (its VAE downsamples 16x)
 SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = SIZES["tiny-qwenimage-edit-2511"] = {
@@ -142,7 +143,8 @@ ULYSSES = {
     3: ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
         "tiny-hidream", "tiny-flux-kontext", "tiny-flux-control", "tiny-ltx-i2v", "tiny-ltx-condition",
         "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-qwenimage-edit-2511", "tiny-nucleusmoe", "tiny-flux2",
-        "tiny-flux2-klein", "tiny-flux2-edit", "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-hunyuan-video15"],
+        "tiny-flux2-klein", "tiny-flux2-edit", "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-hunyuan-video15",
+        "tiny-zimage-img2img", "tiny-zimage-inpaint", "tiny-chroma-img2img"],
     4: ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2"],
 }
 # (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,
