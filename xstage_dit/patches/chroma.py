@@ -8,8 +8,6 @@ Image tokens and their ids are split on entry, and so is the image part of the j
 (`QueryKeyMasks.PAIR_BIAS`), which only the reference backend attends with."""
 from __future__ import annotations
 
-from typing import Any
-
 from diffusers import ChromaTransformer2DModel
 
 from ..cfg_plan import PAIRS, CfgPlan
@@ -17,17 +15,9 @@ from ..sp import routing
 from ..sp.masks import QueryKeyMasks
 from ..sp.plan import JointTokens, SequenceParallelPlan
 from . import cfg_rules
-from .flux import attention_of_both_streams
+from .flux import attention_of_both_streams, refuse_controlnet_and_ip_adapter
 
 _FLUX = "diffusers.models.transformers.transformer_flux"  # Chroma's blocks run Flux's processor
-
-
-def _check_inputs(arguments: dict[str, Any]) -> None:
-    for name in ("controlnet_block_samples", "controlnet_single_block_samples"):
-        if arguments.get(name) is not None:
-            raise NotImplementedError(f"xstage_dit: Chroma with ControlNet residuals ({name}) is not supported yet")
-    if "ip_adapter_image_embeds" in (arguments.get("joint_attention_kwargs") or {}):
-        raise NotImplementedError("xstage_dit: Chroma with IP-Adapter is not supported yet")
 
 
 PLANS = {
@@ -39,7 +29,7 @@ PLANS = {
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.token_output_shape, pipeline_uses_cfg=cfg_rules.guidance_above_one),
         shard_inputs={"": {"hidden_states": -2, "img_ids": -2, "attention_mask": JointTokens(-1)}},
         gather_outputs={"proj_out": -2},
-        check_inputs=_check_inputs,
+        check_inputs=refuse_controlnet_and_ip_adapter("Chroma"),
         query_key_masks=QueryKeyMasks.PAIR_BIAS,
     )
 }

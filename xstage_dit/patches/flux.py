@@ -6,7 +6,7 @@ stays whole on every rank. Either way the rotary table the model builds from [lo
 follows each local token's true position."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from diffusers import FluxTransformer2DModel
 from torch import nn
@@ -22,12 +22,19 @@ def attention_of_both_streams(model: nn.Module) -> list[nn.Module]:
     return [block.attn for block in (*model.transformer_blocks, *model.single_transformer_blocks)]
 
 
-def _check_inputs(arguments: dict[str, Any]) -> None:
-    for name in ("controlnet_block_samples", "controlnet_single_block_samples"):
-        if arguments.get(name) is not None:
-            raise NotImplementedError(f"xstage_dit: Flux with ControlNet residuals ({name}) is not supported yet")
-    if "ip_adapter_image_embeds" in (arguments.get("joint_attention_kwargs") or {}):
-        raise NotImplementedError("xstage_dit: Flux with IP-Adapter is not supported yet")
+def refuse_controlnet_and_ip_adapter(family: str) -> Callable[[dict[str, Any]], None]:
+    """The input check of a model with Flux's forward: ControlNet residuals and IP-Adapter embeddings are
+    refused."""
+
+    def check(arguments: dict[str, Any]) -> None:
+        for name in ("controlnet_block_samples", "controlnet_single_block_samples"):
+            if arguments.get(name) is not None:
+                raise NotImplementedError(f"xstage_dit: {family} with ControlNet residuals ({name}) is not "
+                                          "supported yet")
+        if "ip_adapter_image_embeds" in (arguments.get("joint_attention_kwargs") or {}):
+            raise NotImplementedError(f"xstage_dit: {family} with IP-Adapter is not supported yet")
+
+    return check
 
 
 PLANS = {
@@ -45,6 +52,6 @@ PLANS = {
         shard_inputs={"": {"hidden_states": -2, "img_ids": -2,
                            "encoder_hidden_states": JointText(-2), "txt_ids": JointText(-2)}},
         gather_outputs={"proj_out": -2},
-        check_inputs=_check_inputs,
+        check_inputs=refuse_controlnet_and_ip_adapter("Flux"),
     )
 }
