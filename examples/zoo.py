@@ -500,6 +500,14 @@ ZOO["tiny-qwenimage-edit-2511"] = dataclasses.replace(
 ZOO["tiny-ltx-i2v"] = dataclasses.replace(ZOO["tiny-ltx"], pipeline="LTXImageToVideoPipeline",
                                           images={"image": (40, 56)})
 ZOO["tiny-ltx-condition"] = dataclasses.replace(ZOO["tiny-ltx-i2v"], pipeline="LTXConditionPipeline")
+# Wan 2.2 TI2V-5B: 30 blocks of 24 heads, 48 latent channels from its 16x VAE (latent statistics not transcribed:
+# zeros and ones), 720p at 121 frames, 24 fps
+ZOO["wan2.2-ti2v-5b"] = dataclasses.replace(
+    ZOO["wan-1.3b"], transformer={**_WAN_1_3B, "num_attention_heads": 24, "ffn_dim": 14336, "in_channels": 48,
+                                  "out_channels": 48},
+    vae={**_TINY_WAN22_VAE, "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "num_res_blocks": 2,
+         "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48},
+    pipeline_config={"expand_timesteps": True}, height=704, width=1280, num_frames=121)
 ZOO["tiny-wan2.2-ti2v"] = dataclasses.replace(
     ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "in_channels": 8, "out_channels": 8},
     vae=_TINY_WAN22_VAE, pipeline_config={"expand_timesteps": True}, height=64, width=64)
