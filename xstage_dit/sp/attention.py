@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from .backends import BackendChoice
+from .backends import FALLBACK, BackendChoice
 from .layout import UlyssesLayout
 from .local_attention import diffusers_attention
-from ..logging_utils import warn_once
-from .backends import FALLBACK
 from .masks import QueryKeyMasks, text_key_mask
-from .ops import local_attention, local_attention_op, ulysses_attention
+from .ops import local_attention, local_attention_op, say_pair_bias_fallback, ulysses_attention
 from .sharding import SequenceShard
 
 
@@ -47,9 +45,7 @@ class UlyssesAttention:
         shard = self.shard
         choice = self.choice.name
         if pair_bias and shard.degree == 1:  # the model's own mask, which only SDPA takes
-            if choice != FALLBACK and not torch.compiler.is_compiling():
-                warn_once(f"xstage_dit backend {choice!r} does not take pair-bias attention masks (Chroma's); "
-                          f"running {FALLBACK!r}")
+            say_pair_bias_fallback(choice)
             choice = FALLBACK
         elif attn_mask is not None and self.query_key_masks is not None:  # the first (always valid) query's row
             attn_mask = attn_mask[:, :, :1]

@@ -49,9 +49,7 @@ def ulysses_attention(
     layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first, text_queries)
     chosen = get_choice(backend).pick(query, layout, fabric_ready=fabric_of(group_name) is not None)
     if pair_bias and text_mask is not None:
-        if chosen.name != FALLBACK:
-            warn_once(f"xstage_dit backend {chosen.name!r} does not take pair-bias attention masks (Chroma's); "
-                      f"running {FALLBACK!r}")
+        say_pair_bias_fallback(chosen.name)
         return serial_exchange(query, key, value, layout, all_to_all(_resolve_process_group(group_name)), scale,
                                text_mask, gathered_attention(get_backend(FALLBACK), attention_backend),
                                text_factor=True)
@@ -65,6 +63,14 @@ def ulysses_attention(
 def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, text_first, text_queries, backend,
       group_name, scale, attention_backend, pair_bias=False):
     return torch.empty_like(query)
+
+
+def say_pair_bias_fallback(backend: str) -> None:
+    """Pair-bias masks (masks.QueryKeyMasks.PAIR_BIAS) run on the reference backend: say once that `backend`
+    falls back to it (not while a graph is traced: the compiler cannot trace logging)."""
+    if backend != FALLBACK and not torch.compiler.is_compiling():
+        warn_once(f"xstage_dit backend {backend!r} does not take pair-bias attention masks (Chroma's); running "
+                  f"{FALLBACK!r}")
 
 
 def gathered_attention(chosen: Backend, attention_backend: str | None) -> LocalAttention:
