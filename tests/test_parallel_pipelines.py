@@ -250,6 +250,50 @@ def _hunyuan_video15_worker() -> None:
     assert torch.equal(again, ref), "disable did not restore the model"
 
 
+# LTX-2 at the transformer (its pipelines' text connectors, audio VAE and vocoder are not in the zoo)
+_LTX2 = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 12, "attention_head_dim": 8,
+         "cross_attention_dim": 96, "audio_in_channels": 8, "audio_out_channels": 8, "audio_num_attention_heads": 4,
+         "audio_attention_head_dim": 8, "audio_cross_attention_dim": 32, "num_layers": 2, "caption_channels": 32}
+
+
+def _ltx2_worker() -> None:
+    """35 video tokens (5 frames x 1 x 7) and 11 audio tokens, batch 2 with prompts padded differently; per-sample
+    timesteps, then per-token video timesteps (image-to-video's) with per-sample audio ones."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = LTX2VideoTransformer3DModel(**_LTX2).eval()
+    generator = torch.Generator().manual_seed(5)
+    mask = torch.ones(2, 6)
+    mask[1, 4:] = 0
+    inputs = dict(hidden_states=torch.randn(2, 35, 8, generator=generator),
+                  audio_hidden_states=torch.randn(2, 11, 8, generator=generator),
+                  encoder_hidden_states=torch.randn(2, 6, 32, generator=generator),
+                  audio_encoder_hidden_states=torch.randn(2, 6, 32, generator=generator),
+                  timestep=torch.tensor([500.0, 300.0]), sigma=torch.tensor([0.5, 0.3]),
+                  encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
+                  num_frames=5, height=1, width=7, audio_num_frames=11)
+    per_token = dict(inputs, timestep=torch.rand(2, 35, generator=generator) * 1000,
+                     audio_timestep=torch.tensor([500.0, 300.0]))
+    with torch.no_grad():
+        refs = [model(**case) for case in (inputs, per_token)]
+        xstage_dit.enable(model, timeout_s=120)
+        outs = [model(**case) for case in (inputs, per_token)]
+        xstage_dit.disable(model)
+        again = model(**inputs)
+    for name, out, ref in zip(("per-sample", "per-token"), outs, refs):
+        for stream in ("sample", "audio_sample"):
+            error = _relative_error(getattr(out, stream), getattr(ref, stream))
+            assert error < TOLERANCE, f"LTX-2 {name} timesteps, {stream}: relative error {error:.2e}"
+    assert torch.equal(again.sample, refs[0].sample), "disable did not restore the model"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ltx2_transformer_matches_single_process(world_size: int) -> None:
+    """Video split (Ulysses self-attention), audio whole on every rank, video-to-audio over gathered video keys."""
+    run_on_ranks(world_size, _ltx2_worker)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_hunyuan_video15_transformer_matches_single_process(world_size: int) -> None:
     """Its (queries x keys) padding masks reach attention as their first row's key-padding mask."""

@@ -5,9 +5,9 @@ import torch
 
 from .backends import FALLBACK, BackendChoice
 from .layout import UlyssesLayout
-from .local_attention import diffusers_attention
+from .local_attention import diffusers_attention, sdpa_bshd
 from .masks import QueryKeyMasks, text_key_mask
-from .ops import local_attention, local_attention_op, say_pair_bias_fallback, ulysses_attention
+from .ops import gathered_keys_attention, local_attention, local_attention_op, say_pair_bias_fallback, ulysses_attention
 from .sharding import SequenceShard
 
 
@@ -71,3 +71,26 @@ class UlyssesAttention:
             layout.local_len, layout.degree, layout.rank, layout.text_first, layout.text_queries, choice,
             shard.group.group_name, scale, attention_backend, pair_bias,
         )
+
+
+class GatheredKeysAttention:
+    """Attention whose queries every rank holds whole, over keys and values split with the tokens (LTX-2's audio
+    attending to every video token): the keys and values are gathered, every rank computes the whole output.
+    Same call as UlyssesAttention's, for the router."""
+
+    fuse_rope = False  # the router asks; such models rotate their keys themselves
+
+    def __init__(self, shard: SequenceShard) -> None:
+        self.shard = shard
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                 scale: float | None = None, attention_backend: str | None = None) -> torch.Tensor:
+        if dropout_p or is_causal or attn_mask is not None:
+            raise ValueError("xstage_dit: attention over gathered keys takes no mask, dropout or causal masking")
+        shard = self.shard
+        if shard.degree == 1:
+            return (sdpa_bshd if attention_backend is None else diffusers_attention(attention_backend))(
+                query, key, value, None, scale)
+        return gathered_keys_attention(query, key, value, shard.seq_len, shard.degree, shard.rank,
+                                       shard.group.group_name, scale, attention_backend)

@@ -3,6 +3,7 @@ compiles (e.g. diffusers' `compile_repeated_blocks`) with each as one opaque nod
 compiler never traces collectives, symmetric-memory kernels or our Triton kernels.
 
 - xstage::ulysses_attention: Ulysses attention and its communication;
+- xstage::gathered_keys_attention: replicated queries over every rank's keys (all-gathered);
 - xstage::local_attention: degree 1, the backend choice's own kernel (what a compiled graph records; eager calls
   run `local_attention` directly);
 - xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY), what a
@@ -15,12 +16,14 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..logging_utils import warn_once
+from ..runtime.distributed import waiting_for
 from .backends import FALLBACK, Backend, LocalAttention, get_backend, get_choice
 from .exchange import all_to_all
 from .fabric import fabric_of
 from .layout import UlyssesLayout
 from .local_attention import diffusers_attention, sdpa_bshd
 from .reference import serial_exchange
+from .sharding import SequenceShard
 
 
 @torch.library.custom_op("xstage::ulysses_attention", mutates_args=())
@@ -62,6 +65,26 @@ def ulysses_attention(
 @ulysses_attention.register_fake
 def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, text_first, text_queries, backend,
       group_name, scale, attention_backend, pair_bias=False):
+    return torch.empty_like(query)
+
+
+@torch.library.custom_op("xstage::gathered_keys_attention", mutates_args=())
+def gathered_keys_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_len: int, degree: int,
+                            rank: int, group_name: str, scale: float | None,
+                            attention_backend: str | None) -> torch.Tensor:
+    """Whole (replicated) queries over keys and values split with the tokens, (B, L, H, D) per rank: every rank's
+    keys and values are all-gathered (padding dropped, `seq_len` tokens) and attended here; every rank computes
+    the same output."""
+    shard = SequenceShard(degree, rank, _resolve_process_group(group_name))
+    shard.seq_len = seq_len
+    with waiting_for(lambda: "the other ranks' keys and values for an attention over all their tokens"):
+        key, value = shard.gather(key, 1), shard.gather(value, 1)
+    attend = sdpa_bshd if attention_backend is None else diffusers_attention(attention_backend)
+    return attend(query, key, value, None, scale)
+
+
+@gathered_keys_attention.register_fake
+def _(query, key, value, seq_len, degree, rank, group_name, scale, attention_backend):
     return torch.empty_like(query)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..cfg_plan import CfgPlan
 from . import cache_hooks, routing
-from .attention import UlyssesAttention
+from .attention import GatheredKeysAttention, UlyssesAttention
 from .masks import QueryKeyMasks
 from .sharding import SequenceShard
 
@@ -65,6 +65,8 @@ class SequenceParallelPlan:
         returning one tensor uses index 0.
     gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence.
     attention_modules: the attention modules whose attention must see the whole sequence.
+    gathered_key_modules: attention modules whose queries every rank holds whole (a stream that is not split)
+        and whose keys and values are split with the tokens: their keys and values are gathered.
     num_heads: attention heads per layer, to check the Ulysses degree (default: the config's
         `num_attention_heads`, which every diffusers DiT has).
     cfg: how the family's pipelines run classifier-free guidance, for CFG parallelism.
@@ -86,6 +88,7 @@ class SequenceParallelPlan:
     attention_modules: Callable[[nn.Module], list[nn.Module]]
     cfg: CfgPlan
     num_heads: Callable[[nn.Module], int] = lambda model: model.config.num_attention_heads
+    gathered_key_modules: Callable[[nn.Module], list[nn.Module]] | None = None
     shard_inputs: dict[str, dict[str, int | PerToken | JointText | JointTokens]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_outputs: dict[str, int] = field(default_factory=dict)
@@ -193,6 +196,9 @@ class AppliedPlan:
                 self._hooks.append(model.get_submodule(path).register_forward_hook(_shard_outputs_hook(shard, dims)))
             for path, dim in plan.gather_outputs.items():
                 self._hooks.append(model.get_submodule(path).register_forward_hook(_gather_output_hook(shard, dim)))
+            if plan.gathered_key_modules is not None:
+                gathered = GatheredKeysAttention(shard)
+                self._marks.extend(routing.mark_active(module, gathered) for module in plan.gathered_key_modules(model))
         for module in plan.attention_modules(model):
             self._marks.append(routing.mark_active(module, attention))
         routing.route(*plan.call_site)

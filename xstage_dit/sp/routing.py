@@ -19,9 +19,9 @@ from torch import nn
 
 from ..module_forward import ReplacedForward
 from . import ops
-from .attention import UlyssesAttention
+from .attention import GatheredKeysAttention, UlyssesAttention
 
-_active: UlyssesAttention | None = None
+_active: UlyssesAttention | GatheredKeysAttention | None = None
 _routed: dict[tuple[str, str], tuple[Any, int]] = {}
 
 # the kinds of call sites, and the module attribute a processor looks them up by
@@ -118,7 +118,7 @@ class ActiveMark:
         del self.module._xstage_attention
 
 
-def mark_active(module: nn.Module, attention: UlyssesAttention) -> ActiveMark:
+def mark_active(module: nn.Module, attention: UlyssesAttention | GatheredKeysAttention) -> ActiveMark:
     """Make `attention` receive the routed calls made while `module` runs. The module's class is swapped for a
     subclass whose forward activates the module's `_xstage_attention`: one subclass per original class, shared
     by every marked module, so that a compiler sees every block's attention module alike (per-module hooks would
