@@ -291,6 +291,7 @@ ZOO: dict[str, ZooEntry] = {
         vae={"latent_channels": 4, "block_out_channels": (8, 8, 8, 8, 8), "layers_per_block": 1},
         text_len=11, text_dim=32, text_padding=4, extra_text={"byt5": (5, 24)}, height=32, width=48, num_frames=9,
         scheduler={"shift": 7.0},
+        pipeline_attributes={"vision_num_semantic_tokens": 9},  # the image-conditioning slots (729 released)
     ),
     # 64 + 32 caption tokens, or 32 + 32 (the model pads each part to a multiple of 32 tokens)
     "tiny-zimage": ZooEntry(

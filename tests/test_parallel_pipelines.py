@@ -253,12 +253,14 @@ def _hunyuan_video15_worker() -> None:
 # LTX-2 at the transformer (its pipelines' text connectors, audio VAE and vocoder are not in the zoo)
 _LTX2 = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 12, "attention_head_dim": 8,
          "cross_attention_dim": 96, "audio_in_channels": 8, "audio_out_channels": 8, "audio_num_attention_heads": 4,
-         "audio_attention_head_dim": 8, "audio_cross_attention_dim": 32, "num_layers": 2, "caption_channels": 32}
+         "audio_attention_head_dim": 8, "audio_cross_attention_dim": 32, "num_layers": 2, "caption_channels": 32,
+         "perturbed_attn": True}
 
 
 def _ltx2_worker() -> None:
     """35 video tokens (5 frames x 1 x 7) and 11 audio tokens, batch 2 with prompts padded differently; per-sample
-    timesteps, then per-token video timesteps (image-to-video's) with per-sample audio ones."""
+    timesteps, per-token video timesteps (image-to-video's) with per-sample audio ones, and spatio-temporal
+    guidance perturbing block 1 for one sample (the pipelines' default guidance)."""
     from diffusers import LTX2VideoTransformer3DModel
 
     torch.manual_seed(0)
@@ -273,15 +275,17 @@ def _ltx2_worker() -> None:
                   timestep=torch.tensor([500.0, 300.0]), sigma=torch.tensor([0.5, 0.3]),
                   encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
                   num_frames=5, height=1, width=7, audio_num_frames=11)
-    per_token = dict(inputs, timestep=torch.rand(2, 35, generator=generator) * 1000,
-                     audio_timestep=torch.tensor([500.0, 300.0]))
+    cases = {"per-sample": inputs,
+             "per-token": dict(inputs, timestep=torch.rand(2, 35, generator=generator) * 1000,
+                               audio_timestep=torch.tensor([500.0, 300.0])),
+             "perturbed": dict(inputs, spatio_temporal_guidance_blocks=[1], perturbation_mask=torch.tensor([0.0, 1.0]))}
     with torch.no_grad():
-        refs = [model(**case) for case in (inputs, per_token)]
+        refs = [model(**case) for case in cases.values()]
         xstage_dit.enable(model, timeout_s=120)
-        outs = [model(**case) for case in (inputs, per_token)]
+        outs = [model(**case) for case in cases.values()]
         xstage_dit.disable(model)
         again = model(**inputs)
-    for name, out, ref in zip(("per-sample", "per-token"), outs, refs):
+    for name, out, ref in zip(cases, outs, refs):
         for stream in ("sample", "audio_sample"):
             error = _relative_error(getattr(out, stream), getattr(ref, stream))
             assert error < TOLERANCE, f"LTX-2 {name} timesteps, {stream}: relative error {error:.2e}"

@@ -6,7 +6,8 @@ The video tokens are split on entry with their per-token inputs, and so are the 
 builds (self-attention's and cross-attention's); the video self-attention runs Ulysses. The audio stream, a few
 hundred tokens, stays whole on every rank: its own attention and its attention to the prompt run locally, and so
 does audio-to-video (each rank's video queries over all audio keys). Video-to-audio attends every video token:
-its keys and values are gathered (`gathered_key_modules`). The video output is gathered at `proj_out`."""
+its keys and values are gathered (`gathered_key_modules`). The video output is gathered at `proj_out`.
+Spatio-temporal guidance needs nothing more: a perturbed sample's self-attention output is its values, per token."""
 from __future__ import annotations
 
 from typing import Any
@@ -21,9 +22,6 @@ from ..sp.plan import PerToken, SequenceParallelPlan
 def _check_inputs(arguments: dict[str, Any]) -> None:
     if arguments.get("video_self_attention_mask") is not None:
         raise NotImplementedError("xstage_dit: LTX-2 with a video self-attention mask (IC-LoRA) is not supported yet")
-    if arguments.get("spatio_temporal_guidance_blocks"):
-        raise NotImplementedError("xstage_dit: LTX-2 with spatio-temporal guidance (perturbed blocks) is not "
-                                  "supported yet")
 
 
 PLANS = {
