@@ -3,6 +3,7 @@ enters a context built from the call's arguments (Python looks special methods u
 instance alone cannot be patched). `unwrap_pipeline_call` gives the object its class back."""
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, ContextManager
 
@@ -15,6 +16,7 @@ def wrap_pipeline_call(pipe: Any, around: Callable[[dict[str, Any]], ContextMana
     cls = type(pipe)
     signature = inspect.signature(cls.__call__)
 
+    @functools.wraps(cls.__call__)  # the pipeline's own signature and docs, for callers that inspect them
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
