@@ -36,7 +36,7 @@ from xstage_dit.runtime import world_from_env
 import zoo
 from kernel_profile import kernel_times, write_profiles
 from provenance import provenance
-from step_timer import StepTimer
+from step_timer import StepTimer, reporting_steps
 
 DIFFUSERS_ROPE = "+diffusers-rope"  # backend-name suffix: that backend with enable(fuse_rope=False)
 EXPERT_PARALLEL = "+expert-parallel"  # backend-name suffix: that backend with enable(expert_parallel=True)
@@ -88,9 +88,10 @@ class CountTokens:
 
 def time_call(pipe, call: dict, device: torch.device) -> StepTimer:
     timer = StepTimer(device)
-    timer.start()
-    pipe(**call, callback_on_step_end=timer)
-    timer.finish()
+    with reporting_steps(pipe, timer) as step_callback:
+        timer.start()
+        pipe(**call, **step_callback)
+        timer.finish()
     return timer
 
 
@@ -284,7 +285,11 @@ def scaling(row: dict, rows: list[dict]) -> float | None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # an optional picture: the JSON and the table are written already
+        print(f"matplotlib is not installed: no {path}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import logging
 import statistics
 from pathlib import Path
@@ -30,7 +29,7 @@ from diffusers.utils import export_to_gif, export_to_video
 import xstage_dit
 
 import zoo
-from step_timer import StepTimer
+from step_timer import StepTimer, reporting_steps
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp"), (".gif", ".mp4")
@@ -147,22 +146,20 @@ def main() -> None:
                       expert_parallel=args.expert_parallel)
 
     timer = StepTimer(device)
-    # a pipeline without step callbacks (HunyuanVideo 1.5's) is timed as a whole
-    per_step = "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
-    timer.start()
-    result = pipe(**call, generator=torch.Generator().manual_seed(args.seed), output_type="pil",
-                  **({"callback_on_step_end": timer} if per_step else {}))
-    timer.finish()
+    with reporting_steps(pipe, timer) as step_callback:
+        timer.start()
+        result = pipe(**call, generator=torch.Generator().manual_seed(args.seed), output_type="pil",
+                      **step_callback)
+        timer.finish()
 
     if xstage_dit.is_main_process():
         write(result, output, family)
         steps = timer.step_seconds
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        timing = (f"{len(steps)} steps, per-step median {statistics.median(steps) * 1e3:.1f} ms (first "
-                  f"{steps[0] * 1e3:.1f} ms), denoising {timer.total_seconds - timer.after_loop_seconds:.2f} s, "
-                  f"decode {timer.after_loop_seconds:.2f} s" if per_step else
-                  f"{timer.total_seconds:.2f} s denoising and decoding")
-        print(f"{world} rank(s), {device.type}: {timing}; wrote {output}")
+        print(f"{world} rank(s), {device.type}: {len(steps)} steps, per-step median "
+              f"{statistics.median(steps) * 1e3:.1f} ms (first {steps[0] * 1e3:.1f} ms), "
+              f"denoising {timer.total_seconds - timer.after_loop_seconds:.2f} s, decode "
+              f"{timer.after_loop_seconds:.2f} s; wrote {output}")
     # CUDA graphs that hold NCCL collectives must be gone before the process group (pytorch#115388)
     xstage_dit.disable(pipe)
     del pipe

@@ -1,7 +1,10 @@
 """Wall time of each denoising step, for the examples and benchmarks."""
 from __future__ import annotations
 
+import contextlib
+import inspect
 import time
+from typing import Any, Iterator
 
 import torch
 
@@ -52,3 +55,25 @@ class StepTimer:
     def after_loop_seconds(self) -> float:
         """From the last step's end to the call's end: the VAE decode and post-processing, if the call decodes."""
         return self.end - self.marks[-1]
+
+
+@contextlib.contextmanager
+def reporting_steps(pipe: Any, timer: StepTimer) -> Iterator[dict[str, Any]]:
+    """The call kwargs that make `pipe` report each step's end to `timer`: its step callback, or for a pipeline
+    without one (HunyuanVideo 1.5's) its scheduler's `step` wrapped for the call, which every pipeline calls once
+    per step."""
+    if "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
+        yield {"callback_on_step_end": timer}
+        return
+    scheduler, step = pipe.scheduler, pipe.scheduler.step
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        timer(pipe, None, None, {})
+        return out
+
+    scheduler.step = timed_step
+    try:
+        yield {}
+    finally:
+        del scheduler.step
