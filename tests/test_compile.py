@@ -161,7 +161,7 @@ def _pipeline_graphs(name: str, enabled: bool) -> int:
 
 
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx",
-                                  "tiny-flux2", "tiny-wan-vace", "tiny-zimage"])
+                                  "tiny-flux2", "tiny-wan-vace", "tiny-zimage", "tiny-chroma"])
 def test_every_family_with_repeated_blocks_compiles_as_often_as_stock(name):
     """The families whose diffusers model names its repeated blocks (SD3, CogVideoX and HiDream do not), four
     blocks deep, one process."""
@@ -240,3 +240,33 @@ def test_nucleusmoe_blocks_compile_on_two_ranks_without_a_graph_break(expert_par
     the tokens' all-gather and the outputs' reduce-scatter too) traces. bf16: torch._grouped_mm's fake kernel
     takes bf16 only."""
     run_on_ranks(2, _nucleus_blocks_worker, expert_parallel, deadline_s=300)
+
+
+def _ltx2_blocks_worker() -> None:
+    from diffusers import LTX2VideoTransformer3DModel
+    from test_parallel_pipelines import LTX2_CONFIG
+
+    torch.manual_seed(0)
+    model = LTX2VideoTransformer3DModel(**{**LTX2_CONFIG, "num_layers": 4}).eval()
+    generator = torch.Generator().manual_seed(5)
+    inputs = dict(hidden_states=torch.randn(1, 35, 8, generator=generator),
+                  audio_hidden_states=torch.randn(1, 11, 8, generator=generator),
+                  encoder_hidden_states=torch.randn(1, 6, 32, generator=generator),
+                  audio_encoder_hidden_states=torch.randn(1, 6, 32, generator=generator),
+                  timestep=torch.tensor([500.0]), sigma=torch.tensor([0.5]), num_frames=5, height=1, width=7,
+                  audio_num_frames=11)
+    xstage_dit.enable(model, backend="reference", timeout_s=120)
+    with torch.no_grad():
+        eager = model(**inputs).audio_sample
+        torch._dynamo.reset()
+        counters.clear()
+        model.compile_repeated_blocks(fullgraph=True, backend="eager")
+        compiled = model(**inputs).audio_sample
+    assert counters["stats"]["unique_graphs"] == 1, counters["stats"]["unique_graphs"]
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_ltx2_blocks_compile_on_two_ranks_without_a_graph_break():
+    """LTX-2's blocks hold both kinds of routed attention (Ulysses video self-attention, video-to-audio over the
+    gathered video keys): four blocks compile as one graph, fullgraph, at 2 ranks."""
+    run_on_ranks(2, _ltx2_blocks_worker, deadline_s=300)

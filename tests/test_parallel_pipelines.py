@@ -251,7 +251,7 @@ def _hunyuan_video15_worker() -> None:
 
 
 # LTX-2 at the transformer (its pipelines' text connectors, audio VAE and vocoder are not in the zoo)
-_LTX2 = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 12, "attention_head_dim": 8,
+LTX2_CONFIG = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 12, "attention_head_dim": 8,
          "cross_attention_dim": 96, "audio_in_channels": 8, "audio_out_channels": 8, "audio_num_attention_heads": 4,
          "audio_attention_head_dim": 8, "audio_cross_attention_dim": 32, "num_layers": 2, "caption_channels": 32,
          "perturbed_attn": True}
@@ -264,7 +264,7 @@ def _ltx2_worker() -> None:
     from diffusers import LTX2VideoTransformer3DModel
 
     torch.manual_seed(0)
-    model = LTX2VideoTransformer3DModel(**_LTX2).eval()
+    model = LTX2VideoTransformer3DModel(**LTX2_CONFIG).eval()
     generator = torch.Generator().manual_seed(5)
     mask = torch.ones(2, 6)
     mask[1, 4:] = 0
