@@ -5,7 +5,7 @@ import torch
 
 from .backends import FALLBACK, BackendChoice
 from .layout import UlyssesLayout
-from .local_attention import diffusers_attention, sdpa_bshd
+from .local_attention import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
 from .ops import gathered_keys_attention, local_attention, local_attention_op, say_pair_bias_fallback, ulysses_attention
 from .sharding import SequenceShard
@@ -76,7 +76,7 @@ class UlyssesAttention:
 class GatheredKeysAttention:
     """Attention whose queries every rank holds whole, over keys and values split with the tokens (LTX-2's audio
     attending to every video token): the keys and values are gathered, every rank computes the whole output.
-    Same call as UlyssesAttention's, for the router."""
+    Same call as UlyssesAttention's, for the router; marked on modules only where the tokens are split."""
 
     fuse_rope = False  # the router asks; such models rotate their keys themselves
 
@@ -89,8 +89,5 @@ class GatheredKeysAttention:
         if dropout_p or is_causal or attn_mask is not None:
             raise ValueError("xstage_dit: attention over gathered keys takes no mask, dropout or causal masking")
         shard = self.shard
-        if shard.degree == 1:
-            return (sdpa_bshd if attention_backend is None else diffusers_attention(attention_backend))(
-                query, key, value, None, scale)
         return gathered_keys_attention(query, key, value, shard.seq_len, shard.degree, shard.rank,
                                        shard.group.group_name, scale, attention_backend)

@@ -51,7 +51,7 @@ def ulysses_attention(
     bias (masks.QueryKeyMasks.PAIR_BIAS), which only the reference backend attends with."""
     layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first, text_queries)
     chosen = get_choice(backend).pick(query, layout, fabric_ready=fabric_of(group_name) is not None)
-    if pair_bias and text_mask is not None:
+    if pair_bias:
         say_pair_bias_fallback(chosen.name)
         return serial_exchange(query, key, value, layout, all_to_all(_resolve_process_group(group_name)), scale,
                                text_mask, gathered_attention(get_backend(FALLBACK), attention_backend),
@@ -78,7 +78,7 @@ def gathered_keys_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     shard = SequenceShard(degree, rank, _resolve_process_group(group_name))
     shard.seq_len = seq_len
     with waiting_for(lambda: "the other ranks' keys and values for an attention over all their tokens"):
-        key, value = shard.gather(key, 1), shard.gather(value, 1)
+        key, value = shard.gather(torch.stack([key, value]), 2).unbind(0)  # one collective for both
     attend = sdpa_bshd if attention_backend is None else diffusers_attention(attention_backend)
     return attend(query, key, value, None, scale)
 

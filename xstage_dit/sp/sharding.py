@@ -73,7 +73,6 @@ class SequenceShard:
         all_gather_into(full, front, self.group)
         return full[: self.seq_len].movedim(0, dim)
 
-
     def shard_after_text(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's share of a tensor indexed by [text, image] tokens along `dim` (a joint padding mask): every
         text entry, then its chunk of the image entries, the last `seq_len` (split after the image tokens)."""
