@@ -1,7 +1,9 @@
 """One NucleusMoE-Image MoE layer at the released size (dim 2048, 64 experts of width 1344, expert choice at a
 capacity factor of 4 or 2, shared expert), timed per call: diffusers' own layer on one GPU (grouped matmuls, and
-its default loop over experts), and xstage_dit's exact expert choice with every expert on every rank
-(replicated) or E/N per rank (`expert_parallel=True`), each rank holding S/N tokens.
+its default loop over experts), and xstage_dit's exact expert choice, each rank holding S/N tokens, in each mode
+(sp/expert_modes.py): every expert on every rank (replicated), or E/N per rank with the rows travelling over
+collectives or stored from the kernels (X-Stage) in several schedules; beside each, the Burst-Gap planner's
+prediction, and which mode and schedule it picks.
 
     python examples/bench_moe.py --out docs/benchmarks/moe-h200
     torchrun --nproc_per_node 2 examples/bench_moe.py --out docs/benchmarks/moe-h200x2
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,11 +28,36 @@ import zoo
 from provenance import provenance, write_records
 from xstage_dit.patches.nucleusmoe import ExactExpertChoice
 from xstage_dit.runtime import ensure_process_group
+from xstage_dit.sp.expert_modes import ExpertModes
+from xstage_dit.sp.fabric import open_fabric
 from xstage_dit.sp.plan import PlanContext
+from xstage_dit.sp.planning import planner_for
 from xstage_dit.sp.sharding import SequenceShard
+from xstage_dit.xstage.planner import ExpertMode, ExpertSchedule
 
 DIM, EXPERTS, EXPERT_DIM = 2048, 64, 1344
 TOKENS = {"1024²": 4096, "2048²": 16384}
+# the stores mode's schedules timed: one wave, and four waves plain and interleaved
+SCHEDULES = {"": ExpertSchedule(), "-4-waves": ExpertSchedule(4), "-4-waves-interleaved": ExpertSchedule(4, True)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One timed way to run the layer: diffusers' own (`stock`: its grouped matmuls or its loop), or xstage_dit's in
+    `mode`, with `schedule` for the stores mode."""
+
+    name: str
+    stock: bool = False
+    mode: ExpertMode = ExpertMode.REPLICATED
+    schedule: ExpertSchedule | None = None
+
+
+def variants(ranks: int) -> list[Variant]:
+    if ranks == 1:
+        return [Variant("stock-grouped", stock=True), Variant("stock-loop", stock=True), Variant("xstage-replicated")]
+    return ([Variant("xstage-replicated"), Variant("xstage-expert-parallel-collectives", mode=ExpertMode.COLLECTIVES)]
+            + [Variant(f"xstage-expert-parallel-stores{suffix}", mode=ExpertMode.STORES, schedule=schedule)
+               for suffix, schedule in SCHEDULES.items()])
 
 
 def _layer(capacity_factor: float, grouped: bool, device: torch.device) -> NucleusMoELayer:
@@ -63,27 +91,32 @@ def _slowest(value: float) -> float:
     return t.item()
 
 
-def bench(mode: str, size: str, capacity_factor: float, repeats: int, device: torch.device) -> dict:
+def bench(variant: Variant, size: str, capacity_factor: float, repeats: int, device: torch.device) -> dict:
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    layer = _layer(capacity_factor, grouped=mode != "stock-loop", device=device)
+    layer = _layer(capacity_factor, grouped=variant.name != "stock-loop", device=device)
     tokens = TOKENS[size]
     shard = SequenceShard(ranks, rank, dist.group.WORLD if ranks > 1 else None)
     shard.seq_len = tokens
     generator = torch.Generator(device).manual_seed(rank)
-    local = tokens // ranks if mode.startswith("xstage") else tokens
+    local = tokens if variant.stock else tokens // ranks
     x = torch.randn(1, local, DIM, device=device, dtype=torch.bfloat16, generator=generator)
     unmodulated = torch.randn_like(x)
     timestep = torch.randn(1, DIM, device=device, dtype=torch.bfloat16, generator=generator)
-    wrapper = None
-    if mode.startswith("xstage"):
-        wrapper = ExactExpertChoice(layer, PlanContext(shard, expert_parallel=mode == "xstage-expert-parallel"))
+    wrapper = predicted = picked = None
+    if not variant.stock:
+        if variant.mode is ExpertMode.STORES:  # the group's symmetric memory, as enable opens it
+            open_fabric(dist.group.WORLD, device, 600.0)
+        context = PlanContext(shard, ExpertModes((variant.mode,)))
+        wrapper = ExactExpertChoice(layer, context, variant.schedule)
+        predicted, picked = _prediction(wrapper, x, variant, device)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         ms = _time(lambda: layer(x, unmodulated, timestep), repeats)
     expert_bytes = sum(w.numel() * w.element_size() for w in (layer.experts.gate_up_proj, layer.experts.down_proj))
-    record = {"mode": mode, "size": size, "tokens": tokens, "capacity_factor": capacity_factor, "ranks": ranks,
-              "ms": _slowest(ms), "expert_weights_gib": _slowest(expert_bytes / 2**30),
+    record = {"mode": variant.name, "size": size, "tokens": tokens, "capacity_factor": capacity_factor,
+              "ranks": ranks, "ms": _slowest(ms), "predicted_ms": predicted, "planner_picks": picked,
+              "expert_weights_gib": _slowest(expert_bytes / 2**30),
               "peak_gib": _slowest(torch.cuda.max_memory_allocated(device) / 2**30), "repeats": repeats,
               **provenance()}
     if wrapper is not None:
@@ -91,12 +124,32 @@ def bench(mode: str, size: str, capacity_factor: float, repeats: int, device: to
     return record
 
 
+def _prediction(wrapper: ExactExpertChoice, x: torch.Tensor, variant: Variant, device: torch.device
+                ) -> tuple[float | None, str | None]:
+    """The planner's predicted ms for this variant, and its pick among every mode (with its schedule)."""
+    planner = planner_for(device, wrapper.shard.degree)
+    if planner is None or not planner.predicts_experts():
+        return None, None
+    shape = wrapper.shape(x)
+    if variant.mode is ExpertMode.STORES:
+        seconds = planner.experts_stores(shape, variant.schedule or planner.expert_schedule(shape))
+    else:
+        seconds = planner.predict_experts(shape, (variant.mode,))[variant.mode]
+    modes = (ExpertMode.REPLICATED,) + ((ExpertMode.COLLECTIVES, ExpertMode.STORES) if shape.degree > 1 else ())
+    predicted = planner.predict_experts(shape, modes)
+    best = min(predicted, key=predicted.__getitem__)
+    pick = best.value + (f" ({planner.expert_schedule(shape)})" if best is ExpertMode.STORES else "")
+    return seconds * 1e3, pick
+
+
 def write(records: list[dict], prefix: Path) -> None:
-    table = ["| size (tokens) | capacity factor | ranks | mode | ms per layer call | expert weights per rank (GiB) "
-             "| peak per rank (GiB) |", "|---|---|---|---|---|---|---|"]
+    table = ["| size (tokens) | capacity factor | ranks | mode | ms per layer call | predicted ms | planner picks "
+             "| expert weights per rank (GiB) | peak per rank (GiB) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
+        predicted = "" if r["predicted_ms"] is None else f"{r['predicted_ms']:.2f}"
         table.append(f"| {r['size']} ({r['tokens']}) | {r['capacity_factor']:g} | {r['ranks']} | {r['mode']} | "
-                     f"{r['ms']:.2f} | {r['expert_weights_gib']:.2f} | {r['peak_gib']:.2f} |")
+                     f"{r['ms']:.2f} | {predicted} | {r['planner_picks'] or ''} | {r['expert_weights_gib']:.2f} | "
+                     f"{r['peak_gib']:.2f} |")
     write_records(records, prefix, "NucleusMoE-Image MoE layer", f"Medians of {records[0]['repeats']}, bf16, "
                   "batch 1; times and memory are the slowest / largest rank's.", table)
 
@@ -110,11 +163,9 @@ def main() -> None:
     if device.type != "cuda":
         raise SystemExit("bench_moe.py times GPU kernels: run it on a GPU")
     ensure_process_group(timeout_s=600)
-    several = dist.is_initialized() and dist.get_world_size() > 1
-    modes = ["xstage-replicated", "xstage-expert-parallel"] if several else ["stock-grouped", "stock-loop",
-                                                                              "xstage-replicated"]
-    records = [bench(mode, size, factor, args.repeats, device)
-               for size in TOKENS for factor in (4.0, 2.0) for mode in modes]
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    records = [bench(variant, size, factor, args.repeats, device)
+               for size in TOKENS for factor in (4.0, 2.0) for variant in variants(ranks)]
     if xstage_dit.is_main_process():
         write(records, Path(args.out))
 

@@ -32,6 +32,7 @@ import zoo
 from step_timer import StepTimer, reporting_steps
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPERT_PARALLEL = {"auto": None, "on": True, "off": False}  # --expert-parallel -> enable(expert_parallel=...)
 IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp"), (".gif", ".mp4")
 ZOO_STEPS = 4  # random weights: a few steps show the run; more add nothing
 
@@ -56,8 +57,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--backend", default="auto", choices=xstage_dit.available_backends())
     parser.add_argument("--ulysses-degree", type=int, help="default: the ranks of each CFG group")
-    parser.add_argument("--expert-parallel", action="store_true",
-                        help="split a mixture of experts over the Ulysses group (NucleusMoE-Image, HiDream)")
+    parser.add_argument("--expert-parallel", choices=EXPERT_PARALLEL, default="auto",
+                        help="a mixture of experts (NucleusMoE-Image, HiDream): on: split over the Ulysses group; "
+                             "off: every expert on every rank; auto: every expert kept, the mode picked per layer "
+                             "call by the planner")
     parser.add_argument("--cfg-degree", type=int, default=1, choices=(1, 2),
                         help="2: split the guidance branches over two groups of ranks")
     parser.add_argument("--output", type=Path, help="output file (default: output.png, or output.gif for video)")
@@ -143,7 +146,7 @@ def main() -> None:
     if image is not None:
         call["image"] = image
     xstage_dit.enable(pipe, backend=args.backend, ulysses_degree=args.ulysses_degree, cfg_degree=args.cfg_degree,
-                      expert_parallel=args.expert_parallel)
+                      expert_parallel=EXPERT_PARALLEL[args.expert_parallel])
 
     timer = StepTimer(device)
     with reporting_steps(pipe, timer) as step_callback:

@@ -3,7 +3,8 @@
 reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
 every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
 once), the RoPE
-kernel for bf16 at head_dim 128, whose PTX must have no fused multiply-add (it rounds as diffusers' code does).
+kernel for bf16 at head_dim 128, whose PTX must have no fused multiply-add (it rounds as diffusers' code does),
+and the MoE expert kernel, whose matmuls must be Hopper's wgmma.
 Exits non-zero on the first failure."""
 from __future__ import annotations
 
@@ -61,6 +62,22 @@ def main() -> None:
     (ptx,) = Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_rotary_kernel.ptx")
     assert "fma.rn.f32" not in ptx.read_text(), "the RoPE kernel's PTX fuses a multiply-add"
     print("compiled rotary, no FMA")
+
+    from xstage_dit.kernels import experts
+
+    rows, dim, width = 256, 2048, 1344  # NucleusMoE-Image's experts, two of them here
+    x = torch.empty(2 * rows, dim, dtype=torch.bfloat16)
+    gate_up = torch.empty(2, dim, 2 * width, dtype=torch.bfloat16)
+    down = torch.empty(2, width, dim, dtype=torch.bfloat16)
+    operands = experts.ExpertOperands(
+        received=x, gate_up=gate_up, down=down, act=torch.empty(2 * rows, width, dtype=torch.bfloat16),
+        scale=torch.empty(2 * rows, dtype=torch.bfloat16), owner=torch.zeros(2 * rows, dtype=torch.int32),
+        combine=torch.empty(4 * rows, dim, dtype=torch.bfloat16), destinations=torch.zeros(2, dtype=torch.int64),
+        slot0=0)
+    experts.run_experts(operands, range(1, 2), range(0, 1), interleave=True, warmup=True)
+    (ptx,) = Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_experts_kernel.ptx")
+    assert "wgmma" in ptx.read_text(), "the expert kernel's matmuls do not run on Hopper's tensor-core instructions"
+    print("compiled the expert kernel (wgmma)")
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flu
     ({"fuse_rope": "yes"}, r"fuse_rope must be True or False, got 'yes'"),
     ({"cuda_graphs": 1}, r"cuda_graphs must be None \(on where there is a GPU\), True or False, got 1"),
     ({"parallel_vae": "yes"}, r"parallel_vae must be None \(on where supported\), True or False, got 'yes'"),
-    ({"expert_parallel": 1}, r"expert_parallel must be None \(replicated experts\), True or False, got 1"),
+    ({"expert_parallel": 1}, r"expert_parallel must be None \(chosen per layer call\), True or False, got 1"),
 ])
 def test_arguments_of_the_wrong_type_are_named(flux_pipe, world, kwargs, message):
     world(4)

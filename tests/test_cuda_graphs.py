@@ -66,13 +66,14 @@ def test_one_gpu_replays_equal_eager(name, backend):
     _graphs_equal_eager(name, True, backend=backend)
 
 
-def _two_rank_worker(name: str, backend: str, cfg_degree: int) -> None:
+def _two_rank_worker(name: str, backend: str, cfg_degree: int, expert_parallel: bool | None = None) -> None:
     two_gpus = torch.cuda.device_count() >= 2
     if not two_gpus:  # both ranks on one GPU: gloo, which graphs cannot hold
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     # with cfg_degree=2 each rank is a Ulysses group of one: its forward holds no collective (the CFG exchange
     # runs outside the graph), so it is captured over gloo too
-    _graphs_equal_eager(name, two_gpus or cfg_degree == 2, backend=backend, cfg_degree=cfg_degree)
+    _graphs_equal_eager(name, two_gpus or cfg_degree == 2, backend=backend, cfg_degree=cfg_degree,
+                        expert_parallel=expert_parallel)
 
 
 @pytest.mark.parametrize("name, backend, cfg_degree", [
@@ -89,6 +90,13 @@ def _two_rank_worker(name: str, backend: str, cfg_degree: int) -> None:
 ])
 def test_two_ranks_replays_equal_eager(name, backend, cfg_degree):
     run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, deadline_s=150)
+
+
+@pytest.mark.xfail(run=False, reason="destroy_process_group hangs after NCCL collectives were captured "
+                                     "(pytorch#115388): the router scores' all-gather is one")
+def test_two_ranks_expert_stores_replay_equal_eager():
+    """NucleusMoE's experts sharded over the fused backend's fabric: the X-Stage dispatch and combine replay."""
+    run_on_ranks(2, _two_rank_worker, "tiny-nucleusmoe-d64", "fused", 1, True, deadline_s=150)
 
 
 def test_a_cached_forward_runs_eagerly_with_one_warning(caplog):

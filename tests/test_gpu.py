@@ -66,21 +66,40 @@ def test_degree_one_on_gpu_matches_stock(name):
         xstage_dit.disable(pipe)
 
 
-def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None) -> None:
+def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
+                     expert_parallel: bool | None = None) -> None:
     # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness;
     # symmetric memory's CUDA backend maps the ranks' buffers into each other on the shared GPU
     share_one_gpu()
     dist.init_process_group("gloo")
     choices = _record_auto_choices()
+    stores = _count_expert_stores()
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     stock = _generate(pipe, name, SIZES[name], batch=2)
-    xstage_dit.enable(pipe, backend=backend, timeout_s=60)
+    xstage_dit.enable(pipe, backend=backend, timeout_s=60, expert_parallel=expert_parallel)
     error = _relative_error(_generate(pipe, name, SIZES[name], batch=2), stock)
     world = dist.get_world_size()
     assert error < PIPELINE_TOLERANCE, f"{name}, {backend}, {world} ranks on one GPU: relative error {error:.2e}"
     if expect_choice:
         assert choices and all(f"-> {expect_choice} " in c for c in choices), choices
+    if expert_parallel:  # over the fused backend's fabric: every MoE layer call ran the X-Stage stores
+        assert stores, "the expert stores did not run"
+
+
+def _count_expert_stores() -> list[int]:
+    """One entry per call of the expert-stores op."""
+    from xstage_dit.sp import ops
+
+    calls: list[int] = []
+    original = ops.expert_stores
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    ops.expert_stores = counted
+    return calls
 
 
 def _record_auto_choices() -> list[str]:
@@ -115,6 +134,13 @@ def _record_auto_choices() -> list[str]:
 )
 def test_ranks_on_one_gpu_match_single_process(name, backend, world_size):
     run_on_ranks(world_size, _same_gpu_worker, name, backend, deadline_s=150)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_stores_on_one_gpu_match_single_process(world_size):
+    """NucleusMoE with its experts sharded over the fused backend's fabric: the X-Stage dispatch and combine
+    stores, batch 2 (CFG), against the single process."""
+    run_on_ranks(world_size, _same_gpu_worker, "tiny-nucleusmoe-d64", "fused", None, True, deadline_s=150)
 
 
 def test_auto_follows_the_planner_on_one_gpu(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""The planner and calibrations on CPU: predictions follow the model's regimes, the tile-order knob, JSON keys and
-lookup, backend="auto" without a calibration, and `xstage-dit calibrate` refusing to run without a GPU."""
+"""The planner and calibrations on CPU: predictions follow the model's regimes, the tile-order knob, the MoE modes
+and schedules, JSON keys and lookup, backend="auto" without a calibration, and `xstage-dit calibrate` refusing to
+run without a GPU."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,8 @@ import torch
 
 from xstage_dit.sp.backends import backends, costs_of
 from xstage_dit.xstage import AttentionShape, BurstGapModel, Calibration, KernelCosts, Planner, find_calibration
-from xstage_dit.xstage.planner import TileOrder
+from xstage_dit.sp.expert_modes import ExpertModes
+from xstage_dit.xstage.planner import ExpertMode, ExpertSchedule, ExpertShape, TileOrder
 
 MiB = 2**20
 NVLINK_LIKE = BurstGapModel(issue_latency=0.8e-6, producer_rate=12e9, max_issue_rate=1.4e12, drain_rate=400e9,
@@ -182,3 +184,54 @@ def test_version(capsys):
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out.startswith("xstage-dit ")
+
+
+EXPERT_RATES = {"own": [(64, 250.0), (256, 520.0), (2048, 600.0)],
+                "vendor": [(64, 300.0), (256, 560.0), (2048, 650.0)]}
+MOE_1024 = ExpertShape(batch=1, tokens=4096, dim=2048, width=1344, experts=64, capacity=256, degree=2)
+
+
+def test_expert_predictions_follow_the_model():
+    """Stores beat collectives on a slow all-to-all and lose nothing to a fast store path; a drain-limited store
+    path makes the planner space the combine stores out (interleaved), a fast one keeps the fewest launches."""
+    costs = replace(COSTS, expert_tflops=EXPERT_RATES)
+    planner = Planner(NVLINK_LIKE, costs)
+    assert planner.predicts_experts() and not Planner(NVLINK_LIKE, COSTS).predicts_experts()
+    predicted = planner.predict_experts(MOE_1024, tuple(ExpertMode))
+    assert predicted[ExpertMode.STORES] < predicted[ExpertMode.COLLECTIVES]
+    assert planner.expert_schedule(MOE_1024) == ExpertSchedule()
+    slow = Planner(replace(NVLINK_LIKE, drain_rate=5e9, capacity=64 * 1024), costs)
+    schedule = slow.expert_schedule(MOE_1024)
+    assert schedule.interleaved
+    assert slow.experts_stores(MOE_1024, schedule) < slow.experts_stores(MOE_1024, ExpertSchedule())
+
+
+def test_expert_rates_round_trip_and_older_calibrations_have_none():
+    costs = replace(COSTS, expert_tflops=EXPERT_RATES)
+    assert KernelCosts.from_dict(costs.to_dict()) == costs
+    older = COSTS.to_dict()
+    del older["expert_tflops"]
+    assert KernelCosts.from_dict(older).expert_tflops == {}
+
+
+def test_expert_modes_follow_expert_parallel():
+    assert ExpertModes.resolve(None, 1, True).allowed == (ExpertMode.REPLICATED,)
+    assert ExpertModes.resolve(False, 2, True).allowed == (ExpertMode.REPLICATED,)
+    assert ExpertModes.resolve(True, 2, False).allowed == (ExpertMode.COLLECTIVES,)
+    assert ExpertModes.resolve(True, 2, True).allowed == (ExpertMode.STORES, ExpertMode.COLLECTIVES)
+    assert ExpertModes.resolve(True, 2, True).sharded
+    undecided = ExpertModes.resolve(None, 2, True)
+    assert undecided.allowed[0] is ExpertMode.REPLICATED and not undecided.sharded
+    assert undecided.choose(MOE_1024, torch.device("cpu")) is ExpertMode.REPLICATED  # no planner on the CPU
+
+
+def test_plan_command_prints_the_moe_prediction(tmp_path, capsys):
+    from xstage_dit.cli import main
+
+    calibration = _calibration("nvlink", 2)
+    calibration.costs = replace(COSTS, expert_tflops=EXPERT_RATES)
+    path = calibration.save(tmp_path)
+    main(["plan", "--tokens", "4096", "--heads", "16", "--ranks", "2", "--experts", "64", "--calibration", str(path)])
+    printed = capsys.readouterr().out
+    assert all(mode.value in printed for mode in ExpertMode)
+    assert "the stores mode's schedule: 1 wave" in printed and "expert_parallel=None runs" in printed

@@ -33,6 +33,7 @@ except ImportError:  # without Triton the other backends still work
 from .sp.attention import UlyssesAttention
 from .sp.backends import available_backends, needs_fabric, resolve_backend
 from .sp.cache_hooks import stateful_hooks
+from .sp.expert_modes import ExpertModes
 from .sp.plan import AppliedPlan
 from .sp.sharding import SequenceShard
 from .vae.decode import ParallelDecode
@@ -79,7 +80,8 @@ def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: 
     if parallel_vae is not None and not isinstance(parallel_vae, bool):
         raise TypeError(f"parallel_vae must be None (on where supported), True or False, got {parallel_vae!r}")
     if expert_parallel is not None and not isinstance(expert_parallel, bool):
-        raise TypeError(f"expert_parallel must be None (replicated experts), True or False, got {expert_parallel!r}")
+        raise TypeError(f"expert_parallel must be None (chosen per layer call), True or False, "
+                        f"got {expert_parallel!r}")
 
 
 def _ulysses_degree(world_size: int, ulysses_degree: int | None, cfg_degree: int) -> int:
@@ -128,11 +130,12 @@ def _parallel_vae(asked: bool | None, vae: nn.Module | None) -> bool:
     return supported if asked is None else asked
 
 
-def _expert_parallel(asked: bool | None, models: list[nn.Module], degree: int) -> bool:
+def _expert_parallel(asked: bool | None, models: list[nn.Module], degree: int) -> bool | None:
     """Experts sharded over the Ulysses group where asked for: the models must have MoE layers whose plan can
-    shard them, with an expert count the degree divides. The default keeps every expert on every rank."""
+    shard them, with an expert count the degree divides. None leaves the choice per layer call to the planner
+    (sp/expert_modes.py), with every expert kept on every rank."""
     if not asked:
-        return False
+        return asked
     if degree == 1:
         raise ValueError("expert_parallel=True shards the experts over the Ulysses group: it needs a Ulysses "
                          "degree above 1")
@@ -221,7 +224,9 @@ def enable(
     with one warning saying why. `parallel_vae` (default: on where the pipeline's VAE is supported) splits the
     VAE decode by rows across all the job's ranks (vae/); every rank still returns the whole image or video.
     `expert_parallel=True` shards a mixture of experts over the Ulysses group (each rank keeps E/N experts on its
-    device and the others on the host until `disable`); the default keeps every expert on every rank.
+    device and the others on the host until `disable`); `False` keeps every expert on every rank, each running
+    the experts on its own tokens; the default (None) keeps every expert on every rank and runs each MoE layer
+    call in the mode the Burst-Gap planner predicts fastest (sp/expert_modes.py).
 
     A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
     arguments: its calls then take part in the CFG split too; other arguments are refused."""
@@ -253,7 +258,8 @@ def enable(
         plan = patches.plan_for(model)
         shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
         attention = UlyssesAttention(shard, choice, plan.text_first, config.fuse_rope, plan.query_key_masks)
-        parts: list[Any] = [AppliedPlan(model, plan, attention, config.expert_parallel)]
+        experts = ExpertModes.resolve(config.expert_parallel, groups.ulysses_degree, fabric is not None)
+        parts: list[Any] = [AppliedPlan(model, plan, attention, experts)]
         if graphs:  # inside the CFG split: a graph holds this rank's branch, the swap stays outside
             parts.append(GraphedForward(model, groups.device, _cross_rank_work(groups, config, fabric),
                                         functools.partial(stateful_hooks, model)))

@@ -1,10 +1,12 @@
 """`xstage-dit`: command-line tools. `info` prints what this machine offers xstage_dit; `calibrate` measures its
 store path and kernels for the Burst-Gap planner; `plan` prints what the planner predicts for one attention
-layer (what backend="auto" would run, and the fused kernel's tile order)."""
+layer (what backend="auto" would run, and the fused kernel's tile order) and, given `--experts`, for one
+expert-choice MoE layer (each mode, and the stores mode's schedule)."""
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 from pathlib import Path
 
 import torch
@@ -12,7 +14,7 @@ import torch
 from .probing.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
 from .sp.backends import available_backends, backends, costs_of
 from .xstage.calibration import Calibration, calibration_dir, find_calibration
-from .xstage.planner import AttentionShape, Planner
+from .xstage.planner import SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Planner
 
 
 def _version(package: str) -> str:
@@ -67,6 +69,23 @@ def plan(calibration: Calibration, shape: AttentionShape) -> str:
     return "\n".join(lines)
 
 
+def plan_experts(calibration: Calibration, shape: ExpertShape) -> str:
+    """Each MoE mode's predicted time for `shape`, each schedule of the stores mode, and the planner's pick."""
+    planner = Planner.from_calibration(calibration)
+    if not planner.predicts_experts():
+        return f"{calibration.filename} has no expert-kernel rates: run `xstage-dit calibrate --kernels-only` on it"
+    modes = tuple(ExpertMode) if shape.degree > 1 else (ExpertMode.REPLICATED,)
+    predicted = planner.predict_experts(shape, modes)
+    lines = [f"{shape}:"]
+    lines += [f"  {mode.value:>28}: {seconds * 1e3:.3f} ms predicted" for mode, seconds in predicted.items()]
+    if shape.degree > 1:
+        lines += [f"  {'stores, ' + str(s):>28}: {planner.experts_stores(shape, s) * 1e3:.3f} ms predicted"
+                  for s in SCHEDULES]
+        lines.append(f"  the stores mode's schedule: {planner.expert_schedule(shape)}")
+    lines.append(f"  expert_parallel=None runs {min(predicted, key=predicted.__getitem__).value}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="xstage-dit", description=__doc__)
     parser.add_argument("--version", action="version", version=f"xstage-dit {_version('xstage_dit')}")
@@ -86,6 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     layer.add_argument("--head-dim", type=int, default=128)
     layer.add_argument("--ranks", type=int, required=True, help="Ulysses degree")
     layer.add_argument("--batch", type=int, default=1)
+    layer.add_argument("--experts", type=int, help="also plan an expert-choice MoE layer of this many experts")
+    layer.add_argument("--dim", type=int, default=2048, help="the MoE layer's model width")
+    layer.add_argument("--expert-width", type=int, default=1344, help="each expert's hidden width")
+    layer.add_argument("--capacity-factor", type=float, default=4.0)
     layer.add_argument("--calibration", type=Path, help="a calibration JSON (default: the best match for this "
                        "machine's GPU and --ranks in the calibration directory)")
     args = parser.parse_args(argv)
@@ -107,6 +130,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"note: {calibration.filename} measured {calibration.world_size} rank(s); the predictions for "
                   f"{args.ranks} extrapolate its store path to more peers")
         print(plan(calibration, shape))
+        if args.experts:
+            capacity = max(1, math.ceil(args.capacity_factor * args.tokens / args.experts))
+            shape = ExpertShape(args.batch, args.tokens, args.dim, args.expert_width, args.experts, capacity,
+                                args.ranks)
+            print(plan_experts(calibration, shape) if args.experts % args.ranks == 0 else
+                  f"{args.experts} experts do not split over {args.ranks} ranks: MoE layers run replicated")
 
 
 def _this_machine(ranks: int) -> Calibration:

@@ -17,7 +17,8 @@ class XStageConfig:
         models (weights included).
     cuda_graphs: each transformer's forward is captured per input signature in a CUDA graph and replayed.
     parallel_vae: the VAE decode is split by rows across all the job's ranks.
-    expert_parallel: mixture-of-experts layers keep E/N experts per rank of the Ulysses group (else all).
+    expert_parallel: mixture-of-experts layers keep E/N experts per rank of the Ulysses group (True), every
+        expert on every rank (False), or every expert with the mode picked per call by the planner (None).
     """
 
     ulysses_degree: int
@@ -28,4 +29,4 @@ class XStageConfig:
     check_inputs: bool = True
     cuda_graphs: bool = False
     parallel_vae: bool = False
-    expert_parallel: bool = False
+    expert_parallel: bool | None = None

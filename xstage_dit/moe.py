@@ -86,3 +86,12 @@ class GroupedSwiGLUExperts:
         if routed.mine is not None:
             out = torch.where(routed.mine.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
         return torch.zeros_like(x).index_add_(0, routed.tokens, out.to(x.dtype))
+
+
+def packed_swiglu_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
+                          counts: torch.Tensor) -> torch.Tensor:
+    """Packed SwiGLU experts (NucleusMoE's layout: gate_up (E, D, 2F), down (E, F, D)) on rows grouped by expert,
+    `counts` rows each (rows after them stay uncomputed), as grouped matmuls."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    gate, up = F.grouped_mm(x, gate_up, offs=offsets).chunk(2, dim=-1)
+    return F.grouped_mm(F.silu(gate) * up, down, offs=offsets).type_as(x)

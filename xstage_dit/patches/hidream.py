@@ -5,7 +5,8 @@ F.scaled_dot_product_attention directly.
 The model patchifies its latents inside forward; we do that first (same function), so that image tokens,
 their position ids and HiDream's own padding mask are split on entry like Flux's, and `img_sizes` become
 Python ints (no host sync in unpatchify). The MoE runs sync-free and grouped (xstage_dit.moe), with every
-expert on every rank or, with `expert_parallel`, E/N per rank."""
+expert on every rank or, with `expert_parallel=True`, E/N per rank, the token copies travelling over collectives
+(an all-gather of the group's tokens, a reduce-scatter of their sums)."""
 from __future__ import annotations
 
 import inspect
@@ -48,14 +49,14 @@ class _PatchifyFirst:
 
 class _GroupedMoE:
     """Replaces one MoE layer's `moe_infer` (a Python loop sized by `.cpu()` counts) with the grouped one; with
-    `expert_parallel`, this rank holds E/N experts, computes their share of the group's gathered tokens, and the
+    the experts sharded, this rank holds E/N experts, computes their share of the group's gathered tokens, and the
     ranks sum each token's contributions in one reduce-scatter."""
 
     def __init__(self, layer: MOEFeedForwardSwiGLU, context: PlanContext) -> None:
         self.layer = layer
         shard = context.shard
         held = None
-        if context.expert_parallel:
+        if context.experts.sharded:
             share = len(layer.experts) // shard.degree
             held = slice(shard.rank * share, (shard.rank + 1) * share)
         self.experts = experts = GroupedSwiGLUExperts(layer.experts, held)

@@ -12,6 +12,7 @@ graph."""
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any
 
 import torch
@@ -22,25 +23,31 @@ from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMo
 from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
-from ..sp import routing
-from ..sp.expert_choice import choose_for_experts, choose_tokens, gather_tokens, reduce_tokens
+from ..sp import ops, routing
+from ..moe import packed_swiglu_experts
+from ..sp.expert_choice import choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select
+from ..sp.expert_modes import ExpertModes
 from ..sp.plan import PlanContext, SequenceParallelPlan
+from ..xstage.planner import ExpertMode, ExpertSchedule, ExpertShape
 from . import cfg_rules
 
 
 class ExactExpertChoice:
-    """Replaces one MoE layer's forward with whole-sequence expert choice over the plan's split, with every expert
-    on every rank or, `expert_parallel`, E/N of them per rank (the others' weights move to the host, so the GPU
-    holds only this rank's); `remove()` gives the layer its forward and weights back."""
+    """Replaces one MoE layer's forward with whole-sequence expert choice over the plan's split, in the mode the
+    context allows and the planner picks per call (sp/expert_modes.py). Where the experts are sharded, the other
+    ranks' expert weights move to the host, so the GPU holds only this rank's; `remove()` gives the layer its
+    forward and weights back. `schedule` fixes the stores mode's schedule (default: the planner's)."""
 
-    def __init__(self, layer: NucleusMoELayer, context: PlanContext) -> None:
+    def __init__(self, layer: NucleusMoELayer, context: PlanContext, schedule: ExpertSchedule | None = None) -> None:
         self.layer = layer
         self.shard = context.shard
-        self.own: slice | None = None
+        # a degree that does not divide the experts (refused where they are sharded) runs replicated
+        self.modes = context.experts if layer.num_experts % self.shard.degree == 0 else ExpertModes()
+        self.fixed_schedule = schedule
+        share = layer.num_experts // self.shard.degree
+        self.own = slice(self.shard.rank * share, (self.shard.rank + 1) * share)
         self._whole: dict[str, torch.Tensor] = {}
-        if context.expert_parallel:
-            share = layer.num_experts // self.shard.degree
-            self.own = slice(self.shard.rank * share, (self.shard.rank + 1) * share)
+        if self.modes.sharded:
             for name in ("gate_up_proj", "down_proj"):
                 weight = getattr(layer.experts, name)
                 self._whole[name] = weight.data.to("cpu")
@@ -53,6 +60,19 @@ class ExactExpertChoice:
             weight = getattr(self.layer.experts, name)
             weight.data = whole.to(weight.device)
 
+    def _own_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        experts = self.layer.experts
+        if self.modes.sharded:
+            return experts.gate_up_proj, experts.down_proj
+        return experts.gate_up_proj[self.own], experts.down_proj[self.own]
+
+    def shape(self, hidden_states: torch.Tensor) -> ExpertShape:
+        layer, shard = self.layer, self.shard
+        tokens = shard.seq_len if shard.degree > 1 else hidden_states.shape[1]
+        return ExpertShape(hidden_states.shape[0], tokens, layer.hidden_size, layer.moe_intermediate_dim,
+                           layer.num_experts, max(1, math.ceil(layer.capacity_factor * tokens / layer.num_experts)),
+                           shard.degree, hidden_states.element_size())
+
     def forward(self, hidden_states: torch.Tensor, hidden_states_unmodulated: torch.Tensor,
                 timestep: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layer
@@ -64,34 +84,37 @@ class ExactExpertChoice:
         activation = torch.sigmoid if layer.use_sigmoid else lambda x: F.softmax(x, dim=-1)
         scores = activation(logits.float()).to(logits.dtype)
         shared = layer.shared_expert(hidden_states)
-        if self.own is None:
-            choice = choose_tokens(scores, layer.capacity_factor, self.shard)
+        selection = select(gather_scores(scores, self.shard), layer.capacity_factor)
+        shape = self.shape(hidden_states)
+        mode = self.modes.choose(shape, hidden_states.device)
+        if mode is ExpertMode.STORES:
+            schedule = self.fixed_schedule or self.modes.schedule(shape, hidden_states.device)
+            out = ops.expert_stores(hidden_states.reshape(-1, dim), shared.reshape(-1, dim), selection.token,
+                                    selection.weights * layer.route_scale, *self._own_weights(), local_len,
+                                    self.shard.rank, self.shard.group.group_name, schedule.waves,
+                                    schedule.interleaved)
+            return out.view(batch, local_len, dim)
+        if mode is ExpertMode.REPLICATED:
+            choice = choose_tokens(selection, local_len, self.shard.rank)
             tokens = hidden_states.reshape(batch * local_len, dim)
+            gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
         else:
-            choice = choose_for_experts(scores, layer.capacity_factor, self.shard, self.own)
+            choice = choose_for_experts(selection, local_len, self.own)
             tokens = gather_tokens(hidden_states, self.shard)
+            gate_up, down = self._own_weights()
 
-        routed = _swiglu_experts(layer.experts.gate_up_proj, layer.experts.down_proj, tokens[choice.rows],
-                                 choice.counts)
+        routed = packed_swiglu_experts(gate_up, down, tokens[choice.rows], choice.counts)
         weights = choice.weights * layer.route_scale
         routed = (routed.float() * weights.unsqueeze(-1)).to(hidden_states.dtype)
         if choice.mine is not None:  # rows past this rank's selections were not computed: they add nothing
             routed = torch.where(choice.mine.unsqueeze(-1), routed, torch.zeros((), dtype=routed.dtype,
                                                                                 device=routed.device))
-        if self.own is None:
+        if mode is ExpertMode.REPLICATED:
             out = shared.reshape(batch * local_len, dim)
             out = out.scatter_add(0, choice.rows.unsqueeze(-1).expand(-1, dim), routed)
             return out.reshape(batch, local_len, dim)
         partial = torch.zeros_like(tokens).index_add_(0, choice.rows, routed)
         return shared + reduce_tokens(partial, self.shard, batch)
-
-
-def _swiglu_experts(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The packed SwiGLU experts on rows grouped by expert, `counts` rows each (rows after them stay
-    uncomputed)."""
-    offsets = counts.cumsum(0).to(torch.int32)
-    gate, up = F.grouped_mm(x, gate_up, offs=offsets).chunk(2, dim=-1)
-    return F.grouped_mm(F.silu(gate) * up, down, offs=offsets).type_as(x)
 
 
 class _TablesOnTheDevice:

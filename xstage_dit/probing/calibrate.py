@@ -108,7 +108,41 @@ def measure_kernel_costs(device: torch.device, alltoall_rate: float | None = Non
     copy_rate = src.numel() / _median_seconds(lambda: dst.copy_(src))
     tiny = torch.zeros(1, device=device)
     launch = _median_seconds(lambda: tiny.add_(1))
-    return KernelCosts(own, vendor, copy_rate, alltoall_rate or copy_rate, launch, _sms(device))
+    return KernelCosts(own, vendor, copy_rate, alltoall_rate or copy_rate, launch, _sms(device),
+                       measure_expert_rates(device))
+
+
+# the experts timed: NucleusMoE-Image's (dim 2048, width 1344), the 32 a rank owns at two ranks
+EXPERTS, EXPERT_DIM, EXPERT_WIDTH = 32, 2048, 1344
+EXPERT_ROWS = (64, 128, 256, 512, 1024, 2048)
+
+
+def measure_expert_rates(device: torch.device) -> dict[str, list[tuple[int, float]]]:
+    """SwiGLU-expert throughput (both projections, bf16) by rows per expert: our expert kernel in one wave, its
+    combine rows stored locally ("own"), and torch's grouped matmuls ("vendor")."""
+    from ..kernels.experts import ExpertOperands, run_experts
+    from ..moe import packed_swiglu_experts
+    from ..xstage.planner import ExpertSchedule
+
+    options = {"device": device, "dtype": torch.bfloat16}
+    gate_up = torch.randn(EXPERTS, EXPERT_DIM, 2 * EXPERT_WIDTH, **options) * EXPERT_DIM ** -0.5
+    down = torch.randn(EXPERTS, EXPERT_WIDTH, EXPERT_DIM, **options) * EXPERT_WIDTH ** -0.5
+    launches = ExpertSchedule().launches(EXPERTS)
+    rates: dict[str, list[tuple[int, float]]] = {"own": [], "vendor": []}
+    for rows in EXPERT_ROWS:
+        slots = EXPERTS * rows
+        x = torch.randn(slots, EXPERT_DIM, **options)
+        counts = torch.full((EXPERTS,), rows, dtype=torch.int64, device=device)
+        operands = ExpertOperands(
+            received=x, gate_up=gate_up, down=down, act=x.new_empty(slots, EXPERT_WIDTH),
+            scale=torch.ones(slots, **options), owner=torch.zeros(slots, dtype=torch.int32, device=device),
+            combine=torch.empty_like(x), destinations=torch.zeros(1, dtype=torch.int64, device=device), slot0=0)
+        flops = 6.0 * slots * EXPERT_DIM * EXPERT_WIDTH
+        own = _median_seconds(lambda: [run_experts(operands, up, down_, False) for up, down_ in launches])
+        vendor = _median_seconds(lambda: packed_swiglu_experts(gate_up, down, x, counts))
+        rates["own"].append((rows, flops / own / 1e12))
+        rates["vendor"].append((rows, flops / vendor / 1e12))
+    return rates
 
 
 def _sms(device: torch.device) -> int:

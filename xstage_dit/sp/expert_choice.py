@@ -36,7 +36,7 @@ class ExpertChoice:
 
 
 @dataclass(frozen=True)
-class _Selection:
+class Selection:
     """The one-process selection: `token` (E, B, C) positions in each sample's sequence; `sample` and `weights`
     (E * B * C,) expert-major: each selection's sample and gate weight."""
 
@@ -45,58 +45,60 @@ class _Selection:
     weights: torch.Tensor
 
 
-def _select(scores: torch.Tensor, capacity_factor: float, shard: SequenceShard) -> _Selection:
+def gather_scores(scores: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """Every rank's router scores as one process has them, (B, S, E), padding removed; this rank's at degree 1."""
+    if shard.degree == 1:
+        return scores
     batch, local_len, num_experts = scores.shape
-    if shard.degree > 1:
-        whole = scores.new_empty((shard.degree * batch, local_len, num_experts))
-        with waiting_for(lambda: "the other ranks' expert-choice router scores"):
-            all_gather_into(whole, scores.contiguous(), shard.group)
-        seq_len = shard.seq_len
-        whole = whole.unflatten(0, (shard.degree, batch)).transpose(0, 1).flatten(1, 2)[:, :seq_len]  # no padding
-    else:
-        seq_len, whole = local_len, scores
-    capacity = max(1, math.ceil(capacity_factor * seq_len / num_experts))
+    whole = scores.new_empty((shard.degree * batch, local_len, num_experts))
+    with waiting_for(lambda: "the other ranks' expert-choice router scores"):
+        all_gather_into(whole, scores.contiguous(), shard.group)
+    return whole.unflatten(0, (shard.degree, batch)).transpose(0, 1).flatten(1, 2)[:, :shard.seq_len]
 
+
+def select(whole: torch.Tensor, capacity_factor: float) -> Selection:
+    """One process's expert choice over router scores (B, S, E) of whole sequences."""
+    batch, seq_len, num_experts = whole.shape
+    capacity = max(1, math.ceil(capacity_factor * seq_len / num_experts))
     affinity = whole.transpose(1, 2)  # (B, E, S)
     top = torch.topk(affinity, k=capacity, dim=-1)
     gating = affinity.gather(-1, top.indices).transpose(0, 1).reshape(-1)  # expert-major, as one process
     token = top.indices.transpose(0, 1)
-    sample = torch.arange(batch, device=scores.device).view(1, batch, 1).expand(num_experts, -1, capacity).reshape(-1)
+    sample = torch.arange(batch, device=whole.device).view(1, batch, 1).expand(num_experts, -1, capacity).reshape(-1)
     flat = sample * seq_len + token.reshape(-1)
-    sums = torch.zeros(batch * seq_len, dtype=gating.dtype, device=scores.device).scatter_add_(0, flat, gating)
-    return _Selection(token=token, sample=sample, weights=gating / (sums[flat] + 1e-12))
+    sums = torch.zeros(batch * seq_len, dtype=gating.dtype, device=whole.device).scatter_add_(0, flat, gating)
+    return Selection(token=token, sample=sample, weights=gating / (sums[flat] + 1e-12))
 
 
-def choose_tokens(scores: torch.Tensor, capacity_factor: float, shard: SequenceShard) -> ExpertChoice:
-    """Every expert on every rank (replicated): the selections of this rank's tokens. `scores`: this rank's router
-    scores, (B, L, E), L its tokens (padding included); at degree 1, L is the whole sequence."""
-    batch, local_len, num_experts = scores.shape
-    selection = _select(scores, capacity_factor, shard)
+def choose_tokens(selection: Selection, local_len: int, rank: int) -> ExpertChoice:
+    """Every expert on every rank (replicated): the selections of this rank's tokens, positions
+    [rank * local_len, (rank + 1) * local_len) of each sample (padding included; at degree 1, the whole
+    sequence)."""
+    num_experts = selection.token.shape[0]
+    device = selection.token.device
     token = selection.token.reshape(-1)
-    local = token - shard.rank * local_len
+    local = token - rank * local_len
     mine = (local >= 0) & (local < local_len)
     rows = torch.where(mine, selection.sample * local_len + local, 0)
-    expert = torch.arange(num_experts, device=scores.device).repeat_interleave(token.numel() // num_experts)
+    expert = torch.arange(num_experts, device=device).repeat_interleave(token.numel() // num_experts)
     order = torch.where(mine, expert, num_experts).argsort(stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=scores.device).index_add_(0, expert, mine.long())
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).index_add_(0, expert, mine.long())
     return ExpertChoice(rows=rows[order], mine=mine[order], weights=selection.weights[order], counts=counts)
 
 
-def choose_for_experts(scores: torch.Tensor, capacity_factor: float, shard: SequenceShard,
-                       experts: slice) -> ExpertChoice:
+def choose_for_experts(selection: Selection, local_len: int, experts: slice) -> ExpertChoice:
     """Expert parallel: every selection of the experts this rank owns (`experts`), whichever rank holds the
-    token; `rows` index the group's gathered tokens (`gather_tokens`). Each expert takes B * C tokens: the
-    shapes are static."""
-    batch, local_len, _ = scores.shape
-    selection = _select(scores, capacity_factor, shard)
+    token (each rank holding `local_len` positions of each sample); `rows` index the group's gathered tokens
+    (`gather_tokens`). Each expert takes B * C tokens: the shapes are static."""
+    _, batch, capacity = selection.token.shape
     token = selection.token[experts].reshape(-1)
-    per_expert = batch * selection.token.shape[-1]
+    per_expert = batch * capacity
     held = slice(experts.start * per_expert, experts.stop * per_expert)
     owner, local = token // local_len, token % local_len
     rows = (owner * batch + selection.sample[held]) * local_len + local
     return ExpertChoice(rows=rows, mine=None, weights=selection.weights[held],
                         counts=torch.full((experts.stop - experts.start,), per_expert, dtype=torch.int64,
-                                          device=scores.device))
+                                          device=token.device))
 
 
 def gather_tokens(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:

@@ -4,6 +4,7 @@ compiler never traces collectives, symmetric-memory kernels or our Triton kernel
 
 - xstage::ulysses_attention: Ulysses attention and its communication;
 - xstage::gathered_keys_attention: replicated queries over every rank's keys (all-gathered);
+- xstage::expert_stores: an expert-parallel MoE layer's dispatch, experts and combine over the group's fabric;
 - xstage::local_attention: degree 1, the backend choice's own kernel (what a compiled graph records; eager calls
   run `local_attention` directly);
 - xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY), what a
@@ -17,8 +18,10 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..logging_utils import warn_once
 from ..runtime.distributed import waiting_for
+from ..xstage.planner import ExpertSchedule
 from .backends import FALLBACK, Backend, LocalAttention, get_backend, get_choice
 from .exchange import all_to_all
+from .expert_exchange import expert_exchange, route_slots
 from .fabric import fabric_of
 from .layout import UlyssesLayout
 from .local_attention import diffusers_attention, sdpa_bshd
@@ -86,6 +89,23 @@ def gathered_keys_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 @gathered_keys_attention.register_fake
 def _(query, key, value, seq_len, degree, rank, group_name, scale, attention_backend):
     return torch.empty_like(query)
+
+
+@torch.library.custom_op("xstage::expert_stores", mutates_args=())
+def expert_stores(tokens: torch.Tensor, shared: torch.Tensor, token: torch.Tensor, scale: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, local_len: int, rank: int, group_name: str, waves: int,
+                  interleaved: bool) -> torch.Tensor:
+    """The stores mode of an expert-choice MoE layer (sp/expert_exchange.py) on the group's fabric: `tokens`,
+    `shared` (B * L, D) this rank's tokens and their shared-expert output, `token` (E, B, C) the whole selection,
+    `scale` its gate weights, `gate_up`, `down` this rank's experts; the schedule travels as its fields."""
+    routes = route_slots(token, local_len, rank)
+    return expert_exchange(tokens, shared, routes, scale, gate_up, down, fabric_of(group_name),
+                           ExpertSchedule(waves, interleaved))
+
+
+@expert_stores.register_fake
+def _(tokens, shared, token, scale, gate_up, down, local_len, rank, group_name, waves, interleaved):
+    return torch.empty_like(shared)
 
 
 def say_pair_bias_fallback(backend: str) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from ..cfg_plan import CfgPlan
 from . import cache_hooks, routing
 from .attention import GatheredKeysAttention, UlyssesAttention
+from .expert_modes import ExpertModes
 from .masks import QueryKeyMasks
 from .sharding import SequenceShard
 
@@ -48,11 +49,10 @@ class JointTokens:
 
 @dataclass(frozen=True)
 class PlanContext:
-    """What a plan's `install` is given: the model's token split, and whether its MoE layers run expert
-    parallel (each rank owning E/N experts) rather than replicated."""
+    """What a plan's `install` is given: the model's token split, and the modes its MoE layers may run."""
 
     shard: SequenceShard
-    expert_parallel: bool = False
+    experts: ExpertModes = ExpertModes()
 
 
 @dataclass(frozen=True)
@@ -174,14 +174,14 @@ class AppliedPlan:
     """A plan applied to one model; `remove()` restores the model exactly."""
 
     def __init__(self, model: nn.Module, plan: SequenceParallelPlan, attention: UlyssesAttention,
-                 expert_parallel: bool = False) -> None:
+                 experts: ExpertModes = ExpertModes()) -> None:
         self.plan = plan
         self.attention = attention
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._marks: list[routing.ActiveMark | cache_hooks.SharedCacheDecisions] = []  # each undone by remove()
 
         shard = attention.shard
-        self._installed = plan.install(model, PlanContext(shard, expert_parallel)) if plan.install is not None else []
+        self._installed = plan.install(model, PlanContext(shard, experts)) if plan.install is not None else []
         if plan.check_inputs is not None:
             self._hooks.append(model.register_forward_pre_hook(
                 _check_inputs_hook(model, plan.check_inputs), with_kwargs=True

@@ -20,10 +20,21 @@ def calibration_dir() -> Path:
     return Path(os.environ.get("XSTAGE_CALIBRATION_DIR", Path.home() / ".cache" / "xstage_dit"))
 
 
+def _interpolate(points: list[tuple[int, float]], at: int) -> float:
+    """The measured value at `at`, interpolated in log(at) between the points (clamped outside their range)."""
+    xs = [math.log(t) for t, _ in points]
+    x = min(max(math.log(max(at, 1)), xs[0]), xs[-1])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    (x0, y0), (x1, y1) = (xs[i - 1], points[i - 1][1]), (xs[i], points[i][1])
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 @dataclass(frozen=True)
 class KernelCosts:
     """Measured on the machine: attention throughput of our kernel ("own") and the vendor's (cuDNN SDPA) by head
-    dim at a few sequence lengths, device-to-device copy rate, all-to-all rate, one small kernel's cost."""
+    dim at a few sequence lengths, device-to-device copy rate, all-to-all rate, one small kernel's cost; and the
+    throughput of SwiGLU experts (both projections) by rows per expert, of our expert kernel ("own") and torch's
+    grouped matmuls ("vendor"), empty in calibrations made before it was measured."""
 
     own_tflops: dict[int, list[tuple[int, float]]]  # head_dim -> [(tokens, TFLOP/s)], tokens ascending
     vendor_tflops: dict[int, list[tuple[int, float]]]
@@ -31,32 +42,35 @@ class KernelCosts:
     alltoall_rate: float  # bytes per second leaving one rank in an all-to-all (a local copy in loopback)
     launch: float  # seconds
     sms: int
+    expert_tflops: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # "own"/"vendor" -> [(rows, TF/s)]
 
     def attention_time(self, flops: float, tokens: int, head_dim: int, own: bool) -> float:
-        """`flops` of attention over `tokens` keys at the measured throughput, interpolated in log(tokens)
-        (clamped outside the measured range; the nearest measured head_dim stands in for others)."""
+        """`flops` of attention over `tokens` keys at the measured throughput (the nearest measured head_dim
+        stands in for others)."""
         table = self.own_tflops if own else self.vendor_tflops
         points = table[min(table, key=lambda d: abs(d - head_dim))]
-        xs = [math.log(t) for t, _ in points]
-        x = min(max(math.log(max(tokens, 1)), xs[0]), xs[-1])
-        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-        (x0, y0), (x1, y1) = (xs[i - 1], points[i - 1][1]), (xs[i], points[i][1])
-        rate = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return self.launch + flops / (_interpolate(points, tokens) * 1e12)
+
+    def expert_time(self, flops: float, rows_per_expert: float, own: bool) -> float:
+        """`flops` of SwiGLU experts taking `rows_per_expert` rows each, at the measured throughput."""
+        rate = _interpolate(self.expert_tflops["own" if own else "vendor"], round(rows_per_expert))
         return self.launch + flops / (rate * 1e12)
 
     def to_dict(self) -> dict:
         return {"own_tflops": {str(d): p for d, p in self.own_tflops.items()},
                 "vendor_tflops": {str(d): p for d, p in self.vendor_tflops.items()},
                 "copy_rate": self.copy_rate, "alltoall_rate": self.alltoall_rate, "launch": self.launch,
-                "sms": self.sms}
+                "sms": self.sms, "expert_tflops": self.expert_tflops}
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelCosts":
         def table(raw: dict) -> dict[int, list[tuple[int, float]]]:
             return {int(d): sorted((int(t), float(r)) for t, r in points) for d, points in raw.items()}
 
+        experts = {kind: sorted((int(r), float(t)) for r, t in points)
+                   for kind, points in data.get("expert_tflops", {}).items()}
         return cls(table(data["own_tflops"]), table(data["vendor_tflops"]), float(data["copy_rate"]),
-                   float(data["alltoall_rate"]), float(data["launch"]), int(data["sms"]))
+                   float(data["alltoall_rate"]), float(data["launch"]), int(data["sms"]), experts)
 
 
 @dataclass
