@@ -3,6 +3,7 @@ variables, the way torchrun starts them; fail the calling test with the workers'
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ def _worker(rank: int, world_size: int, port: int, deadline_s: float, fn: Callab
         fn(*args)
     finally:
         if dist.is_initialized():
+            gc.collect()  # CUDA graphs holding NCCL collectives hang the destroy while they live (pytorch#115388)
             dist.destroy_process_group()
     # A passing worker exits here, without interpreter shutdown: library threads still alive at shutdown (as
     # torch.compile's can be: "terminate called without an active exception") must not fail a test whose

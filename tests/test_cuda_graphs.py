@@ -92,8 +92,10 @@ def test_two_ranks_replays_equal_eager(name, backend, cfg_degree):
     run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, deadline_s=150)
 
 
-@pytest.mark.xfail(run=False, reason="destroy_process_group hangs after NCCL collectives were captured "
-                                     "(pytorch#115388): the router scores' all-gather is one")
+# on two GPUs the ranks did not finish in 150 s, twice; not yet known whether a replay or the ranks'
+# destroy_process_group (pytorch#115388: the router scores' all-gather is an NCCL collective in the graph) waits.
+# The layer alone, captured and replayed across two GPUs, runs (examples/bench_moe.py's graphed column)
+@pytest.mark.xfail(run=False, reason="two GPUs: does not finish in 150 s (undiagnosed; see the comment)")
 def test_two_ranks_expert_stores_replay_equal_eager():
     """NucleusMoE's experts sharded over the fused backend's fabric: the X-Stage dispatch and combine replay."""
     run_on_ranks(2, _two_rank_worker, "tiny-nucleusmoe-d64", "fused", 1, True, deadline_s=150)
