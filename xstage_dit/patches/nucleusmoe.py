@@ -95,7 +95,9 @@ class ExactExpertChoice:
                                     schedule.interleaved)
             return out.view(batch, local_len, dim)
         if mode is ExpertMode.REPLICATED:
-            choice = choose_tokens(selection, local_len, self.shard.rank)
+            # at degree 1 every selection is this rank's, already in expert order: each is computed
+            choice = (choose_for_experts(selection, local_len, slice(0, layer.num_experts)) if self.shard.degree == 1
+                      else choose_tokens(selection, local_len, self.shard.rank))
             tokens = hidden_states.reshape(batch * local_len, dim)
             gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
         else:
