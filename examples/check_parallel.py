@@ -10,6 +10,7 @@ OUT.md on the main rank; exits non-zero if any backend is out of tolerance."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from xstage_dit.runtime import world_from_env
 from xstage_dit.sp.fabric import symmetric_backends_in_use
 
 import zoo
+from generate import EXPERT_PARALLEL
 from provenance import provenance
 
 TOLERANCE = 3e-2
@@ -33,7 +35,7 @@ def generate(pipe, name: str, size: dict, steps: int, device: torch.device) -> t
     return pipe(**call, output_type="latent", generator=torch.Generator().manual_seed(5), return_dict=False)[0]
 
 
-def check(name: str, backends: list[str], steps: int) -> list[dict]:
+def check(name: str, backends: list[str], expert_modes: list[str], steps: int) -> list[dict]:
     device = xstage_dit.local_device()
     entry = zoo.ZOO[name]
     size = {"height": entry.height, "width": entry.width, "num_frames": entry.num_frames}
@@ -41,14 +43,14 @@ def check(name: str, backends: list[str], steps: int) -> list[dict]:
     pipe.set_progress_bar_config(disable=True)
     single = generate(pipe, name, size, steps, device).float()
     records = []
-    for backend in backends:
-        xstage_dit.enable(pipe, backend=backend)
+    for backend, experts in itertools.product(backends, expert_modes):
+        xstage_dit.enable(pipe, backend=backend, expert_parallel=EXPERT_PARALLEL[experts])
         parallel = generate(pipe, name, size, steps, device).float()
         xstage_dit.disable(pipe)
         error = torch.tensor([((parallel - single).norm() / single.norm()).item()], device=device)
         if dist.is_initialized():
             dist.all_reduce(error, op=dist.ReduceOp.MAX)
-        records.append({"config": name, **size, "steps": steps, "backend": backend,
+        records.append({"config": name, **size, "steps": steps, "backend": backend, "expert_parallel": experts,
                         "world_size": world_from_env()[0], "relative_error": error.item(),
                         "tolerance": TOLERANCE, "ok": error.item() < TOLERANCE,
                         # the process's pools so far (a pool outlives the backend that created it)
@@ -60,10 +62,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", nargs="+", default=["flux-dev", "wan-1.3b"], choices=sorted(zoo.ZOO))
     parser.add_argument("--backend", nargs="+", default=["reference", "fused"])
+    parser.add_argument("--expert-parallel", nargs="+", default=["auto"], choices=EXPERT_PARALLEL,
+                        help="mixture-of-experts models: each setting in turn (generate.py's --expert-parallel)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default="check-parallel")
     args = parser.parse_args()
-    records = [r for name in args.config for r in check(name, args.backend, args.steps)]
+    records = [r for name in args.config for r in check(name, args.backend, args.expert_parallel, args.steps)]
     if xstage_dit.is_main_process():
         env = provenance()
         records = [{**r, **env} for r in records]
@@ -71,11 +75,12 @@ def main() -> None:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
         lines = [f"# Parallel vs single-GPU: {env['card']}, {env['date']}", "", f"`{env['command']}`", "",
-                 "| config | size | ranks | backend | symmetric memory (pools so far) | max relative error over ranks "
-                 "| tolerance | ok |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 "| config | size | ranks | backend | expert parallel | symmetric memory (pools so far) "
+                 "| max relative error over ranks | tolerance | ok |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['world_size']} | "
-                  f"{r['backend']} | {', '.join(r['symmetric_memory']) or '-'} | {r['relative_error']:.2e} | "
+                  f"{r['backend']} | {r['expert_parallel']} | {', '.join(r['symmetric_memory']) or '-'} | "
+                  f"{r['relative_error']:.2e} | "
                   f"{r['tolerance']:.0e} | {r['ok']} |" for r in records]
         prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
