@@ -4,6 +4,7 @@ bf16 tolerances: SDPA in bf16 against a float32 reference lands near 1e-3..1e-2 
 attention kernel changes (cuDNN here, whatever SDPA picks in stock diffusers) drifts a little more over steps."""
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -154,6 +155,47 @@ def test_auto_follows_the_planner_on_one_gpu(tmp_path, monkeypatch):
     Calibration(torch.cuda.get_device_name(), "same-gpu", 2, model, costs, {}).save(tmp_path)
     monkeypatch.setenv("XSTAGE_CALIBRATION_DIR", str(tmp_path))
     run_on_ranks(2, _same_gpu_worker, "tiny-flux-d64", "auto", "fused", deadline_s=150)
+
+
+def _qwenimage21_gpu_worker(backend: str) -> None:
+    """Qwen-Image 2.1's transformer (head_dim 64) in bf16, with its KV cache's two calls, against the stock model
+    on this GPU: at degree 1 in one process, split where ranks share the GPU."""
+    from diffusers import QwenImage21Transformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+    from test_parallel_pipelines import QWENIMAGE21_CONFIG, _qwenimage21_inputs
+
+    if "RANK" in os.environ:  # one of run_on_ranks' processes
+        share_one_gpu()
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = QwenImage21Transformer2DModel(**{**QWENIMAGE21_CONFIG, "attention_head_dim": 64,
+                                             "axes_dims_rope": (16, 24, 24)}).to("cuda", torch.bfloat16).eval()
+    inputs = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
+              for k, v in _qwenimage21_inputs(64, 48, torch.Generator().manual_seed(5)).items()}
+
+    def run() -> list[torch.Tensor]:
+        cache = QwenImage21KVCache(len(model.transformer_blocks))
+        return [model(**inputs, kv_cache=cache, kv_cache_mode="extract")[0],
+                model(**inputs, kv_cache=cache, kv_cache_mode="cached")[0]]
+
+    with torch.no_grad():
+        refs = run()
+        xstage_dit.enable(model, backend=backend, timeout_s=60)
+        outs = run()
+        xstage_dit.disable(model)
+    for mode, out, ref in zip(("prefill", "cached"), outs, refs):
+        error = _relative_error(out, ref)
+        assert error < ATTENTION_TOLERANCE, f"Qwen-Image 2.1 {backend} {mode}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_qwenimage21_transformer_on_gpu_degree_one(backend):
+    _qwenimage21_gpu_worker(backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_qwenimage21_transformer_ranks_on_one_gpu(backend):
+    run_on_ranks(2, _qwenimage21_gpu_worker, backend, deadline_s=150)
 
 
 def _fused_layer_worker(batch: int, text_len: int, seq_len: int, heads: int, head_dim: int) -> None:

@@ -507,3 +507,69 @@ def test_other_cache_configs_equal_one_process(world_size: int) -> None:
                                                      ("tiny-wan", 2, "even")])
 def test_first_block_cache_decides_as_one_process(name: str, world_size: int, size: str) -> None:
     run_on_ranks(world_size, _first_block_cache_worker, name, size)
+
+
+# Qwen-Image 2.1 at the transformer (its pipeline's Qwen3-VL encoder and processor are not in the zoo)
+QWENIMAGE21_CONFIG = {"in_channels": 8, "out_channels": 8, "num_layers": 2, "attention_head_dim": 16,
+                      "num_attention_heads": 12, "context_in_dim": 24, "axes_dims_rope": (4, 6, 6)}
+
+
+def _qwenimage21_inputs(height: int, width: int, generator: torch.Generator) -> dict:
+    """Batch 2: prompts of 9 vision-language positions around one 4x2 condition image (2 slots), the second
+    prompt padded; the target image height x width appended (one slot per 2x2 tokens), as the pipeline builds
+    them."""
+    condition, target = (1, 4, 2), (1, height, width)
+    slots = torch.tensor([False] * 3 + [True] * 2 + [False] * 4)
+    img_mask = torch.cat([slots, torch.ones(height * width // 4, dtype=torch.bool)]).expand(2, -1)
+    text_mask = torch.ones(2, slots.numel(), dtype=torch.bool)
+    text_mask[1, -2:] = False
+    return dict(hidden_states=torch.randn(2, 8 + height * width, 8, generator=generator),
+                encoder_hidden_states=torch.randn(2, slots.numel(), 24, generator=generator),
+                timestep=torch.tensor([0.7, 0.4]), img_shapes=[[condition, target]] * 2, img_mask=img_mask,
+                encoder_hidden_states_mask=text_mask, return_dict=False)
+
+
+def _qwenimage21_worker() -> None:
+    """Target images of 40 tokens (uneven at 3 ranks) and 36, each without a KV cache and with the pipeline's two
+    cached calls (the first step prefills the prefix's keys and values, the next computes the target alone)."""
+    from diffusers import QwenImage21Transformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    torch.manual_seed(0)
+    model = QwenImage21Transformer2DModel(**QWENIMAGE21_CONFIG).eval()
+    generator = torch.Generator().manual_seed(5)
+    cases = {(h, w): _qwenimage21_inputs(h, w, generator) for h, w in ((4, 10), (6, 6))}
+
+    def run() -> dict:
+        outs = {}
+        for size, inputs in cases.items():
+            cache = QwenImage21KVCache(len(model.transformer_blocks))
+            outs[size] = [model(**inputs)[0],
+                          model(**inputs, kv_cache=cache, kv_cache_mode="extract")[0],
+                          model(**dict(inputs, timestep=torch.tensor([0.3, 0.2])), kv_cache=cache,
+                                kv_cache_mode="cached")[0]]
+        return outs
+
+    with torch.no_grad():
+        refs = run()
+        xstage_dit.enable(model, timeout_s=120)
+        rows: list[int] = []  # what reaches the second block: the prefix (15 tokens) and this rank's target share
+        hook = model.transformer_blocks[1].register_forward_pre_hook(
+            lambda module, args, kwargs: rows.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+        outs = run()
+        hook.remove()
+        xstage_dit.disable(model)
+    share = {(h, w): math.ceil(h * w / torch.distributed.get_world_size()) for h, w in cases}
+    assert rows == [n for size in cases for n in (15 + share[size], 15 + share[size], share[size])], rows
+    for size in cases:
+        for mode, out, ref in zip(("no cache", "prefill", "cached"), outs[size], refs[size]):
+            assert out.shape == ref.shape, f"Qwen-Image 2.1 {size} {mode}: shape {tuple(out.shape)}"
+            error = _relative_error(out, ref)
+            assert error < TOLERANCE, f"Qwen-Image 2.1 {size} {mode}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_qwenimage21_transformer_matches_single_process(world_size: int) -> None:
+    """Target image split, the block-causal prefix (prompt and condition image) whole on every rank, with and
+    without its KV cache."""
+    run_on_ranks(world_size, _qwenimage21_worker)

@@ -6,12 +6,12 @@ from torch import nn
 
 from ..sp.plan import SequenceParallelPlan
 from . import (chroma, cogvideox, flux, flux2, hidream, hunyuan_video, hunyuan_video15, ltx, ltx2, nucleusmoe,
-               qwenimage, sd3, wan, zimage)
+               qwenimage, qwenimage21, sd3, wan, zimage)
 
 _PLANS: dict[type, SequenceParallelPlan] = {
     **chroma.PLANS, **flux.PLANS, **flux2.PLANS, **wan.PLANS, **hunyuan_video.PLANS, **qwenimage.PLANS, **ltx.PLANS,
     **ltx2.PLANS, **sd3.PLANS, **cogvideox.PLANS, **hidream.PLANS, **nucleusmoe.PLANS, **hunyuan_video15.PLANS,
-    **zimage.PLANS,
+    **zimage.PLANS, **qwenimage21.PLANS,
 }
 
 

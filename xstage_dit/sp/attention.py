@@ -24,6 +24,11 @@ class UlyssesAttention:
         self.fuse_rope = fuse_rope
         self.query_key_masks = query_key_masks
 
+    def routes(self, key: torch.Tensor) -> bool:
+        """Whether a call over these keys is this attention's: not one within a prefix every rank holds whole
+        (SequenceShard.whole_prefix_len), which the model's own attention computes as one process does."""
+        return key.shape[1] > self.shard.whole_prefix_len
+
     def __call__(
         self,
         query: torch.Tensor,
@@ -79,6 +84,9 @@ class GatheredKeysAttention:
     Same call as UlyssesAttention's, for the router; marked on modules only where the tokens are split."""
 
     fuse_rope = False  # the router asks; such models rotate their keys themselves
+
+    def routes(self, key: torch.Tensor) -> bool:
+        return True
 
     def __init__(self, shard: SequenceShard) -> None:
         self.shard = shard

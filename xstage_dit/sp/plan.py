@@ -63,7 +63,8 @@ class SequenceParallelPlan:
         sequence dim, PerToken(dim), JointText(dim) or JointTokens(dim)} to split on entry.
     shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables); a module
         returning one tensor uses index 0.
-    gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence.
+    gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence, or JointTokens(dim)
+        for an output over [text, image] tokens whose text entries every rank holds.
     attention_modules: the attention modules whose attention must see the whole sequence.
     gathered_key_modules: attention modules whose queries every rank holds whole (a stream that is not split)
         and whose keys and values are split with the tokens: their keys and values are gathered.
@@ -91,7 +92,7 @@ class SequenceParallelPlan:
     gathered_key_modules: Callable[[nn.Module], list[nn.Module]] | None = None
     shard_inputs: dict[str, dict[str, int | PerToken | JointText | JointTokens]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
-    gather_outputs: dict[str, int] = field(default_factory=dict)
+    gather_outputs: dict[str, int | JointTokens] = field(default_factory=dict)
     rotary_site: str | None = None
     text_first: bool = True
     query_key_masks: QueryKeyMasks | None = None
@@ -163,8 +164,10 @@ def _shard_outputs_hook(shard: SequenceShard, dims: dict[int, int]):
     return hook
 
 
-def _gather_output_hook(shard: SequenceShard, dim: int):
+def _gather_output_hook(shard: SequenceShard, dim: int | JointTokens):
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if isinstance(dim, JointTokens):
+            return shard.gather_after_text(output, dim.dim)
         return shard.gather(output, dim)
 
     return hook

@@ -4,7 +4,8 @@ diffusers' processors call either `dispatch_attention_fn` (Flux, Wan, HunyuanVid
 `F.scaled_dot_product_attention` (SD3, CogVideoX, HiDream) by name in their module. We rebind that name to a
 router (and, where a family's plan names it, `apply_rotary_emb` to one that runs our RoPE kernel), and each
 routed attention module is marked active while it runs (`mark_active`): calls made inside an active module go to its
-`UlyssesAttention` (or the RoPE kernel); every other call (text refiners, cross-attention, VAEs, models that are
+`UlyssesAttention` (or the RoPE kernel), unless it declines them (`routes`: calls within a prefix every rank holds
+whole); every other call (text refiners, cross-attention, VAEs, models that are
 not enabled) goes to diffusers or torch unchanged. No processor code is copied. Bindings are
 reference-counted, so several enabled models share them and the last `unroute` restores the original."""
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _dispatch_router(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        if _active is not None:
+        if _active is not None and _active.routes(key):
             chosen = None if backend is None else getattr(backend, "value", backend)  # the enum's name
             return _active(query, key, value, attn_mask, dropout_p, is_causal, scale, chosen)
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
@@ -53,7 +54,7 @@ def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
         @staticmethod
         def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          scale=None, enable_gqa=False):
-            if _active is None:
+            if _active is None or not _active.routes(key.transpose(1, 2)):
                 return original.scaled_dot_product_attention(
                     query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa,

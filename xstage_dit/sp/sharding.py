@@ -16,7 +16,8 @@ class SequenceShard:
     """The token split of the current forward pass, shared by every shard/gather point and every attention
     layer of one model. `seq_len` is set by the first tensor sharded in a forward; `text_len` by `shard_text`:
     the joint-attention text tokens split with the image tokens in this forward (0: the text is whole on every
-    rank)."""
+    rank). `whole_prefix_len`: leading tokens that every rank holds whole and that attend only among themselves
+    (a block-causal prefix): attention over no more keys than these is no split attention (0: none)."""
 
     def __init__(self, degree: int, rank: int, group: dist.ProcessGroup | None) -> None:
         self.degree = degree
@@ -24,6 +25,7 @@ class SequenceShard:
         self.group = group
         self.seq_len = 0
         self.text_len = 0
+        self.whole_prefix_len = 0
 
     @property
     def local_len(self) -> int:
@@ -79,6 +81,12 @@ class SequenceShard:
         dim = dim % x.dim()
         text, image = x.split([x.shape[dim] - self.seq_len, self.seq_len], dim=dim)
         return torch.cat([text, self.shard(image, dim)], dim=dim)
+
+    def gather_after_text(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        """The inverse of `shard_after_text`: the text entries kept, the image entries (the last ones) gathered."""
+        dim = dim % local.dim()
+        text, image = local.split([local.shape[dim] - self.local_len, self.local_len], dim=dim)
+        return torch.cat([text, self.gather(image, dim)], dim=dim)
 
     def gather_leading(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         """The inverse of sharding the first `seq_len` entries along `dim` of a tensor whose other entries (text
