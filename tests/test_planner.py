@@ -218,7 +218,9 @@ def test_expert_modes_follow_expert_parallel():
     assert ExpertModes.resolve(None, 1, True).allowed == (ExpertMode.REPLICATED,)
     assert ExpertModes.resolve(False, 2, True).allowed == (ExpertMode.REPLICATED,)
     assert ExpertModes.resolve(True, 2, False).allowed == (ExpertMode.COLLECTIVES,)
-    assert ExpertModes.resolve(True, 2, True).allowed == (ExpertMode.STORES, ExpertMode.COLLECTIVES)
+    assert ExpertModes.resolve(True, 2, True).allowed == (ExpertMode.STORES,)
+    assert ExpertModes.resolve(None, 2, True).allowed == (ExpertMode.REPLICATED, ExpertMode.STORES,
+                                                         ExpertMode.COLLECTIVES)
     assert ExpertModes.resolve(True, 2, True).sharded
     undecided = ExpertModes.resolve(None, 2, True)
     assert undecided.allowed[0] is ExpertMode.REPLICATED and not undecided.sharded

@@ -3,8 +3,7 @@ the modes `enable(expert_parallel=...)` allows, and per call shape the one the B
 
 - False, or degree 1: replicated.
 - True: the experts are sharded (E/N per rank); the rows travel over the group's symmetric-memory fabric where
-  the backend opened one (X-Stage stores), else over collectives; with a fabric and a calibration the planner
-  picks between the two.
+  the backend opened one (X-Stage stores), else over collectives.
 - None: every expert stays on every rank and the planner picks among replicated and the expert-parallel modes
   per shape (a rank then runs its E/N experts out of the whole stacks); without a calibration that measured the
   expert kernels, replicated, said once."""
@@ -32,8 +31,10 @@ class ExpertModes:
         """`fabric_ready`: the group has its symmetric-memory fabric."""
         if degree == 1 or expert_parallel is False:
             return cls()
+        if expert_parallel:
+            return cls((ExpertMode.STORES if fabric_ready else ExpertMode.COLLECTIVES,))
         parallel = (ExpertMode.STORES, ExpertMode.COLLECTIVES) if fabric_ready else (ExpertMode.COLLECTIVES,)
-        return cls(parallel if expert_parallel else (ExpertMode.REPLICATED, *parallel))
+        return cls((ExpertMode.REPLICATED, *parallel))
 
     @property
     def sharded(self) -> bool:
