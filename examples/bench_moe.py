@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from xstage_dit.sp.fabric import open_fabric
 from xstage_dit.sp.plan import PlanContext
 from xstage_dit.sp.planning import planner_for
 from xstage_dit.sp.sharding import SequenceShard
-from xstage_dit.xstage.planner import ExpertMode, ExpertSchedule
+from xstage_dit.xstage.planner import ExpertMode, ExpertSchedule, ExpertShape
 
 DIM, EXPERTS, EXPERT_DIM = 2048, 64, 1344
 TOKENS = {"1024²": 4096, "2048²": 16384}
@@ -123,7 +124,8 @@ def bench(variant: Variant, size: str, capacity_factor: float, repeats: int, dev
             open_fabric(dist.group.WORLD, device, 600.0)
         context = PlanContext(shard, ExpertModes((variant.mode,)))
         wrapper = ExactExpertChoice(layer, context, variant.schedule)
-        predicted, picked = _prediction(wrapper, x, variant, device)
+        predicted, picked = _prediction(variant, ExpertShape(1, tokens, DIM, EXPERT_DIM, EXPERTS, math.ceil(
+            capacity_factor * tokens / EXPERTS), ranks), device)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         ms = _time(lambda: layer(x, unmodulated, timestep), repeats)
@@ -145,13 +147,11 @@ def bench(variant: Variant, size: str, capacity_factor: float, repeats: int, dev
     return record
 
 
-def _prediction(wrapper: ExactExpertChoice, x: torch.Tensor, variant: Variant, device: torch.device
-                ) -> tuple[float | None, str | None]:
+def _prediction(variant: Variant, shape: ExpertShape, device: torch.device) -> tuple[float | None, str | None]:
     """The planner's predicted ms for this variant, and its pick among every mode (with its schedule)."""
-    planner = planner_for(device, wrapper.shard.degree)
+    planner = planner_for(device, shape.degree)
     if planner is None or not planner.predicts_experts():
         return None, None
-    shape = wrapper.shape(x)
     if variant.mode is ExpertMode.STORES:
         seconds = planner.experts_stores(shape, variant.schedule or planner.expert_schedule(shape))
     else:

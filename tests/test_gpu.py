@@ -89,17 +89,17 @@ def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
 
 
 def _count_expert_stores() -> list[int]:
-    """One entry per call of the expert-stores op."""
-    from xstage_dit.sp import ops
+    """One entry per MoE layer call that ran the X-Stage stores."""
+    from xstage_dit.sp import expert_layer
 
     calls: list[int] = []
-    original = ops.expert_stores
+    original = expert_layer.expert_exchange
 
     def counted(*args):
         calls.append(1)
         return original(*args)
 
-    ops.expert_stores = counted
+    expert_layer.expert_exchange = counted
     return calls
 
 

@@ -12,7 +12,6 @@ graph."""
 from __future__ import annotations
 
 import collections
-import math
 from typing import Any
 
 import torch
@@ -24,11 +23,9 @@ from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import ops, routing
-from ..moe import packed_swiglu_experts
-from ..sp.expert_choice import choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select
 from ..sp.expert_modes import ExpertModes
 from ..sp.plan import PlanContext, SequenceParallelPlan
-from ..xstage.planner import ExpertMode, ExpertSchedule, ExpertShape
+from ..xstage.planner import ExpertSchedule
 from . import cfg_rules
 
 
@@ -60,63 +57,22 @@ class ExactExpertChoice:
             weight = getattr(self.layer.experts, name)
             weight.data = whole.to(weight.device)
 
-    def _own_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        experts = self.layer.experts
-        if self.modes.sharded:
-            return experts.gate_up_proj, experts.down_proj
-        return experts.gate_up_proj[self.own], experts.down_proj[self.own]
-
-    def shape(self, hidden_states: torch.Tensor) -> ExpertShape:
-        layer, shard = self.layer, self.shard
-        tokens = shard.seq_len if shard.degree > 1 else hidden_states.shape[1]
-        return ExpertShape(hidden_states.shape[0], tokens, layer.hidden_size, layer.moe_intermediate_dim,
-                           layer.num_experts, max(1, math.ceil(layer.capacity_factor * tokens / layer.num_experts)),
-                           shard.degree, hidden_states.element_size())
-
     def forward(self, hidden_states: torch.Tensor, hidden_states_unmodulated: torch.Tensor,
                 timestep: torch.Tensor | None = None) -> torch.Tensor:
-        layer = self.layer
-        batch, local_len, dim = hidden_states.shape
+        layer, shard = self.layer, self.shard
+        local_len = hidden_states.shape[1]
         router_input = hidden_states_unmodulated
         if timestep is not None:
             router_input = torch.cat([timestep.unsqueeze(1).expand(-1, local_len, -1), router_input], dim=-1)
         logits = layer.gate(router_input)
         activation = torch.sigmoid if layer.use_sigmoid else lambda x: F.softmax(x, dim=-1)
         scores = activation(logits.float()).to(logits.dtype)
-        shared = layer.shared_expert(hidden_states)
-        selection = select(gather_scores(scores, self.shard), layer.capacity_factor)
-        shape = self.shape(hidden_states)
-        mode = self.modes.choose(shape, hidden_states.device)
-        if mode is ExpertMode.STORES:
-            schedule = self.fixed_schedule or self.modes.schedule(shape, hidden_states.device)
-            out = ops.expert_stores(hidden_states.reshape(-1, dim), shared.reshape(-1, dim), selection.token,
-                                    selection.weights * layer.route_scale, *self._own_weights(), local_len,
-                                    self.shard.rank, self.shard.group.group_name, schedule.waves,
-                                    schedule.interleaved)
-            return out.view(batch, local_len, dim)
-        if mode is ExpertMode.REPLICATED:
-            # at degree 1 every selection is this rank's, already in expert order: each is computed
-            choice = (choose_for_experts(selection, local_len, slice(0, layer.num_experts)) if self.shard.degree == 1
-                      else choose_tokens(selection, local_len, self.shard.rank))
-            tokens = hidden_states.reshape(batch * local_len, dim)
-            gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
-        else:
-            choice = choose_for_experts(selection, local_len, self.own)
-            tokens = gather_tokens(hidden_states, self.shard)
-            gate_up, down = self._own_weights()
-
-        routed = packed_swiglu_experts(gate_up, down, tokens[choice.rows], choice.counts)
-        weights = choice.weights * layer.route_scale
-        routed = (routed.float() * weights.unsqueeze(-1)).to(hidden_states.dtype)
-        if choice.mine is not None:  # rows past this rank's selections were not computed: they add nothing
-            routed = torch.where(choice.mine.unsqueeze(-1), routed, torch.zeros((), dtype=routed.dtype,
-                                                                                device=routed.device))
-        if mode is ExpertMode.REPLICATED:
-            out = shared.reshape(batch * local_len, dim)
-            out = out.scatter_add(0, choice.rows.unsqueeze(-1).expand(-1, dim), routed)
-            return out.reshape(batch, local_len, dim)
-        partial = torch.zeros_like(tokens).index_add_(0, choice.rows, routed)
-        return shared + reduce_tokens(partial, self.shard, batch)
+        schedule = self.fixed_schedule or ExpertSchedule(waves=0)  # 0 waves: the planner's schedule
+        return ops.expert_choice(
+            hidden_states, layer.shared_expert(hidden_states), scores, layer.experts.gate_up_proj,
+            layer.experts.down_proj, layer.capacity_factor, layer.route_scale, shard.seq_len, shard.degree, shard.rank,
+            shard.group.group_name if shard.group is not None else "", ",".join(m.value for m in self.modes.allowed),
+            self.own.start, self.own.stop, schedule.waves, schedule.interleaved)
 
 
 class _TablesOnTheDevice:

@@ -4,7 +4,7 @@ compiler never traces collectives, symmetric-memory kernels or our Triton kernel
 
 - xstage::ulysses_attention: Ulysses attention and its communication;
 - xstage::gathered_keys_attention: replicated queries over every rank's keys (all-gathered);
-- xstage::expert_stores: an expert-parallel MoE layer's dispatch, experts and combine over the group's fabric;
+- xstage::expert_choice: an expert-choice MoE layer's routed experts, in the mode chosen per shape on the host;
 - xstage::local_attention: degree 1, the backend choice's own kernel (what a compiled graph records; eager calls
   run `local_attention` directly);
 - xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY), what a
@@ -18,10 +18,11 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..logging_utils import warn_once
 from ..runtime.distributed import waiting_for
-from ..xstage.planner import ExpertSchedule
+from ..xstage.planner import ExpertMode, ExpertSchedule
 from .backends import FALLBACK, Backend, LocalAttention, get_backend, get_choice
 from .exchange import all_to_all
-from .expert_exchange import expert_exchange, route_slots
+from .expert_layer import ExpertChoiceCall, run_expert_choice
+from .expert_modes import ExpertModes
 from .fabric import fabric_of
 from .layout import UlyssesLayout
 from .local_attention import diffusers_attention, sdpa_bshd
@@ -91,20 +92,24 @@ def _(query, key, value, seq_len, degree, rank, group_name, scale, attention_bac
     return torch.empty_like(query)
 
 
-@torch.library.custom_op("xstage::expert_stores", mutates_args=())
-def expert_stores(tokens: torch.Tensor, shared: torch.Tensor, token: torch.Tensor, scale: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor, local_len: int, rank: int, group_name: str, waves: int,
+@torch.library.custom_op("xstage::expert_choice", mutates_args=())
+def expert_choice(hidden: torch.Tensor, shared: torch.Tensor, scores: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, capacity_factor: float, route_scale: float, seq_len: int, degree: int, rank: int,
+                  group_name: str, modes: str, own_start: int, own_stop: int, waves: int,
                   interleaved: bool) -> torch.Tensor:
-    """The stores mode of an expert-choice MoE layer (sp/expert_exchange.py) on the group's fabric: `tokens`,
-    `shared` (B * L, D) this rank's tokens and their shared-expert output, `token` (E, B, C) the whole selection,
-    `scale` its gate weights, `gate_up`, `down` this rank's experts; the schedule travels as its fields."""
-    routes = route_slots(token, local_len, rank)
-    return expert_exchange(tokens, shared, routes, scale, gate_up, down, fabric_of(group_name),
-                           ExpertSchedule(waves, interleaved))
+    """An expert-choice MoE layer's call (sp/expert_layer.py); the modes it may run travel as their values joined
+    by commas, the stores mode's fixed schedule as its fields (`waves` 0: the planner's), the split as its
+    fields."""
+    shard = SequenceShard(degree, rank, _resolve_process_group(group_name) if degree > 1 else None)
+    shard.seq_len = seq_len
+    call = ExpertChoiceCall(capacity_factor, route_scale, ExpertModes(tuple(ExpertMode(m) for m in modes.split(","))),
+                            slice(own_start, own_stop), ExpertSchedule(waves, interleaved) if waves else None)
+    return run_expert_choice(hidden, shared, scores, gate_up, down, call, shard)
 
 
-@expert_stores.register_fake
-def _(tokens, shared, token, scale, gate_up, down, local_len, rank, group_name, waves, interleaved):
+@expert_choice.register_fake
+def _(hidden, shared, scores, gate_up, down, capacity_factor, route_scale, seq_len, degree, rank, group_name, modes,
+      own_start, own_stop, waves, interleaved):
     return torch.empty_like(shared)
 
 

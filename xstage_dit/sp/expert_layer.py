@@ -1,0 +1,70 @@
+"""One expert-choice MoE layer call across the Ulysses group: the shared expert's output plus the routed experts',
+for this rank's tokens, in the mode chosen for the call's shape (sp/expert_modes.py).
+
+It runs inside the custom op xstage::expert_choice (sp/ops.py), so that a compiled model holds the whole routed
+part as one node: the mode and the stores mode's schedule are chosen on the host per shape (reading the
+machine's calibration, logging the choice), which a compiler must not trace."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..moe import packed_swiglu_experts
+from ..xstage.planner import ExpertMode, ExpertSchedule, ExpertShape
+from .expert_choice import choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select
+from .expert_exchange import expert_exchange, route_slots
+from .expert_modes import ExpertModes
+from .fabric import fabric_of
+from .sharding import SequenceShard
+
+
+@dataclass(frozen=True)
+class ExpertChoiceCall:
+    """What one layer's call needs besides its tensors: its routing constants, the modes it may run, this rank's
+    experts (`own`, of E), and a fixed schedule for the stores mode (None: the planner's)."""
+
+    capacity_factor: float
+    route_scale: float
+    modes: ExpertModes
+    own: slice
+    schedule: ExpertSchedule | None = None
+
+
+def run_expert_choice(hidden: torch.Tensor, shared: torch.Tensor, scores: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, call: ExpertChoiceCall, shard: SequenceShard) -> torch.Tensor:
+    """hidden, shared: (B, L, D) this rank's tokens and their shared-expert output; scores: (B, L, E) their router
+    scores; gate_up (E, D, 2F) and down (E, F, D): every expert, or this rank's where the experts are sharded."""
+    batch, local_len, dim = hidden.shape
+    selection = select(gather_scores(scores, shard), call.capacity_factor)
+    experts, _, capacity = selection.token.shape
+    tokens = shard.seq_len if shard.degree > 1 else local_len
+    shape = ExpertShape(batch, tokens, dim, down.shape[1], experts, capacity, shard.degree, hidden.element_size())
+    mode = call.modes.choose(shape, hidden.device)
+    own = (gate_up, down) if call.modes.sharded else (gate_up[call.own], down[call.own])
+    if mode is ExpertMode.STORES:
+        schedule = call.schedule or call.modes.schedule(shape, hidden.device)
+        out = expert_exchange(hidden.reshape(-1, dim), shared.reshape(-1, dim),
+                              route_slots(selection.token, local_len, shard.rank),
+                              selection.weights * call.route_scale, *own,
+                              fabric_of(shard.group.group_name), schedule)
+        return out.view(batch, local_len, dim)
+    if mode is ExpertMode.REPLICATED:
+        # at degree 1 every selection is this rank's, already in expert order: each is computed
+        choice = (choose_for_experts(selection, local_len, slice(0, experts)) if shard.degree == 1
+                  else choose_tokens(selection, local_len, shard.rank))
+        rows = hidden.reshape(batch * local_len, dim)
+    else:
+        choice = choose_for_experts(selection, local_len, call.own)
+        rows, (gate_up, down) = gather_tokens(hidden, shard), own
+    routed = packed_swiglu_experts(gate_up, down, rows[choice.rows], choice.counts)
+    routed = (routed.float() * (choice.weights * call.route_scale).unsqueeze(-1)).to(hidden.dtype)
+    if choice.mine is not None:  # rows past this rank's selections were not computed: they add nothing
+        routed = torch.where(choice.mine.unsqueeze(-1), routed, torch.zeros((), dtype=routed.dtype,
+                                                                            device=routed.device))
+    if mode is ExpertMode.REPLICATED:
+        out = shared.reshape(batch * local_len, dim)
+        out = out.scatter_add(0, choice.rows.unsqueeze(-1).expand(-1, dim), routed)
+        return out.reshape(batch, local_len, dim)
+    partial = torch.zeros_like(rows).index_add_(0, choice.rows, routed)
+    return shared + reduce_tokens(partial, shard, batch)
