@@ -93,6 +93,8 @@ def test_calibration_round_trip_and_lookup(tmp_path):
     assert find_calibration("NVIDIA H200", 2, "same-gpu", tmp_path).topology == "same-gpu"
     assert find_calibration("NVIDIA H200", 1, "loopback", tmp_path).world_size == 1
     assert find_calibration("NVIDIA H100", 8, None, tmp_path) is None
+    # ranks on GPUs of their own: a real link's calibration (of 8 ranks) before a simulated one of 2
+    assert find_calibration("NVIDIA H200", 2, None, tmp_path).topology == "nvlink"
 
 
 def test_shipped_calibrations_plan_out_of_the_box_and_the_machines_own_win(tmp_path, monkeypatch):

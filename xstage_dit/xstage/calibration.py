@@ -117,6 +117,9 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-").removeprefix("nvidia-")
 
 
+# store paths measured without a link between GPUs
+SIMULATED = ("loopback", "same-gpu")
+
 # calibrations measured by the project, shipped with the package: planning works out of the box on these GPUs
 SHIPPED = Path(__file__).resolve().parent.parent / "calibrations"
 
@@ -124,8 +127,10 @@ SHIPPED = Path(__file__).resolve().parent.parent / "calibrations"
 def find_calibration(gpu: str, world_size: int, topology: str | None = None,
                      directory: Path | None = None) -> Calibration | None:
     """The calibration of this GPU kind that fits best: the same topology and world size if present, then the
-    same topology, then any of this GPU (kernel costs carry over; the store path may not). Looks in `directory`
-    only where one is given; else in this machine's calibration directory, then among the shipped ones."""
+    same topology, then any of this GPU (kernel costs carry over; the store path may not). `topology` None: ranks
+    on GPUs of their own, whose store path a real link's calibration (nvlink, pcie) describes before a simulated
+    one (loopback, same-gpu). Looks in `directory` only where one is given; else in this machine's calibration
+    directory, then among the shipped ones."""
     for place in [directory] if directory else [calibration_dir(), SHIPPED]:
         found = [Calibration.load(p) for p in sorted(place.glob(f"calibration-{slug(gpu)}-*.json"))]
         if found:
@@ -133,7 +138,8 @@ def find_calibration(gpu: str, world_size: int, topology: str | None = None,
     else:
         return None
 
-    def rank(c: Calibration) -> tuple[int, int]:
-        return (c.topology != topology, abs(c.world_size - world_size))
+    def rank(c: Calibration) -> tuple[bool, int]:
+        other = c.topology in SIMULATED if topology is None else c.topology != topology
+        return (other, abs(c.world_size - world_size))
 
     return min(found, key=rank)
