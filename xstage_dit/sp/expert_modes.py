@@ -52,7 +52,7 @@ class ExpertModes:
     def schedule(self, shape: ExpertShape, device: torch.device) -> ExpertSchedule:
         """The stores mode's schedule: the planner's, else one wave."""
         planner = _expert_planner(device, shape.degree)
-        return ExpertSchedule() if planner is None else planner.expert_schedule(shape)
+        return ExpertSchedule() if planner is None else _schedule(planner, shape)
 
 
 def _expert_planner(device: torch.device, degree: int) -> Planner | None:
@@ -63,6 +63,12 @@ def _expert_planner(device: torch.device, degree: int) -> Planner | None:
                       "they run in their default mode (run `xstage-dit calibrate` once on this machine)")
         return None
     return planner
+
+
+@lru_cache(maxsize=256)
+def _schedule(planner: Planner, shape: ExpertShape) -> ExpertSchedule:
+    """The planner's schedule for `shape`, computed once (every layer call of that shape asks)."""
+    return planner.expert_schedule(shape)
 
 
 @lru_cache(maxsize=256)
