@@ -178,8 +178,9 @@ def write(records: list[dict], prefix: Path) -> None:
     write_records(records, prefix, "NucleusMoE-Image MoE layer", f"Medians of {records[0]['repeats']}, bf16, "
                   "batch 1; times and memory are the slowest / largest rank's. Eager: one call of the layer as "
                   "a model runs it without graphs (host launch time included); graphed: the same call captured "
-                  "in a CUDA graph and replayed. Predicted: the planner's time for the part that differs between "
-                  "modes (the experts and the moving of their rows; router and shared expert left out).", table)
+                  "in a CUDA graph and replayed. Predicted: the planner's time for the routed part (the router "
+                  "scores' gather, the experts and the moving of their rows; the router's and the shared expert's "
+                  "projections left out).", table)
 
 
 def main() -> None:

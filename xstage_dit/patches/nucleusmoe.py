@@ -40,7 +40,9 @@ class ExactExpertChoice:
         self.shard = context.shard
         # a degree that does not divide the experts (refused where they are sharded) runs replicated
         self.modes = context.experts if layer.num_experts % self.shard.degree == 0 else ExpertModes()
-        self.fixed_schedule = schedule
+        self.schedule = schedule or ExpertSchedule(waves=0)  # 0 waves: the planner's schedule
+        self._modes = ",".join(mode.value for mode in self.modes.allowed)  # as the op takes them
+        self._group_name = self.shard.group.group_name if self.shard.group is not None else ""
         share = layer.num_experts // self.shard.degree
         self.own = slice(self.shard.rank * share, (self.shard.rank + 1) * share)
         self._whole: dict[str, torch.Tensor] = {}
@@ -67,12 +69,11 @@ class ExactExpertChoice:
         logits = layer.gate(router_input)
         activation = torch.sigmoid if layer.use_sigmoid else lambda x: F.softmax(x, dim=-1)
         scores = activation(logits.float()).to(logits.dtype)
-        schedule = self.fixed_schedule or ExpertSchedule(waves=0)  # 0 waves: the planner's schedule
         return ops.expert_choice(
             hidden_states, layer.shared_expert(hidden_states), scores, layer.experts.gate_up_proj,
             layer.experts.down_proj, layer.capacity_factor, layer.route_scale, shard.seq_len, shard.degree, shard.rank,
-            shard.group.group_name if shard.group is not None else "", ",".join(m.value for m in self.modes.allowed),
-            self.own.start, self.own.stop, schedule.waves, schedule.interleaved)
+            self._group_name, self._modes, self.own.start, self.own.stop, self.schedule.waves,
+            self.schedule.interleaved)
 
 
 class _TablesOnTheDevice:

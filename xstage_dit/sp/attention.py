@@ -24,10 +24,10 @@ class UlyssesAttention:
         self.fuse_rope = fuse_rope
         self.query_key_masks = query_key_masks
 
-    def routes(self, key: torch.Tensor) -> bool:
-        """Whether a call over these keys is this attention's: not one within a prefix every rank holds whole
+    def routes(self, keys: int) -> bool:
+        """Whether a call over `keys` keys is this attention's: not one within a prefix every rank holds whole
         (SequenceShard.whole_prefix_len), which the model's own attention computes as one process does."""
-        return key.shape[1] > self.shard.whole_prefix_len
+        return keys > self.shard.whole_prefix_len
 
     def __call__(
         self,
@@ -85,11 +85,11 @@ class GatheredKeysAttention:
 
     fuse_rope = False  # the router asks; such models rotate their keys themselves
 
-    def routes(self, key: torch.Tensor) -> bool:
-        return True
-
     def __init__(self, shard: SequenceShard) -> None:
         self.shard = shard
+
+    def routes(self, keys: int) -> bool:
+        return True
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,

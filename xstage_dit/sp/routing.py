@@ -35,7 +35,7 @@ def _dispatch_router(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        if _active is not None and _active.routes(key):
+        if _active is not None and _active.routes(key.shape[1]):  # (B, S, H, D)
             chosen = None if backend is None else getattr(backend, "value", backend)  # the enum's name
             return _active(query, key, value, attn_mask, dropout_p, is_causal, scale, chosen)
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
@@ -54,7 +54,7 @@ def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
         @staticmethod
         def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          scale=None, enable_gqa=False):
-            if _active is None or not _active.routes(key.transpose(1, 2)):
+            if _active is None or not _active.routes(key.shape[2]):  # (B, H, S, D)
                 return original.scaled_dot_product_attention(
                     query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa,

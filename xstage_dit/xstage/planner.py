@@ -285,12 +285,16 @@ class Planner:
         """Whether the calibration measured the expert kernels (older ones did not)."""
         return bool(self.costs.expert_tflops)
 
+    def gathered_scores(self, shape: ExpertShape) -> float:
+        """Every mode's start: the router scores of the whole sequence on every rank."""
+        return self.copy(shape.batch * shape.tokens * shape.experts * shape.element_bytes)
+
     def experts_replicated(self, shape: ExpertShape) -> float:
         slot_bytes = shape.slots * shape.row_bytes
-        scores = self.copy(shape.batch * shape.tokens * shape.experts * shape.element_bytes)
         compute = self.costs.expert_time(shape.flops(shape.slots / shape.degree),
                                          shape.rows_per_expert / shape.degree, own=False)
-        return scores + compute + 3 * self.copy(slot_bytes)  # gather the slot rows, weigh them, scatter-add
+        # gather the slot rows, weigh them, scatter-add
+        return self.gathered_scores(shape) + compute + 3 * self.copy(slot_bytes)
 
     def experts_collectives(self, shape: ExpertShape) -> float:
         n = shape.degree
@@ -299,8 +303,7 @@ class Planner:
         mine = shape.slots / n
         compute = self.costs.expert_time(shape.flops(mine), shape.rows_per_expert, own=False)
         copies = 2 * self.copy(mine * shape.row_bytes) + self.copy(group_bytes)  # gather, weigh, zero + add
-        scores = self.copy(shape.batch * shape.tokens * shape.experts * shape.element_bytes)
-        return scores + 2 * collective + compute + copies
+        return self.gathered_scores(shape) + 2 * collective + compute + copies
 
     def experts_stores(self, shape: ExpertShape, schedule: ExpertSchedule, tiles: ExpertTiles = ExpertTiles()
                        ) -> float:
@@ -310,9 +313,9 @@ class Planner:
         sent = mine * shape.row_bytes
         dispatch = self.costs.launch + max(sent / self.costs.copy_rate,
                                            self.model.delivery_time(sent * remote, self.costs.sms))
-        scores = self.copy(shape.batch * shape.tokens * shape.experts * shape.element_bytes)
         summed = self.copy((mine + shape.batch * shape.local_tokens) * shape.row_bytes)
-        return scores + dispatch + self.expert_kernels(shape, schedule, tiles) + 2 * self.costs.launch + summed
+        kernels = self.expert_kernels(shape, schedule, tiles)
+        return self.gathered_scores(shape) + dispatch + kernels + 2 * self.costs.launch + summed
 
     def expert_kernels(self, shape: ExpertShape, schedule: ExpertSchedule, tiles: ExpertTiles = ExpertTiles()
                        ) -> float:
