@@ -7,6 +7,7 @@ import gc
 import os
 import sys
 import time
+import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -14,9 +15,10 @@ import torch.multiprocessing as mp
 from xstage_dit.runtime.distributed import free_port
 
 
-def _worker(rank: int, world_size: int, port: int, deadline_s: float, fn: Callable[..., Any], args: tuple) -> None:
-    # a rank still running shortly before the caller's deadline prints where each of its threads is stuck
-    faulthandler.dump_traceback_later(max(1.0, deadline_s - 10), exit=False)
+def _worker(rank: int, world_size: int, port: int, deadline: float, fn: Callable[..., Any], args: tuple) -> None:
+    # a rank still running shortly before the caller's deadline (wall clock: a spawned process starts seconds
+    # after the caller's clock did) prints where each of its threads is stuck
+    faulthandler.dump_traceback_later(max(1.0, deadline - time.time() - 10), exit=False)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -26,12 +28,21 @@ def _worker(rank: int, world_size: int, port: int, deadline_s: float, fn: Callab
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # how far each rank got shows in the test's captured stderr when it fails or runs out of time
     try:
         fn(*args)
+        print(f"rank {rank}: {fn.__name__} returned", file=sys.stderr, flush=True)
+    except BaseException as error:
+        # said before the group's teardown, which may itself hang and hide the failure; the failed call's locals
+        # (a pipeline whose CUDA graphs hold NCCL collectives hangs the teardown: pytorch#115388) are let go
+        print(f"rank {rank}: {fn.__name__} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        traceback.clear_frames(error.__traceback__)
+        raise
     finally:
         if dist.is_initialized():
             gc.collect()  # CUDA graphs holding NCCL collectives hang the destroy while they live (pytorch#115388)
             dist.destroy_process_group()
+            print(f"rank {rank}: process group destroyed", file=sys.stderr, flush=True)
     # A passing worker exits here, without interpreter shutdown: library threads still alive at shutdown (as
     # torch.compile's can be: "terminate called without an active exception") must not fail a test whose
     # checks all passed. Failures never get here: they propagate to torch.multiprocessing, which reports them.
@@ -48,11 +59,11 @@ def share_one_gpu() -> None:
 
 def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 300.0) -> None:
     """Call fn(*args) on `world_size` spawned processes; re-raise the first worker failure."""
-    context = mp.start_processes(
-        _worker, args=(world_size, free_port(), deadline_s, fn, args), nprocs=world_size, join=False,
-        start_method="spawn"
-    )
     end = time.monotonic() + deadline_s
+    context = mp.start_processes(
+        _worker, args=(world_size, free_port(), time.time() + deadline_s, fn, args), nprocs=world_size,
+        join=False, start_method="spawn"
+    )
     while not context.join(timeout=1.0):
         if time.monotonic() > end:
             for process in context.processes:
