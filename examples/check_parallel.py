@@ -5,8 +5,10 @@ r"""Correctness on real peers: each backend's parallel result against the single
 
 Every rank first runs the stock pipeline alone on its GPU (no collectives), then the same call with xstage_dit
 enabled on all ranks, and compares the latents. Random weights, real configs (zoo.py), a few steps. Tolerance:
-bf16 pipelines whose attention kernel changes drift by up to a few 1e-2 relative over steps. Writes OUT.json and
-OUT.md on the main rank; exits non-zero if any backend is out of tolerance."""
+bf16 pipelines whose attention kernel changes drift by up to a few 1e-2 relative over steps (float32: 1e-3). The
+stock call also runs twice: where it does not repeat itself (expert choice turns bf16 atomics' rounding into
+other selections), a parallel result may differ from it by up to 1.5 times as much as it differs from itself.
+Writes OUT.json and OUT.md on the main rank; exits non-zero if any backend is out of tolerance."""
 from __future__ import annotations
 
 import argparse
@@ -26,33 +28,42 @@ import zoo
 from generate import EXPERT_PARALLEL
 from provenance import provenance
 
-TOLERANCE = 3e-2
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-3}
+REPEAT_MARGIN = 1.5  # how much further from the single GPU than its own repeat a parallel result may be
 
 
 def generate(pipe, name: str, size: dict, steps: int, device: torch.device) -> torch.Tensor:
     call = zoo.call_kwargs(name, **size, steps=steps, guidance=1.0)
-    call.update(zoo.text_embeddings(name, 1, seed=1, device=device, dtype=torch.bfloat16))
+    call.update(zoo.text_embeddings(name, 1, seed=1, device=device, dtype=pipe.transformer.dtype))
     return pipe(**call, output_type="latent", generator=torch.Generator().manual_seed(5), return_dict=False)[0]
 
 
-def check(name: str, backends: list[str], expert_modes: list[str], steps: int) -> list[dict]:
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest ||a - b|| / ||b|| over ranks."""
+    error = torch.tensor([((a - b).norm() / b.norm()).item()], device=a.device)
+    if dist.is_initialized():
+        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+    return error.item()
+
+
+def check(name: str, backends: list[str], expert_modes: list[str], steps: int, dtype: torch.dtype) -> list[dict]:
     device = xstage_dit.local_device()
     entry = zoo.ZOO[name]
     size = {"height": entry.height, "width": entry.width, "num_frames": entry.num_frames}
-    pipe = zoo.build_pipeline(name, device=device, dtype=torch.bfloat16)
+    pipe = zoo.build_pipeline(name, device=device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     single = generate(pipe, name, size, steps, device).float()
+    repeat = relative_error(generate(pipe, name, size, steps, device).float(), single)
+    tolerance = max(TOLERANCE[dtype], REPEAT_MARGIN * repeat)
     records = []
     for backend, experts in itertools.product(backends, expert_modes):
         xstage_dit.enable(pipe, backend=backend, expert_parallel=EXPERT_PARALLEL[experts])
-        parallel = generate(pipe, name, size, steps, device).float()
+        error = relative_error(generate(pipe, name, size, steps, device).float(), single)
         xstage_dit.disable(pipe)
-        error = torch.tensor([((parallel - single).norm() / single.norm()).item()], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(error, op=dist.ReduceOp.MAX)
-        records.append({"config": name, **size, "steps": steps, "backend": backend, "expert_parallel": experts,
-                        "world_size": world_from_env()[0], "relative_error": error.item(),
-                        "tolerance": TOLERANCE, "ok": error.item() < TOLERANCE,
+        records.append({"config": name, **size, "steps": steps, "dtype": str(dtype).removeprefix("torch."),
+                        "backend": backend, "expert_parallel": experts, "world_size": world_from_env()[0],
+                        "relative_error": error, "single_gpu_repeat_error": repeat, "tolerance": tolerance,
+                        "ok": error < tolerance,
                         # the process's pools so far (a pool outlives the backend that created it)
                         "symmetric_memory": symmetric_backends_in_use()})
     return records
@@ -65,9 +76,12 @@ def main() -> None:
     parser.add_argument("--expert-parallel", nargs="+", default=["auto"], choices=EXPERT_PARALLEL,
                         help="mixture-of-experts models: each setting in turn (generate.py's --expert-parallel)")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--out", default="check-parallel")
     args = parser.parse_args()
-    records = [r for name in args.config for r in check(name, args.backend, args.expert_parallel, args.steps)]
+    dtype = getattr(torch, args.dtype)
+    records = [r for name in args.config
+               for r in check(name, args.backend, args.expert_parallel, args.steps, dtype)]
     if xstage_dit.is_main_process():
         env = provenance()
         records = [{**r, **env} for r in records]
@@ -75,13 +89,13 @@ def main() -> None:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
         lines = [f"# Parallel vs single-GPU: {env['card']}, {env['date']}", "", f"`{env['command']}`", "",
-                 "| config | size | ranks | backend | expert parallel | symmetric memory (pools so far) "
-                 "| max relative error over ranks | tolerance | ok |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['world_size']} | "
-                  f"{r['backend']} | {r['expert_parallel']} | {', '.join(r['symmetric_memory']) or '-'} | "
-                  f"{r['relative_error']:.2e} | "
-                  f"{r['tolerance']:.0e} | {r['ok']} |" for r in records]
+                 "| config | size | dtype | ranks | backend | expert parallel | symmetric memory (pools so far) "
+                 "| max relative error over ranks | single GPU vs itself | tolerance | ok |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['dtype']} | "
+                  f"{r['world_size']} | {r['backend']} | {r['expert_parallel']} | "
+                  f"{', '.join(r['symmetric_memory']) or '-'} | {r['relative_error']:.2e} | "
+                  f"{r['single_gpu_repeat_error']:.2e} | {r['tolerance']:.1e} | {r['ok']} |" for r in records]
         prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
     if not all(r["ok"] for r in records):
