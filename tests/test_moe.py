@@ -10,8 +10,11 @@ from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMo
 
 from xstage_dit.moe import GroupedSwiGLUExperts, dispatch
 from xstage_dit.sp.expert_choice import select
+from xstage_dit.sp.expert_layer import ExpertChoiceCall, add_contributions, run_expert_choice
+from xstage_dit.sp.expert_modes import ExpertModes
 from xstage_dit.sp.expert_exchange import expert_steps, route_slots
-from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep
+from xstage_dit.sp.fabric import LoopbackFabric, gather_steps, run_in_lockstep
+from xstage_dit.sp.sharding import SequenceShard
 from xstage_dit.xstage.planner import ExpertSchedule
 
 
@@ -102,6 +105,48 @@ def _check_expert_stores(device, dtype, n_ranks, seq_len, schedule, tolerance):
     got = torch.cat([out.view(batch, local, dim) for out in outs], dim=1)[:, :seq_len]
     assert not got.isnan().any()
     assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < tolerance
+
+
+@pytest.mark.gpu
+def test_expert_choice_repeats_itself_bit_for_bit_on_gpu():
+    """Released-size routing (64 experts, 4096 tokens, bf16 scores with ties) and the replicated layer: two calls
+    on the same input give the same bits (what a CUDA graph's replay is checked against)."""
+    torch.manual_seed(0)
+    experts, tokens, dim, width = 64, 4096, 256, 128
+    scores = torch.softmax(torch.randn(2, tokens, experts, device="cuda"), -1).to(torch.bfloat16)
+    first, second = select(scores, 4.0), select(scores, 4.0)
+    assert torch.equal(first.token, second.token) and torch.equal(first.weights, second.weights)
+    hidden, shared = (torch.randn(2, tokens, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    gate_up = torch.randn(experts, dim, 2 * width, device="cuda", dtype=torch.bfloat16) * dim ** -0.5
+    down = torch.randn(experts, width, dim, device="cuda", dtype=torch.bfloat16) * width ** -0.5
+    call = ExpertChoiceCall(capacity_factor=4.0, route_scale=2.5, modes=ExpertModes.resolve(False, 1, False),
+                            own=slice(0, experts))
+    shard = SequenceShard(1, 0, None)
+    outs = [run_expert_choice(hidden, shared, scores, gate_up, down, call, shard) for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_contributions_add_up_alike_with_and_without_triton(monkeypatch):
+    torch.manual_seed(0)
+    base, contributions = torch.randn(7, 32), torch.randn(12, 32)
+    slots = torch.randint(-1, 12, (7, 4), dtype=torch.int32)
+    kernel = add_contributions(base, contributions, slots)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without Triton's interpreter: the torch sum
+    plain = add_contributions(base, contributions, slots)
+    expected = base + torch.stack([torch.where((s >= 0)[:, None], contributions[s], 0.0)
+                                   for s in slots.long().unbind(1)]).sum(0)
+    assert torch.allclose(kernel, expected, atol=1e-5) and torch.allclose(plain, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_ranks", [2, 3])
+def test_a_gather_over_a_fabric_stacks_every_ranks_rows(n_ranks):
+    fabric = LoopbackFabric(n_ranks, "cpu", initialise=lambda t: t.fill_(float("nan")))
+    parts = [torch.randn(5, 4) for _ in range(n_ranks)]
+    for _ in range(2):  # the buffer is reused: the second gather's rows replace the first's
+        parts = [part + 1 for part in parts]
+        outs = run_in_lockstep([gather_steps(part, fabric.rank(r), "rows") for r, part in enumerate(parts)],
+                               fabric.rank(0).barrier)
+        assert all(torch.equal(out, torch.cat(parts)) for out in outs)
 
 
 SCHEDULES = [ExpertSchedule(), ExpertSchedule(waves=2), ExpertSchedule(waves=2, interleaved=True)]

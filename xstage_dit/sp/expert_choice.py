@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.distributed import all_gather_into, waiting_for
+from .fabric import fabric_of, gather_steps, run_in_lockstep
 from .sharding import SequenceShard
 
 
@@ -25,11 +26,13 @@ class ExpertChoice:
     """One layer's selections on this rank, E * B * C of them, this rank's first and grouped by expert.
 
     rows: the selected token's row in this rank's (B * L) tokens (0 for other ranks' tokens);
+    experts: the expert that made each selection;
     mine: whether this rank holds the token; None where it computes every selection (expert parallel);
     weights: the gate weight one process gives the selection (normalised over the experts that took its token);
     counts: this rank's selections per expert, (E,) int64 (the grouped matmul's group sizes)."""
 
     rows: torch.Tensor
+    experts: torch.Tensor
     mine: torch.Tensor | None
     weights: torch.Tensor
     counts: torch.Tensor
@@ -46,14 +49,21 @@ class Selection:
 
 
 def gather_scores(scores: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
-    """Every rank's router scores as one process has them, (B, S, E), padding removed; this rank's at degree 1."""
+    """Every rank's router scores as one process has them, (B, S, E), padding removed; this rank's at degree 1.
+    Where the group has a fabric (the fused backends) the ranks store their scores into each other's buffers:
+    no collective is captured beside the kernels' stores."""
     if shard.degree == 1:
         return scores
     batch, local_len, num_experts = scores.shape
-    whole = scores.new_empty((shard.degree * batch, local_len, num_experts))
-    with waiting_for(lambda: "the other ranks' expert-choice router scores"):
-        all_gather_into(whole, scores.contiguous(), shard.group)
-    return whole.unflatten(0, (shard.degree, batch)).transpose(0, 1).flatten(1, 2)[:, :shard.seq_len]
+    local = scores.reshape(batch * local_len, num_experts).contiguous()
+    fabric = fabric_of(shard.group.group_name)
+    if fabric is not None:
+        (whole,) = run_in_lockstep([gather_steps(local, fabric, "expert-choice router scores")], fabric.barrier)
+    else:
+        whole = local.new_empty((shard.degree * batch * local_len, num_experts))
+        with waiting_for(lambda: "the other ranks' expert-choice router scores"):
+            all_gather_into(whole, local, shard.group)
+    return whole.view(shard.degree, batch, local_len, num_experts).transpose(0, 1).flatten(1, 2)[:, :shard.seq_len]
 
 
 def select(whole: torch.Tensor, capacity_factor: float) -> Selection:
@@ -62,12 +72,14 @@ def select(whole: torch.Tensor, capacity_factor: float) -> Selection:
     capacity = max(1, math.ceil(capacity_factor * seq_len / num_experts))
     affinity = whole.transpose(1, 2)  # (B, E, S)
     top = torch.topk(affinity, k=capacity, dim=-1)
-    gating = affinity.gather(-1, top.indices).transpose(0, 1).reshape(-1)  # expert-major, as one process
-    token = top.indices.transpose(0, 1)
+    gating = affinity.gather(-1, top.indices)  # (B, E, C)
+    # each token's gates summed over the experts that took it: scattered (an expert takes a token at most
+    # once), then summed over the experts, so that the sum does not depend on the order atomic adds land in
+    sums = torch.zeros_like(affinity).scatter_(-1, top.indices, gating).sum(1)  # (B, S)
+    weights = gating / (sums.gather(-1, top.indices.flatten(1)).view_as(gating) + 1e-12)
     sample = torch.arange(batch, device=whole.device).view(1, batch, 1).expand(num_experts, -1, capacity).reshape(-1)
-    flat = sample * seq_len + token.reshape(-1)
-    sums = torch.zeros(batch * seq_len, dtype=gating.dtype, device=whole.device).scatter_add_(0, flat, gating)
-    return Selection(token=token, sample=sample, weights=gating / (sums[flat] + 1e-12))
+    return Selection(token=top.indices.transpose(0, 1), sample=sample,
+                     weights=weights.transpose(0, 1).reshape(-1))  # expert-major, as one process
 
 
 def choose_tokens(selection: Selection, local_len: int, rank: int) -> ExpertChoice:
@@ -83,7 +95,8 @@ def choose_tokens(selection: Selection, local_len: int, rank: int) -> ExpertChoi
     expert = torch.arange(num_experts, device=device).repeat_interleave(token.numel() // num_experts)
     order = torch.where(mine, expert, num_experts).argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).index_add_(0, expert, mine.long())
-    return ExpertChoice(rows=rows[order], mine=mine[order], weights=selection.weights[order], counts=counts)
+    return ExpertChoice(rows=rows[order], experts=expert[order], mine=mine[order],
+                        weights=selection.weights[order], counts=counts)
 
 
 def choose_for_experts(selection: Selection, local_len: int, experts: slice) -> ExpertChoice:
@@ -96,9 +109,21 @@ def choose_for_experts(selection: Selection, local_len: int, experts: slice) -> 
     held = slice(experts.start * per_expert, experts.stop * per_expert)
     owner, local = token // local_len, token % local_len
     rows = (owner * batch + selection.sample[held]) * local_len + local
-    return ExpertChoice(rows=rows, mine=None, weights=selection.weights[held],
+    owned = torch.arange(experts.start, experts.stop, device=token.device).repeat_interleave(per_expert)
+    return ExpertChoice(rows=rows, experts=owned, mine=None, weights=selection.weights[held],
                         counts=torch.full((experts.stop - experts.start,), per_expert, dtype=torch.int64,
                                           device=token.device))
+
+
+def slot_table(rows: torch.Tensor, experts: torch.Tensor, valid: torch.Tensor | None, tokens: int,
+               num_experts: int) -> torch.Tensor:
+    """(tokens, num_experts) int32: which selection (its index in `rows`) each expert made of each token, -1
+    where it made none; selection i took token rows[i] for expert experts[i], where valid[i] (None: all)."""
+    spill = tokens  # invalid selections all land in one extra row, dropped
+    table = torch.full((tokens + 1, num_experts), -1, dtype=torch.int32, device=rows.device)
+    where = rows if valid is None else torch.where(valid, rows, spill)
+    table[where, experts] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
+    return table[:tokens]
 
 
 def gather_tokens(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:

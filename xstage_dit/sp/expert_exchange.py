@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..xstage.planner import ExpertSchedule
+from .expert_choice import slot_table
 from .fabric import Fabric, Steps, run_in_lockstep
 
 
@@ -45,13 +46,11 @@ def route_slots(token: torch.Tensor, local_len: int, rank: int) -> SlotRoutes:
     owner = token // local_len
     row = torch.arange(batch, device=token.device).view(1, batch, 1) * local_len + token % local_len
     mine = owner == rank
-    slot = torch.arange(token.numel(), device=token.device, dtype=torch.int32).view_as(token)
     expert = torch.arange(experts, device=token.device).view(experts, 1, 1).expand_as(token)
-    spill = batch * local_len  # other ranks' slots all land in one extra row, dropped
-    slot_of = torch.full((spill + 1, experts), -1, dtype=torch.int32, device=token.device)
-    slot_of[torch.where(mine, row, spill), expert] = slot
     return SlotRoutes(src_rows=torch.where(mine, row, -1).reshape(-1).to(torch.int32),
-                      owner=owner.reshape(-1).to(torch.int32), slot_of=slot_of[:spill])
+                      owner=owner.reshape(-1).to(torch.int32),
+                      slot_of=slot_table(row.reshape(-1), expert.reshape(-1), mine.reshape(-1), batch * local_len,
+                                         experts))
 
 
 def expert_steps(tokens: torch.Tensor, shared: torch.Tensor, routes: SlotRoutes, scale: torch.Tensor,

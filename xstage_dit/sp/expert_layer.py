@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import triton_runs_on
 from ..moe import packed_swiglu_experts
 from ..xstage.planner import ExpertMode, ExpertSchedule, ExpertShape
-from .expert_choice import choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select
+from .expert_choice import (choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select,
+                            slot_table)
 from .expert_exchange import expert_exchange, route_slots
 from .expert_modes import ExpertModes
 from .fabric import fabric_of
@@ -53,18 +55,28 @@ def run_expert_choice(hidden: torch.Tensor, shared: torch.Tensor, scores: torch.
         # at degree 1 every selection is this rank's, already in expert order: each is computed
         choice = (choose_for_experts(selection, local_len, slice(0, experts)) if shard.degree == 1
                   else choose_tokens(selection, local_len, shard.rank))
-        rows = hidden.reshape(batch * local_len, dim)
+        rows, weights, first = hidden.reshape(batch * local_len, dim), (gate_up, down), 0
     else:
         choice = choose_for_experts(selection, local_len, call.own)
-        rows, (gate_up, down) = gather_tokens(hidden, shard), own
-    routed = packed_swiglu_experts(gate_up, down, rows[choice.rows], choice.counts)
+        rows, weights, first = gather_tokens(hidden, shard), own, call.own.start
+    routed = packed_swiglu_experts(*weights, rows[choice.rows], choice.counts)
     routed = (routed.float() * (choice.weights * call.route_scale).unsqueeze(-1)).to(hidden.dtype)
-    if choice.mine is not None:  # rows past this rank's selections were not computed: they add nothing
-        routed = torch.where(choice.mine.unsqueeze(-1), routed, torch.zeros((), dtype=routed.dtype,
-                                                                            device=routed.device))
+    # each token's contributions summed in expert order (rows past this rank's selections, not computed, are
+    # never read): the same result on every run, where atomic adds would land in any order
+    slots = slot_table(choice.rows, choice.experts - first, choice.mine, rows.shape[0], weights[1].shape[0])
     if mode is ExpertMode.REPLICATED:
-        out = shared.reshape(batch * local_len, dim)
-        out = out.scatter_add(0, choice.rows.unsqueeze(-1).expand(-1, dim), routed)
+        out = add_contributions(shared.reshape(batch * local_len, dim), routed, slots)
         return out.reshape(batch, local_len, dim)
-    partial = torch.zeros_like(rows).index_add_(0, choice.rows, routed)
-    return shared + reduce_tokens(partial, shard, batch)
+    return shared + reduce_tokens(add_contributions(torch.zeros_like(rows), routed, slots), shard, batch)
+
+
+def add_contributions(base: torch.Tensor, contributions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """base (T, D) plus each token's rows of `contributions` summed in expert order (`slots`: slot_table's), in
+    float32, rounded once: the Triton kernel where Triton runs, else the same sum in torch."""
+    if triton_runs_on(base.device):
+        from ..kernels.experts import sum_contributions  # Triton: imported where it runs
+
+        return sum_contributions(base, contributions, slots)
+    # index -1 (no contribution) picks the zero row appended last
+    rows = torch.cat([contributions, contributions.new_zeros(1, contributions.shape[1])])[slots.long()]
+    return (base.float() + rows.float().sum(1)).to(base.dtype)

@@ -158,6 +158,23 @@ class LoopbackRank:
 Steps = Generator[str, None, T]
 
 
+def gather_steps(local: torch.Tensor, fabric: Fabric, name: str) -> Steps[torch.Tensor]:
+    """Every rank's `local` (R, D) rows stacked rank-major, (N * R, D), on every rank: each rank stores its rows
+    into every rank's buffer `name`. Returns a copy, taken before the second barrier, so that a rank storing the
+    next gather into this buffer cannot overwrite rows a slower rank has not read yet."""
+    from ..kernels.experts import store_rows  # Triton: imported where a fabric is in use
+
+    rows, n = local.shape[0], fabric.world_size
+    buffer = fabric.buffer(name, (n * rows, local.shape[1]), local.dtype)
+    # slot s goes to rank s // (N * R), row s % (N * R): this rank's rows are the R from rank * R in each
+    row = torch.arange(n * n * rows, device=local.device, dtype=torch.int32) % (n * rows) - fabric.rank * rows
+    store_rows(local, torch.where((row >= 0) & (row < rows), row, -1), buffer.destinations, buffer.tensor)
+    yield f"every rank's {name}"
+    gathered = buffer.tensor.clone()
+    yield f"every rank to have read its {name}"
+    return gathered
+
+
 def run_in_lockstep(ranks: Sequence[Steps], barrier: Callable[[str], None]) -> list:
     """Run every rank's steps up to its next barrier, then pass that barrier, until every rank returned; the
     ranks' results in order. With one rank this is a rank's call; with N simulated ranks on one stream it orders

@@ -11,11 +11,10 @@ compiler never traces collectives, symmetric-memory kernels or our Triton kernel
   compiled graph records; eager calls launch the kernel directly (`rotary`)."""
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ..kernels import triton_runs_on
 from ..logging_utils import warn_once
 from ..runtime.distributed import waiting_for
 from ..xstage.planner import ExpertMode, ExpertSchedule
@@ -156,8 +155,7 @@ def _(query, key, value, attn_mask, backend, scale):
     return torch.empty_like(query)
 
 
-# Triton kernels run on CPU tensors only in Triton's interpreter (the CPU tests)
-_TRITON_RUNS_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON_RUNS_ON_CPU = triton_runs_on(torch.device("cpu"))  # read once: routed calls ask on every call
 try:
     from ..kernels import rotary as _rotary
 except ImportError:  # Triton is optional: without it the routed calls run diffusers' code
