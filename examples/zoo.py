@@ -7,6 +7,7 @@ directory, import it as `zoo`, and so do the tests (pytest.ini puts examples/ on
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import zlib
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ class ZooEntry:
     call_extra: dict[str, Any] = field(default_factory=dict)  # further call kwargs that pipeline needs
     pipeline_config: dict[str, Any] = field(default_factory=dict)  # constructor arguments (Wan 2.2 TI2V's)
     image_encoder: dict[str, Any] | None = None  # a CLIP vision encoder's config (Wan 2.1 image-to-video)
+    # further model components, name -> (class, its config): LTX-2's text connectors, audio VAE and vocoder
+    modules: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def is_video(self) -> bool:
@@ -159,6 +162,9 @@ FAMILIES: dict[str, Family] = {
                       "FlowMatchEulerDiscreteScheduler", _hidream_text),
     "wan-vace": Family("WanVACEPipeline", "WanVACETransformer3DModel", "AutoencoderKLWan", "UniPCMultistepScheduler",
                        _embeds_and_pooled, video=True, vae_float32=True),
+    "ltx2": Family("LTX2Pipeline", "LTX2VideoTransformer3DModel", "AutoencoderKLLTX2Video",
+                   "FlowMatchEulerDiscreteScheduler", _masked("prompt_attention_mask", "negative_prompt_attention_mask"),
+                   video=True, fps=24),
     "flux2": Family("Flux2Pipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2", "FlowMatchEulerDiscreteScheduler",
                     _embeds_and_pooled),
     "hunyuan-video15": Family(
@@ -249,6 +255,39 @@ ZOO: dict[str, ZooEntry] = {
         text_len=11, text_dim=32, text_padding=4, height=32, width=48,
         scheduler={"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192, "max_shift": 0.9,
                    "shift": 1.0, "use_dynamic_shifting": True, "time_shift_type": "exponential"},
+    ),
+    # 12 video heads, 4 audio heads; the VAE downsamples 8x in space and 2x in time; prompt states are every
+    # text-encoder layer's (2 + 1) of width 32, stacked, as LTX-2's text connectors take them
+    "tiny-ltx2": ZooEntry(
+        family="ltx2",
+        transformer={"in_channels": 4, "out_channels": 4, "patch_size": 1, "patch_size_t": 1,
+                     "num_attention_heads": _TINY_HEADS, "attention_head_dim": 8, "cross_attention_dim": 96,
+                     "audio_in_channels": 4, "audio_out_channels": 4, "audio_num_attention_heads": 4,
+                     "audio_attention_head_dim": 8, "audio_cross_attention_dim": 32, "num_layers": 2,
+                     "caption_channels": 32},
+        vae={"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": (8, 8, 8),
+             "decoder_block_out_channels": (8, 8, 8), "layers_per_block": (1, 1, 1, 1),
+             "decoder_layers_per_block": (1, 1, 1, 1), "spatio_temporal_scaling": (True, True, True),
+             "decoder_spatio_temporal_scaling": (True, True, True), "decoder_inject_noise": (False,) * 4,
+             "downsample_type": ("spatial", "spatial", "spatiotemporal"),
+             "upsample_type": ("spatiotemporal", "spatial", "spatial"), "upsample_residual": (False,) * 3,
+             "upsample_factor": (1,) * 3, "patch_size": 1, "patch_size_t": 1, "decoder_causal": False,
+             "spatial_compression_ratio": 8, "temporal_compression_ratio": 2},
+        modules={
+            "connectors": ("pipelines.ltx2.LTX2TextConnectors", {
+                "caption_channels": 32, "text_proj_in_factor": 3, "video_connector_num_attention_heads": 4,
+                "video_connector_attention_head_dim": 8, "video_connector_num_layers": 1,
+                "video_connector_num_learnable_registers": None, "audio_connector_num_attention_heads": 4,
+                "audio_connector_attention_head_dim": 8, "audio_connector_num_layers": 1,
+                "audio_connector_num_learnable_registers": None, "connector_rope_base_seq_len": 32}),
+            "audio_vae": ("AutoencoderKLLTX2Audio", {
+                "base_channels": 4, "output_channels": 2, "ch_mult": (1,), "num_res_blocks": 1, "resolution": 32,
+                "latent_channels": 2, "mel_bins": 8}),
+            "vocoder": ("pipelines.ltx2.vocoder.LTX2Vocoder", {
+                "in_channels": 16, "hidden_channels": 32, "upsample_kernel_sizes": [4, 4], "upsample_factors": [2, 2],
+                "resnet_kernel_sizes": [3], "resnet_dilations": [[1, 3, 5]], "output_sampling_rate": 16000}),
+        },
+        text_len=9, text_dim=96, text_padding=4, height=32, width=64, num_frames=9,
     ),
     "tiny-flux2": ZooEntry(
         family="flux2",
@@ -462,6 +501,13 @@ ZOO.update({
                      "num_layers": 28, "caption_channels": 4096},
         vae={}, text_len=128, text_dim=4096, text_padding=64, height=512, width=704, num_frames=161,
     ),
+    # the released LTX-2 (diffusers' default configs); prompt states: Gemma 3's 48 + 1 layers of width 3840
+    "ltx2": ZooEntry(
+        family="ltx2", transformer={}, vae={},
+        modules={"connectors": ("pipelines.ltx2.LTX2TextConnectors", {}), "audio_vae": ("AutoencoderKLLTX2Audio", {}),
+                 "vocoder": ("pipelines.ltx2.vocoder.LTX2Vocoder", {})},
+        text_len=1024, text_dim=3840 * 49, text_padding=512, height=512, width=768, num_frames=121,
+    ),
     "cogvideox-5b": ZooEntry(
         family="cogvideox",
         transformer={"num_attention_heads": 48, "attention_head_dim": 64, "in_channels": 16, "out_channels": 16,
@@ -575,6 +621,9 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
                   **(family.components() if family.components is not None else {})}
     if entry.image_encoder is not None:
         components.update(_clip_image_encoder(entry.image_encoder, device, dtype))
+    with torch.device(device):
+        for component, (cls, config) in entry.modules.items():
+            components[component] = _in_dtype(dtype, lambda: _diffusers_class(cls)(**config)).eval()
     pipeline_cls = getattr(diffusers, entry.pipeline or family.pipeline)
     for component in _absent_components(pipeline_cls, components):
         components[component] = None
@@ -584,6 +633,12 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
     for attribute, value in entry.pipeline_attributes.items():
         setattr(pipe, attribute, value)
     return pipe
+
+
+def _diffusers_class(name: str) -> type:
+    """A diffusers class by name: exported at the top, or a pipeline's own module (dotted from diffusers)."""
+    module, _, attribute = name.rpartition(".")
+    return getattr(importlib.import_module(f"diffusers.{module}") if module else diffusers, attribute)
 
 
 def _clip_image_encoder(config: dict[str, Any], device: torch.device | str, dtype: torch.dtype) -> dict[str, Any]:

@@ -51,11 +51,12 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-nucleusmoe-d64": {"height": 40, "width": 56, "num_frames": 1},
          "tiny-zimage": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-chroma": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-zimage-d64": {"height": 20, "width": 28, "num_frames": 1}}
+         "tiny-zimage-d64": {"height": 20, "width": 28, "num_frames": 1},
+         "tiny-ltx2": {"height": 32, "width": 32, "num_frames": 9}}
 
 
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2", "tiny-zimage",
-                                  "tiny-chroma"])
+                                  "tiny-chroma", "tiny-ltx2"])
 def test_degree_one_on_gpu_matches_stock(name):
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
@@ -131,7 +132,9 @@ def _record_auto_choices() -> list[str]:
     # image-only refiner attention, then [image, caption] with the captions' padding masks (batch 2)
     + [("tiny-zimage", "reference", 2), ("tiny-zimage-d64", "fused", 3)]
     # pair-bias masks: the fused choice runs the reference backend, with one warning
-    + [("tiny-chroma", "fused", 2)],
+    + [("tiny-chroma", "fused", 2)]
+    # a video and an audio stream; video-to-audio attention over the gathered video keys
+    + [("tiny-ltx2", "reference", 2)],
 )
 def test_ranks_on_one_gpu_match_single_process(name, backend, world_size):
     run_on_ranks(world_size, _same_gpu_worker, name, backend, deadline_s=150)

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.utils import BaseOutput
 from torch import nn
 
 from .cfg_plan import BATCH, PAIRS, CfgPlan
@@ -46,6 +47,14 @@ def _gather_samples(local: torch.Tensor | list[torch.Tensor], groups: ParallelGr
     if isinstance(local, list):
         return list(_gather_batch(torch.stack(local), groups).unbind(0))
     return _gather_batch(local, groups)
+
+
+def _gather_outputs(output: Any, groups: ParallelGroups) -> Any:
+    """A forward's every output gathered along the batch, in its own packaging: a tuple, or a model output record
+    (LTX-2 returns a video and an audio sample)."""
+    if isinstance(output, BaseOutput):
+        return type(output)(**{name: _gather_samples(value, groups) for name, value in output.items()})
+    return tuple(_gather_samples(value, groups) for value in output)
 
 
 def _batch_size(arguments: dict[str, Any], batch_inputs: dict[str, int]) -> int:
@@ -113,8 +122,7 @@ class CfgSplit:
                 arguments[name] = value[rank * batch // degree : (rank + 1) * batch // degree]
             elif isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] == batch:
                 arguments[name] = value.chunk(degree, dim=dim)[rank]
-        out = self._forward(*bound.args, **bound.kwargs)
-        return _package(_gather_samples(_sample(out), self.groups), arguments.get("return_dict", True))
+        return _gather_outputs(self._forward(*bound.args, **bound.kwargs), self.groups)
 
     def _paired_forward(self, *args: Any, **kwargs: Any) -> Any:
         pairs = self.pairs

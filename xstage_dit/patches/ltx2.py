@@ -14,7 +14,7 @@ from typing import Any
 
 from diffusers import LTX2VideoTransformer3DModel
 
-from ..cfg_plan import UNSPLIT, CfgPlan
+from ..cfg_plan import BATCH, CfgPlan
 from ..sp import routing
 from ..sp.plan import PerToken, SequenceParallelPlan
 
@@ -30,8 +30,13 @@ PLANS = {
         call_site=("diffusers.models.transformers.transformer_ltx2", routing.DISPATCH),
         attention_modules=lambda model: [block.attn1 for block in model.transformer_blocks],
         gathered_key_modules=lambda model: [block.video_to_audio_attn for block in model.transformer_blocks],
-        # its pipelines batch the branches with both streams' outputs, and add guidance calls of their own
-        cfg=CfgPlan(UNSPLIT),
+        # its pipelines batch the branches (both streams' outputs come back gathered); their spatio-temporal and
+        # modality guidance calls carry the positive samples only, split where there are several
+        cfg=CfgPlan(BATCH, batch_inputs={
+            "hidden_states": 0, "audio_hidden_states": 0, "encoder_hidden_states": 0,
+            "audio_encoder_hidden_states": 0, "timestep": 0, "audio_timestep": 0, "sigma": 0, "audio_sigma": 0,
+            "encoder_attention_mask": 0, "audio_encoder_attention_mask": 0, "video_coords": 0, "audio_coords": 0,
+            "perturbation_mask": 0, "video_keyframes_mask": 0}),
         shard_inputs={"": {"hidden_states": 1, "timestep": PerToken(1), "video_keyframes_mask": PerToken(1)}},
         shard_outputs={"rope": {0: 1, 1: 1}, "cross_attn_rope": {0: 1, 1: 1}},
         gather_outputs={"proj_out": 1},
