@@ -163,8 +163,8 @@ FAMILIES: dict[str, Family] = {
     "wan-vace": Family("WanVACEPipeline", "WanVACETransformer3DModel", "AutoencoderKLWan", "UniPCMultistepScheduler",
                        _embeds_and_pooled, video=True, vae_float32=True),
     "ltx2": Family("LTX2Pipeline", "LTX2VideoTransformer3DModel", "AutoencoderKLLTX2Video",
-                   "FlowMatchEulerDiscreteScheduler", _masked("prompt_attention_mask", "negative_prompt_attention_mask"),
-                   video=True, fps=24),
+                   "FlowMatchEulerDiscreteScheduler",
+                   _masked("prompt_attention_mask", "negative_prompt_attention_mask"), video=True, fps=24),
     "flux2": Family("Flux2Pipeline", "Flux2Transformer2DModel", "AutoencoderKLFlux2", "FlowMatchEulerDiscreteScheduler",
                     _embeds_and_pooled),
     "hunyuan-video15": Family(
