@@ -547,6 +547,9 @@ ZOO["tiny-qwenimage-edit-2511"] = dataclasses.replace(
 ZOO["tiny-ltx-i2v"] = dataclasses.replace(ZOO["tiny-ltx"], pipeline="LTXImageToVideoPipeline",
                                           images={"image": (40, 56)})
 ZOO["tiny-ltx-condition"] = dataclasses.replace(ZOO["tiny-ltx-i2v"], pipeline="LTXConditionPipeline")
+# image_crf=0: no H.264 re-compression of the condition image (that needs PyAV)
+ZOO["tiny-ltx2-i2v"] = dataclasses.replace(ZOO["tiny-ltx2"], pipeline="LTX2ImageToVideoPipeline",
+                                           images={"image": (40, 56)}, call_extra={"image_crf": 0})
 # Wan 2.2 TI2V-5B: 30 blocks of 24 heads, 48 latent channels from its 16x VAE (latent statistics not transcribed:
 # zeros and ones), 720p at 121 frames, 24 fps
 ZOO["wan2.2-ti2v-5b"] = dataclasses.replace(

@@ -58,7 +58,7 @@ SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = SIZES["tiny-q
     "uneven": {"height": 160, "width": 224, "num_frames": 1}}  # 5 x 7
 SIZES["tiny-ltx-i2v"] = SIZES["tiny-ltx-condition"] = SIZES["tiny-ltx"]
 # LTX-2: multiples of 32 px with an 8x VAE make 16 tokens a frame: "uneven" only for N = 3 (80 tokens)
-SIZES["tiny-ltx2"] = {"even": {"height": 32, "width": 32, "num_frames": 11},     # 6 frames x 4 x 4 = 96
+SIZES["tiny-ltx2"] = SIZES["tiny-ltx2-i2v"] = {"even": {"height": 32, "width": 32, "num_frames": 11},     # 6 frames x 4 x 4 = 96
                       "uneven": {"height": 32, "width": 32, "num_frames": 9}}    # 5 x 4 x 4
 SIZES["tiny-wan2.2-ti2v"] = {"even": {"height": 64, "width": 64, "num_frames": 9},     # 3 frames x 2 x 2 (16x VAE)
                              "uneven": {"height": 32, "width": 224, "num_frames": 17}}  # 5 x 1 x 7
@@ -150,7 +150,8 @@ ULYSSES = {
         "tiny-hidream", "tiny-flux-kontext", "tiny-flux-control", "tiny-ltx-i2v", "tiny-ltx-condition",
         "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-qwenimage-edit-2511", "tiny-nucleusmoe", "tiny-flux2",
         "tiny-flux2-klein", "tiny-flux2-edit", "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-hunyuan-video15",
-        "tiny-zimage-img2img", "tiny-zimage-inpaint", "tiny-chroma-img2img", "tiny-ltx2"],
+        "tiny-zimage-img2img", "tiny-zimage-inpaint", "tiny-chroma-img2img", "tiny-ltx2",
+        "tiny-ltx2-i2v"],
     4: ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2"],
 }
 # (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,
@@ -160,7 +161,7 @@ CFG = {
     (2, 3.0): ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-sd3.5",
                "tiny-cogvideox", "tiny-ltx", "tiny-hidream", "tiny-flux-kontext", "tiny-wan2.2-i2v", "tiny-ltx-i2v",
                "tiny-ltx-condition", "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-nucleusmoe", "tiny-flux2-klein",
-               "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-ltx2"],
+               "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-ltx2", "tiny-ltx2-i2v"],
     (4, 3.0): ["tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5", "tiny-ltx-i2v",
                "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage"],
     (2, 1.0): ["tiny-wan"],
