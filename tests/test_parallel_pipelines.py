@@ -58,8 +58,9 @@ SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = SIZES["tiny-q
     "uneven": {"height": 160, "width": 224, "num_frames": 1}}  # 5 x 7
 SIZES["tiny-ltx-i2v"] = SIZES["tiny-ltx-condition"] = SIZES["tiny-ltx"]
 # LTX-2: multiples of 32 px with an 8x VAE make 16 tokens a frame: "uneven" only for N = 3 (80 tokens)
-SIZES["tiny-ltx2"] = SIZES["tiny-ltx2-i2v"] = {"even": {"height": 32, "width": 32, "num_frames": 11},     # 6 frames x 4 x 4 = 96
-                      "uneven": {"height": 32, "width": 32, "num_frames": 9}}    # 5 x 4 x 4
+SIZES["tiny-ltx2"] = SIZES["tiny-ltx2-i2v"] = {
+    "even": {"height": 32, "width": 32, "num_frames": 11},   # 6 frames x 4 x 4 = 96
+    "uneven": {"height": 32, "width": 32, "num_frames": 9}}  # 5 x 4 x 4
 SIZES["tiny-wan2.2-ti2v"] = {"even": {"height": 64, "width": 64, "num_frames": 9},     # 3 frames x 2 x 2 (16x VAE)
                              "uneven": {"height": 32, "width": 224, "num_frames": 17}}  # 5 x 1 x 7
 # EditPlus takes one prompt at a time; Edit's batches are other families' (its ~1024² input image is slow here)
