@@ -123,6 +123,25 @@ def _hunyuan_video15_text(entry: ZooEntry, batch: int, draw) -> dict[str, torch.
     return out
 
 
+class _PromptTemplateCounts:
+    """Stands in for Qwen-Image 2.1's Qwen3-VL processor (whose tokenizer files are not downloaded): with prompt
+    embeddings given, its pipeline asks the processor only, when built, for the system prompt's token count and
+    the image-pad token's id, which no call here uses."""
+
+    class tokenizer:  # noqa: N801 (the processor's attribute name)
+        @staticmethod
+        def encode(text: str) -> list[int]:
+            return [0]
+
+    @staticmethod
+    def apply_chat_template(messages: list, tokenize: bool = True, return_dict: bool = False) -> list[list[int]]:
+        return [[0]]
+
+
+def _qwen3_vl_processor() -> dict[str, Any]:
+    return {"processor": _PromptTemplateCounts()}
+
+
 def _guider() -> dict[str, Any]:
     """HunyuanVideo 1.5 guides through a guider component: classifier-free guidance at its pipelines' scale."""
     return {"guider": diffusers.ClassifierFreeGuidance(guidance_scale=6.0)}
@@ -170,6 +189,10 @@ FAMILIES: dict[str, Family] = {
     "hunyuan-video15": Family(
         "HunyuanVideo15Pipeline", "HunyuanVideo15Transformer3DModel", "AutoencoderKLHunyuanVideo15",
         "FlowMatchEulerDiscreteScheduler", _hunyuan_video15_text, video=True, fps=24, components=_guider),
+    "qwenimage21": Family(
+        "QwenImage21Pipeline", "QwenImage21Transformer2DModel", "AutoencoderKLQwenImage21",
+        "FlowMatchEulerDiscreteScheduler", _masked("prompt_embeds_mask", "negative_prompt_embeds_mask"),
+        guidance_kwarg="true_cfg_scale", components=_qwen3_vl_processor),
     "chroma": Family("ChromaPipeline", "ChromaTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
                      _float_masked),
     "zimage": Family("ZImagePipeline", "ZImageTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
@@ -288,6 +311,15 @@ ZOO: dict[str, ZooEntry] = {
                 "resnet_kernel_sizes": [3], "resnet_dilations": [[1, 3, 5]], "output_sampling_rate": 16000}),
         },
         text_len=9, text_dim=96, text_padding=4, height=32, width=64, num_frames=9,
+    ),
+    # its VAE downsamples 16x and the transformer takes the latents unpatched: a token per 16 x 16 pixels
+    "tiny-qwenimage21": ZooEntry(
+        family="qwenimage21",
+        transformer={"in_channels": 8, "out_channels": 8, "num_layers": 2, "attention_head_dim": 16,
+                     "num_attention_heads": _TINY_HEADS, "context_in_dim": 24, "axes_dims_rope": (4, 6, 6)},
+        vae={"base_dim": 8, "decoder_base_dim": 8, "z_dim": 8, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1,
+             "in_channels": 3, "out_channels": 3, "latents_mean": [0.0] * 8, "latents_std": [1.0] * 8},
+        text_len=9, text_dim=24, text_padding=4, height=64, width=96,
     ),
     "tiny-flux2": ZooEntry(
         family="flux2",
@@ -501,6 +533,10 @@ ZOO.update({
                      "num_layers": 28, "caption_channels": 4096},
         vae={}, text_len=128, text_dim=4096, text_padding=64, height=512, width=704, num_frames=161,
     ),
+    # Qwen-Image 2.1 (diffusers' default configs: 32 blocks of 32 heads, a 64-channel 16x VAE); prompt states of
+    # Qwen3-VL, width 4096
+    "qwenimage21": ZooEntry(family="qwenimage21", transformer={}, vae={}, text_len=512, text_dim=4096,
+                            text_padding=256, height=1024, width=1024),
     # the released LTX-2 (diffusers' default configs); prompt states: Gemma 3's 48 + 1 layers of width 3840
     "ltx2": ZooEntry(
         family="ltx2", transformer={}, vae={},

@@ -58,6 +58,9 @@ SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = SIZES["tiny-q
     "uneven": {"height": 160, "width": 224, "num_frames": 1}}  # 5 x 7
 SIZES["tiny-ltx-i2v"] = SIZES["tiny-ltx-condition"] = SIZES["tiny-ltx"]
 # LTX-2: multiples of 32 px with an 8x VAE make 16 tokens a frame: "uneven" only for N = 3 (80 tokens)
+# Qwen-Image 2.1: a token per 16 x 16 px, sizes multiples of 32 px: "uneven" only for N = 3 (40 tokens)
+SIZES["tiny-qwenimage21"] = {"even": {"height": 64, "width": 96, "num_frames": 1},     # 4 x 6
+                             "uneven": {"height": 64, "width": 160, "num_frames": 1}}  # 4 x 10
 SIZES["tiny-ltx2"] = SIZES["tiny-ltx2-i2v"] = {
     "even": {"height": 32, "width": 32, "num_frames": 11},   # 6 frames x 4 x 4 = 96
     "uneven": {"height": 32, "width": 32, "num_frames": 9}}  # 5 x 4 x 4
@@ -116,9 +119,12 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
         ref, full_tokens = stock[case]
         error = _relative_error(out, ref)
         assert error < TOLERANCE, f"{name} {cfg_degree}x{degree} batch/size={case}: relative error {error:.2e}"
-        (full,) = set.union(*full_tokens.values())
-        # with the CFG split a rank may skip a transformer's calls entirely (the other branch's rank runs them)
-        expected = {index: {math.ceil(full / degree)} for index in tokens}
+        full = set.union(*full_tokens.values())
+        # the split tokens are those of the call that sees the fewest; a call that sees more holds the rest whole
+        # (Qwen-Image 2.1's first step also prefills its prompt prefix); with the CFG split a rank may skip a
+        # transformer's calls entirely (the other branch's rank runs them)
+        split = min(full)
+        expected = {index: {n - split + math.ceil(split / degree) for n in full} for index in tokens}
         assert tokens == expected, f"{name}: transformers' blocks saw {tokens} tokens of {full}"
 
     xstage_dit.disable(pipe)
@@ -146,13 +152,13 @@ ULYSSES = {
     2: ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5",
         "tiny-cogvideox", "tiny-hidream", "tiny-flux-fill", "tiny-wan2.2-i2v", "tiny-qwenimage-edit",
         "tiny-qwenimage-edit-plus", "tiny-nucleusmoe", "tiny-flux2", "tiny-flux2-klein", "tiny-wan-vace",
-        "tiny-zimage", "tiny-chroma", "tiny-ltx2"],
+        "tiny-zimage", "tiny-chroma", "tiny-ltx2", "tiny-qwenimage21"],
     3: ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-sd3.5", "tiny-cogvideox",
         "tiny-hidream", "tiny-flux-kontext", "tiny-flux-control", "tiny-ltx-i2v", "tiny-ltx-condition",
         "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-qwenimage-edit-2511", "tiny-nucleusmoe", "tiny-flux2",
         "tiny-flux2-klein", "tiny-flux2-edit", "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-hunyuan-video15",
         "tiny-zimage-img2img", "tiny-zimage-inpaint", "tiny-chroma-img2img", "tiny-ltx2",
-        "tiny-ltx2-i2v"],
+        "tiny-ltx2-i2v", "tiny-qwenimage21"],
     4: ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2"],
 }
 # (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,
@@ -162,9 +168,10 @@ CFG = {
     (2, 3.0): ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-sd3.5",
                "tiny-cogvideox", "tiny-ltx", "tiny-hidream", "tiny-flux-kontext", "tiny-wan2.2-i2v", "tiny-ltx-i2v",
                "tiny-ltx-condition", "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-nucleusmoe", "tiny-flux2-klein",
-               "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-ltx2", "tiny-ltx2-i2v"],
+               "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-ltx2", "tiny-ltx2-i2v",
+               "tiny-qwenimage21"],
     (4, 3.0): ["tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5", "tiny-ltx-i2v",
-               "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage"],
+               "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage", "tiny-qwenimage21"],
     (2, 1.0): ["tiny-wan"],
 }
 

@@ -93,10 +93,10 @@ class CfgSplit:
         self._replaced = ReplacedForward(model, self._batch_forward if plan.mode == BATCH else self._paired_forward)
         self._forward = self._replaced.inner
         self._signature = inspect.signature(self._forward)
-        # PAIRS sizes its placeholder output from the input shape before sequence sharding (whose hooks run
+        # PAIRS sizes its placeholder output from the call's arguments before sequence sharding (whose hooks run
         # after this one); BATCH needs nothing per call
-        self._input_shape = torch.Size()
-        self._hook = (model.register_forward_pre_hook(self._record_input_shape, with_kwargs=True, prepend=True)
+        self._output_shape: tuple[int, ...] = ()
+        self._hook = (model.register_forward_pre_hook(self._record_output_shape, with_kwargs=True, prepend=True)
                       if plan.mode == PAIRS else None)
 
     def remove(self) -> None:
@@ -104,8 +104,8 @@ class CfgSplit:
             self._hook.remove()
         self._replaced.restore()
 
-    def _record_input_shape(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._input_shape = self._signature.bind_partial(*args, **kwargs).arguments["hidden_states"].shape
+    def _record_output_shape(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._output_shape = self.plan.output_shape(model, self._signature.bind_partial(*args, **kwargs).arguments)
 
     def _batch_forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._signature.bind(*args, **kwargs)
@@ -142,7 +142,7 @@ class CfgSplit:
                 pairs.pending = _sample(self._forward(*args, **kwargs))
             else:
                 hidden = arguments["hidden_states"]
-                shape = self.plan.output_shape(self.model, self._input_shape)
+                shape = self._output_shape
                 pairs.pending = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
             return _package(pairs.pending, return_dict)
         # second call: the unconditional rank computes, then both swap what they computed

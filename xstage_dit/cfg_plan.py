@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 BATCH = "batch"
@@ -20,11 +19,11 @@ class CfgPlan:
     mode: BATCH, PAIRS, or UNSPLIT (cfg_degree=2 is refused).
     batch_inputs: forward argument name -> its batch dim, for the arguments that carry the batch (BATCH); lists
         (e.g. per-sample sizes, or per-sample inputs) are split like dim 0. The first one's size is the batch.
-    output_shape: the forward output's shape from the model and the shape of its `hidden_states` input (PAIRS).
+    output_shape: the forward output's shape from the model and the call's arguments, unsharded (PAIRS).
     pipeline_uses_cfg: whether a pipeline call with these (bound, defaults applied) arguments runs CFG (PAIRS).
     """
 
     mode: str
     batch_inputs: dict[str, int] = field(default_factory=dict)
-    output_shape: Callable[[nn.Module, torch.Size], tuple[int, ...]] | None = None
+    output_shape: Callable[[nn.Module, dict[str, Any]], tuple[int, ...]] | None = None
     pipeline_uses_cfg: Callable[[dict[str, Any]], bool] | None = None

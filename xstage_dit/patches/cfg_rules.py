@@ -5,18 +5,26 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 
-def video_output_shape(model: nn.Module, input_shape: torch.Size) -> tuple[int, ...]:
+def video_output_shape(model: nn.Module, arguments: dict[str, Any]) -> tuple[int, ...]:
     """(B, C_out, F, H, W) models: the output has the input's shape with the model's output channels."""
-    return (input_shape[0], model.config.out_channels or model.config.in_channels, *input_shape[2:])
+    shape = arguments["hidden_states"].shape
+    return (shape[0], model.config.out_channels or model.config.in_channels, *shape[2:])
 
 
-def token_output_shape(model: nn.Module, input_shape: torch.Size) -> tuple[int, ...]:
+def token_output_shape(model: nn.Module, arguments: dict[str, Any]) -> tuple[int, ...]:
     """(B, S, C) models ending in `proj_out`: the output has the input's tokens and proj_out's features."""
-    return (*input_shape[:-1], model.proj_out.out_features)
+    return (*arguments["hidden_states"].shape[:-1], model.proj_out.out_features)
+
+
+def prefixed_token_output_shape(model: nn.Module, arguments: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen-Image 2.1: the output also covers the prompt prefix, except in calls that read it from the KV cache."""
+    batch, tokens, _ = arguments["hidden_states"].shape
+    if arguments.get("kv_cache_mode") != "cached":
+        tokens += arguments["encoder_hidden_states"].shape[1]
+    return (batch, tokens, model.proj_out.out_features)
 
 
 def true_cfg_with_pooled_negatives(a: dict[str, Any]) -> bool:
