@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import diffusers
 import pytest
@@ -416,15 +417,22 @@ def test_flux2_reference_kv_cache_is_refused_before_any_collective():
         xstage_dit.disable(pipe)
 
 
-def test_cfg_split_of_a_family_that_guides_otherwise_is_refused(world):
-    """HunyuanVideo 1.5's pipeline guides through a guider: cfg_degree=2 is refused before any collective."""
-    from diffusers import HunyuanVideo15Transformer3DModel
+def test_a_guider_is_split_only_where_it_guides_every_step(caplog):
+    """HunyuanVideo 1.5's pipeline guides through a guider: its two calls a step are split where it is diffusers'
+    ClassifierFreeGuidance over the whole schedule; otherwise every CFG group computes every call, said once."""
+    from types import SimpleNamespace
 
-    world(4)
-    model = HunyuanVideo15Transformer3DModel(in_channels=9, out_channels=4, num_attention_heads=4,
-                                             attention_head_dim=16, num_layers=1, num_refiner_layers=1,
-                                             text_embed_dim=32, text_embed_2_dim=24, image_embed_dim=16,
-                                             rope_axes_dim=(4, 6, 6))
-    with pytest.raises(ValueError, match="cfg_degree=2: HunyuanVideo 1.5's pipelines run guidance"):
-        xstage_dit.enable(model, cfg_degree=2)
-    assert not torch.distributed.is_initialized()
+    from diffusers import AdaptiveProjectedGuidance, ClassifierFreeGuidance
+
+    from xstage_dit.patches.cfg_rules import guider_guides_every_step
+
+    def splits(guider) -> bool:
+        return guider_guides_every_step({"self": SimpleNamespace(guider=guider)})
+
+    assert splits(ClassifierFreeGuidance(guidance_scale=6.0))
+    assert not splits(ClassifierFreeGuidance(guidance_scale=1.0))
+    assert not splits(ClassifierFreeGuidance(guidance_scale=6.0, enabled=False))
+    with caplog.at_level(logging.WARNING, logger="xstage_dit"):
+        assert not splits(ClassifierFreeGuidance(guidance_scale=6.0, start=0.2))
+        assert not splits(AdaptiveProjectedGuidance(guidance_scale=6.0))
+    assert "start=0, stop=1" in caplog.text and "AdaptiveProjectedGuidance" in caplog.text

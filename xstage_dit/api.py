@@ -16,7 +16,7 @@ from torch import nn
 from . import patches
 from .patches.vaes import supported_vaes, vae_rule_for
 from .cfg_parallel import CfgSplit, PairedCalls
-from .cfg_plan import PAIRS, UNSPLIT
+from .cfg_plan import PAIRS
 from .config import XStageConfig
 from .logging_utils import logger, warn_once
 from .pipeline_call import is_wrapped, unwrap_pipeline_call, wrap_pipeline_call
@@ -165,9 +165,6 @@ def _resolve_config(
         plan = patches.plan_for(model)
         if plan.check_model is not None:
             plan.check_model(model)
-        if cfg_degree > 1 and plan.cfg.mode == UNSPLIT:
-            raise ValueError(f"cfg_degree={cfg_degree}: {plan.family}'s pipelines run guidance in a way xstage_dit "
-                             f"does not split yet; use cfg_degree=1 (every rank runs every branch, split by tokens)")
         _check_heads(model, plan.num_heads(model), degree, ulysses_degree is not None, world_size)
     resolve_backend(backend, local_device())
     return XStageConfig(ulysses_degree=degree, cfg_degree=int(cfg_degree), backend=backend,

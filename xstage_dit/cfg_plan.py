@@ -9,14 +9,13 @@ from torch import nn
 
 BATCH = "batch"
 PAIRS = "pairs"
-UNSPLIT = "unsplit"  # the family's pipelines guide in a way cfg_degree=2 cannot split (e.g. through a guider)
 
 
 @dataclass(frozen=True)
 class CfgPlan:
     """How a model family's pipelines do CFG.
 
-    mode: BATCH, PAIRS, or UNSPLIT (cfg_degree=2 is refused).
+    mode: BATCH or PAIRS.
     batch_inputs: forward argument name -> its batch dim, for the arguments that carry the batch (BATCH); lists
         (e.g. per-sample sizes, or per-sample inputs) are split like dim 0. The first one's size is the batch.
     output_shape: the forward output's shape from the model and the call's arguments, unsharded (PAIRS).

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from diffusers import HunyuanVideo15Transformer3DModel
 
-from ..cfg_plan import UNSPLIT, CfgPlan
+from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
 from ..sp.masks import QueryKeyMasks
 from ..sp.plan import SequenceParallelPlan
+from . import cfg_rules
 
 PLANS = {
     HunyuanVideo15Transformer3DModel: SequenceParallelPlan(
@@ -21,8 +22,9 @@ PLANS = {
         # its processor imports apply_rotary_emb from embeddings inside the call
         rotary_site="diffusers.models.embeddings",
         attention_modules=lambda model: [block.attn for block in model.transformer_blocks],
-        # its pipeline runs guidance through a guider, one call per condition: not split by cfg_degree
-        cfg=CfgPlan(UNSPLIT),
+        # its pipeline guides through a guider: with classifier-free guidance, two calls a step (cond first)
+        cfg=CfgPlan(PAIRS, output_shape=cfg_rules.video_output_shape,
+                    pipeline_uses_cfg=cfg_rules.guider_guides_every_step),
         shard_outputs={"x_embedder": {0: 1}, "rope": {0: 0, 1: 0}},
         gather_outputs={"proj_out": 1},
         text_first=False,
