@@ -172,7 +172,7 @@ CFG = {
                "tiny-cogvideox", "tiny-ltx", "tiny-hidream", "tiny-flux-kontext", "tiny-wan2.2-i2v", "tiny-ltx-i2v",
                "tiny-ltx-condition", "tiny-wan2.2-ti2v", "tiny-wan2.1-i2v", "tiny-nucleusmoe", "tiny-flux2-klein",
                "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-ltx2", "tiny-ltx2-i2v",
-               "tiny-qwenimage21", "tiny-hunyuan-video15"],
+               "tiny-qwenimage21", "tiny-hunyuan-video15", "tiny-qwenimage-edit-2511"],
     (4, 3.0): ["tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5", "tiny-ltx-i2v",
                "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage", "tiny-qwenimage21"],
     (2, 1.0): ["tiny-wan"],
