@@ -48,7 +48,8 @@ setup(
         "fused": ["triton>=3.6"],  # the fused backend's kernels (CUDA builds of torch usually bring it)
         "nvshmem": ["nvidia-nvshmem-cu13"],  # symmetric memory across GPUs
         "examples": ["transformers"],  # diffusers' pipeline classes import it
-        "video": ["imageio", "imageio-ffmpeg"],  # diffusers' export_to_video, for MP4 output
+        # diffusers' export_to_video, for MP4 output; PyAV muxes an audio-video model's sound (LTX-2)
+        "video": ["imageio", "imageio-ffmpeg", "av"],
         "bench": ["matplotlib"],
         # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
         "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4"],

@@ -11,7 +11,8 @@ the prompt seeds random text embeddings, since such configs have no text encoder
 images (Kontext, Fill, Control, image-to-video) draw random ones unless --image is given. With --model, steps
 and guidance are the pipeline's own defaults unless given, and VAEs that diffusers keeps in float32 (Wan's) stay
 in float32. Only the main rank shows progress and writes the output: PNG/JPEG for images, GIF or MP4 (at the
-model's frame rate; MP4 needs the `video` extra) for videos."""
+model's frame rate; MP4 needs the `video` extra, which also muxes the sound of audio-video models, LTX-2's) for
+videos."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import export_to_gif, export_to_video
+from diffusers.utils.export_utils import encode_video
 
 import xstage_dit
 
@@ -83,8 +85,8 @@ def output_path(args: argparse.Namespace, is_video: bool) -> Path:
     if output.suffix.lower() not in suffixes:
         raise SystemExit(f"--output {output}: a {'video' if is_video else 'image'} is written as "
                          f"{', '.join(suffixes)}")
-    if output.suffix.lower() == ".mp4" and importlib.util.find_spec("imageio_ffmpeg") is None:
-        raise SystemExit(f"--output {output}: MP4 needs imageio and imageio-ffmpeg (pip install "
+    if output.suffix.lower() == ".mp4" and not all(importlib.util.find_spec(m) for m in ("imageio_ffmpeg", "av")):
+        raise SystemExit(f"--output {output}: MP4 needs imageio, imageio-ffmpeg and PyAV (pip install "
                          f"'xstage_dit[video]'); or write a .gif")
     if not output.parent.resolve().is_dir():
         raise SystemExit(f"--output {output}: no directory {output.parent}")
@@ -123,13 +125,18 @@ def load_pipeline(args: argparse.Namespace, family: zoo.Family | None, device: t
     return pipe, call
 
 
-def write(result: Any, output: Path, family: zoo.Family | None) -> None:
+def write(result: Any, output: Path, family: zoo.Family | None, pipe: DiffusionPipeline) -> None:
+    fps = family.fps if family else 16
+    audio = getattr(result, "audio", None)  # an audio-video pipeline's waveforms (LTX-2's vocoder output)
     if output.suffix.lower() not in VIDEO_SUFFIXES:
         result.images[0].save(output)
+    elif output.suffix.lower() == ".mp4" and audio is not None:
+        encode_video(result.frames[0], fps, str(output), audio=audio[0].float().cpu(),
+                     audio_sample_rate=pipe.vocoder.config.output_sampling_rate)
     elif output.suffix.lower() == ".mp4":
-        export_to_video(result.frames[0], str(output), fps=family.fps if family else 16)
+        export_to_video(result.frames[0], str(output), fps=fps)
     else:
-        export_to_gif(result.frames[0], str(output), fps=family.fps if family else 16)
+        export_to_gif(result.frames[0], str(output), fps=fps)
 
 
 def main() -> None:
@@ -156,7 +163,7 @@ def main() -> None:
         timer.finish()
 
     if xstage_dit.is_main_process():
-        write(result, output, family)
+        write(result, output, family, pipe)
         steps = timer.step_seconds
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         print(f"{world} rank(s), {device.type}: {len(steps)} steps, per-step median "

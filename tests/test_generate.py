@@ -40,8 +40,23 @@ def test_a_wrong_output_is_refused(tmp_path: Path, output: str, message: str) ->
         generate.output_path(args, is_video=True)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("imageio_ffmpeg") is None, reason="the video extra is not installed")
+VIDEO_EXTRA = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("imageio_ffmpeg", "av")),
+                                 reason="the video extra is not installed")
+
+
+@VIDEO_EXTRA
 def test_a_video_is_written_as_mp4(tmp_path: Path) -> None:
     out = tmp_path / "out.mp4"
     run = _generate("--config", "tiny-wan", "--output", str(out))
     assert run.returncode == 0 and out.stat().st_size > 0, run.stderr[-2000:]
+
+
+@VIDEO_EXTRA
+def test_an_audio_video_model_writes_its_sound_into_the_mp4(tmp_path: Path) -> None:
+    import av
+
+    out = tmp_path / "out.mp4"
+    run = _generate("--config", "tiny-ltx2", "--output", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    with av.open(str(out)) as container:
+        assert [stream.type for stream in container.streams] == ["video", "audio"]
