@@ -80,23 +80,18 @@ def _two_rank_worker(name: str, backend: str, cfg_degree: int, expert_parallel: 
                         expert_parallel=expert_parallel)
 
 
-@pytest.mark.parametrize("name, backend, cfg_degree", [
-    ("tiny-flux-d64", "reference", 1), ("tiny-flux-d64", "fused", 1), ("tiny-wan-d64", "fused", 1),
-    ("tiny-wan2.2", "reference", 1),
-    ("tiny-flux-d64", "fused", 2),  # CFG in pairs of calls: a graph holds this rank's branch
-    ("tiny-sd3.5", "reference", 2),  # CFG as a batch
+@pytest.mark.parametrize("name, backend, cfg_degree, expert_parallel", [
+    ("tiny-flux-d64", "reference", 1, None), ("tiny-flux-d64", "fused", 1, None), ("tiny-wan-d64", "fused", 1, None),
+    ("tiny-wan2.2", "reference", 1, None),
+    ("tiny-flux-d64", "fused", 2, None),  # CFG in pairs of calls: a graph holds this rank's branch
+    ("tiny-sd3.5", "reference", 2, None),  # CFG as a batch
     # keys-only text; expert choice's score gather (stores over the fabric) and replicated experts in the graph
-    pytest.param("tiny-nucleusmoe-d64", "fused", 1, marks=pytest.mark.xfail(reason=EXPERT_REPLAYS)),
+    pytest.param("tiny-nucleusmoe-d64", "fused", 1, False, marks=pytest.mark.xfail(reason=EXPERT_REPLAYS)),
+    # the experts sharded over the fused backend's fabric: the X-Stage dispatch and combine replay
+    pytest.param("tiny-nucleusmoe-d64", "fused", 1, True, marks=pytest.mark.xfail(reason=EXPERT_REPLAYS)),
 ])
-def test_two_ranks_replays_equal_eager(name, backend, cfg_degree):
-    expert_parallel = False if name.startswith("tiny-nucleusmoe") else None
+def test_two_ranks_replays_equal_eager(name, backend, cfg_degree, expert_parallel):
     run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, expert_parallel, deadline_s=150)
-
-
-@pytest.mark.xfail(reason=EXPERT_REPLAYS)
-def test_two_ranks_expert_stores_replay_equal_eager():
-    """NucleusMoE's experts sharded over the fused backend's fabric: the X-Stage dispatch and combine replay."""
-    run_on_ranks(2, _two_rank_worker, "tiny-nucleusmoe-d64", "fused", 1, True, deadline_s=150)
 
 
 def test_a_cached_forward_runs_eagerly_with_one_warning(caplog):
