@@ -51,7 +51,7 @@ class Selection:
 def gather_scores(scores: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """Every rank's router scores as one process has them, (B, S, E), padding removed; this rank's at degree 1.
     Where the group has a fabric (the fused backends) the ranks store their scores into each other's buffers:
-    the layer adds no collective to a captured step."""
+    the scores add no collective to a captured step."""
     if shard.degree == 1:
         return scores
     batch, local_len, num_experts = scores.shape
