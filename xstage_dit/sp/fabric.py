@@ -166,9 +166,11 @@ def gather_steps(local: torch.Tensor, fabric: Fabric, name: str) -> Steps[torch.
 
     rows, n = local.shape[0], fabric.world_size
     buffer = fabric.buffer(name, (n * rows, local.shape[1]), local.dtype)
-    # slot s goes to rank s // (N * R), row s % (N * R): this rank's rows are the R from rank * R in each
-    row = torch.arange(n * n * rows, device=local.device, dtype=torch.int32) % (n * rows) - fabric.rank * rows
-    store_rows(local, torch.where((row >= 0) & (row < rows), row, -1), buffer.destinations, buffer.tensor)
+    # this rank's R rows [rank * R, (rank + 1) * R) of every rank's buffer: as a base, every rank's copy of that
+    # slice sits where its whole buffer does; slot s sends row s % R to rank s // R
+    mine = buffer.tensor[fabric.rank * rows:(fabric.rank + 1) * rows]
+    store_rows(local, torch.arange(n * rows, device=local.device, dtype=torch.int32) % rows, buffer.destinations,
+               mine)
     yield f"every rank's {name}"
     gathered = buffer.tensor.clone()
     yield f"every rank to have read its {name}"
