@@ -166,8 +166,8 @@ def gather_steps(local: torch.Tensor, fabric: Fabric, name: str) -> Steps[torch.
 
     rows, n = local.shape[0], fabric.world_size
     buffer = fabric.buffer(name, (n * rows, local.shape[1]), local.dtype)
-    # this rank's R rows [rank * R, (rank + 1) * R) of every rank's buffer: as a base, every rank's copy of that
-    # slice sits where its whole buffer does; slot s sends row s % R to rank s // R
+    # this rank's rows go to rows [rank * R, (rank + 1) * R) of every buffer: with that slice of its own buffer as
+    # the base, the buffers' offsets from each other still hold; slot s sends row s % R to rank s // R
     mine = buffer.tensor[fabric.rank * rows:(fabric.rank + 1) * rows]
     store_rows(local, torch.arange(n * rows, device=local.device, dtype=torch.int32) % rows, buffer.destinations,
                mine)
