@@ -17,10 +17,6 @@ from dist_harness import run_on_ranks
 from xstage_dit.runtime.cuda_graphs import GraphedForward
 
 pytestmark = pytest.mark.gpu
-# on two GPUs the expert-choice models' replays differed from their eager calls while the routing summed gates
-# and expert rows with atomic adds (their order, and so their rounding, varies from run to run); the sums are
-# now in a fixed order, and these tests have not run on two GPUs since
-EXPERT_REPLAYS = "expert choice on two GPUs: replays equal to eager not yet seen"
 STEPS = 5  # a signature's third call is its first replay: the later steps (and the CFG branches) replay
 
 SIZES = {  # two resolutions per config: a pipeline call at the second captures anew
@@ -86,9 +82,9 @@ def _two_rank_worker(name: str, backend: str, cfg_degree: int, expert_parallel: 
     ("tiny-flux-d64", "fused", 2, None),  # CFG in pairs of calls: a graph holds this rank's branch
     ("tiny-sd3.5", "reference", 2, None),  # CFG as a batch
     # keys-only text; expert choice's score gather (stores over the fabric) and replicated experts in the graph
-    pytest.param("tiny-nucleusmoe-d64", "fused", 1, False, marks=pytest.mark.xfail(reason=EXPERT_REPLAYS)),
+    ("tiny-nucleusmoe-d64", "fused", 1, False),
     # the experts sharded over the fused backend's fabric: the X-Stage dispatch and combine replay
-    pytest.param("tiny-nucleusmoe-d64", "fused", 1, True, marks=pytest.mark.xfail(reason=EXPERT_REPLAYS)),
+    ("tiny-nucleusmoe-d64", "fused", 1, True),
 ])
 def test_two_ranks_replays_equal_eager(name, backend, cfg_degree, expert_parallel):
     run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, expert_parallel, deadline_s=150)
