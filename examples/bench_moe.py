@@ -18,6 +18,7 @@ import argparse
 import gc
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ DIM, EXPERTS, EXPERT_DIM = 2048, 64, 1344
 TOKENS = {"1024²": 4096, "2048²": 16384}
 # the stores mode's schedules timed: one wave, and four waves plain and interleaved
 SCHEDULES = {"": ExpertSchedule(), "-4-waves": ExpertSchedule(4), "-4-waves-interleaved": ExpertSchedule(4, True)}
+REPLAYS_PER_SAMPLE = 10  # a replay lasts well under a millisecond: a sample times several back to back
 
 
 @dataclass(frozen=True)
@@ -71,18 +73,18 @@ def _layer(capacity_factor: float, grouped: bool, device: torch.device) -> Nucle
     return layer
 
 
-def _time(call, repeats: int) -> float:
-    """Median milliseconds of `call` on the GPU, after one warm-up call."""
-    times = []
-    for i in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        if i:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+@dataclass
+class Prepared:
+    """A variant's layer with its inputs, ready to call eagerly and (but diffusers' loop) as a graph replay."""
+
+    variant: Variant
+    layer: NucleusMoELayer
+    call: Callable[[], torch.Tensor]
+    replay: Callable[[], None] | None
+    wrapper: ExactExpertChoice | None
+    predicted_ms: float | None
+    picked: str | None
+    peak_bytes: int
 
 
 def _captured(call):
@@ -106,9 +108,10 @@ def _slowest(value: float) -> float:
     return t.item()
 
 
-def bench(variant: Variant, size: str, capacity_factor: float, repeats: int, device: torch.device) -> dict:
+def prepare(variant: Variant, size: str, capacity_factor: float, device: torch.device) -> Prepared:
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    before = torch.cuda.memory_allocated(device)
     layer = _layer(capacity_factor, grouped=variant.name != "stock-loop", device=device)
     tokens = TOKENS[size]
     shard = SequenceShard(ranks, rank, dist.group.WORLD if ranks > 1 else None)
@@ -126,29 +129,66 @@ def bench(variant: Variant, size: str, capacity_factor: float, repeats: int, dev
         wrapper = ExactExpertChoice(layer, context, variant.schedule)
         predicted, picked = _prediction(variant, ExpertShape(1, tokens, DIM, EXPERT_DIM, EXPERTS, math.ceil(
             capacity_factor * tokens / EXPERTS), ranks), device)
-    torch.cuda.reset_peak_memory_stats(device)
-    with torch.no_grad():
-        ms = _time(lambda: layer(x, unmodulated, timestep), repeats)
-        peak = torch.cuda.max_memory_allocated(device)
-        # diffusers' loop reads expert sizes on the host: no graph holds it
-        replay = None if variant.name == "stock-loop" else _captured(lambda: layer(x, unmodulated, timestep))
-        graph_ms = None if replay is None else _time(replay, repeats)
-    del replay
-    gc.collect()  # no graph holding collectives outlives its variant (pytorch#115388)
-    expert_bytes = sum(w.numel() * w.element_size() for w in (layer.experts.gate_up_proj, layer.experts.down_proj))
-    record = {"mode": variant.name, "size": size, "tokens": tokens, "capacity_factor": capacity_factor,
-              "ranks": ranks, "ms": _slowest(ms), "graph_ms": None if graph_ms is None else _slowest(graph_ms),
-              "predicted_ms": predicted, "planner_picks": picked,
-              "expert_weights_gib": _slowest(expert_bytes / 2**30),
-              "peak_gib": _slowest(peak / 2**30), "repeats": repeats,
-              **provenance()}
-    if wrapper is not None:
-        wrapper.remove()
-    return record
+
+    def call() -> torch.Tensor:
+        with torch.no_grad():
+            return layer(x, unmodulated, timestep)
+
+    torch.cuda.reset_peak_memory_stats(device)  # after the layer's float32 construction
+    call()
+    peak = torch.cuda.max_memory_allocated(device) - before
+    # diffusers' loop reads expert sizes on the host: no graph holds it
+    replay = None if variant.name == "stock-loop" else _captured(call)
+    return Prepared(variant, layer, call, replay, wrapper, predicted, picked, peak)
+
+
+def _interleaved(calls: list[Callable[[], object]], repeats: int, inner: int) -> list[float]:
+    """Median milliseconds per call of each of `calls`, sampled in turn (a clock or neighbour drifting over the run
+    weighs on every variant alike), each sample `inner` calls back to back."""
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for timed, call in zip(samples, calls):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            timed.append(start.elapsed_time(end) / inner)
+    return [statistics.median(timed) for timed in samples]
+
+
+def bench(size: str, capacity_factor: float, repeats: int, device: torch.device) -> list[dict]:
+    """Every variant of this layer shape, set up side by side and timed in turn, eagerly and replayed."""
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    prepared = [prepare(v, size, capacity_factor, device) for v in variants(ranks)]
+    eager = _interleaved([p.call for p in prepared], repeats, inner=1)
+    graphed = [p for p in prepared if p.replay is not None]
+    graph_ms = dict(zip((p.variant.name for p in graphed),
+                        _interleaved([p.replay for p in graphed], repeats, inner=REPLAYS_PER_SAMPLE)))
+    records = []
+    for p, ms in zip(prepared, eager):
+        experts = p.layer.experts
+        expert_bytes = sum(w.numel() * w.element_size() for w in (experts.gate_up_proj, experts.down_proj))
+        graphed_ms = graph_ms.get(p.variant.name)
+        records.append({"mode": p.variant.name, "size": size, "tokens": TOKENS[size],
+                        "capacity_factor": capacity_factor, "ranks": ranks, "ms": _slowest(ms),
+                        "graph_ms": None if graphed_ms is None else _slowest(graphed_ms),
+                        "predicted_ms": p.predicted_ms, "planner_picks": p.picked,
+                        "expert_weights_gib": _slowest(expert_bytes / 2**30),
+                        "peak_gib": _slowest(p.peak_bytes / 2**30), "repeats": repeats,
+                        "replays_per_sample": REPLAYS_PER_SAMPLE, **provenance()})
+    for p in prepared:
+        if p.wrapper is not None:
+            p.wrapper.remove()
+    del prepared, graphed
+    gc.collect()  # no graph holding collectives outlives its shape (pytorch#115388)
+    return records
 
 
 def _prediction(variant: Variant, shape: ExpertShape, device: torch.device) -> tuple[float | None, str | None]:
-    """The planner's predicted ms for this variant, and its pick among every mode (with its schedule)."""
+    """The planner's predicted ms for this variant, and its pick among every mode (with its schedule): the timed
+    variant's name where one runs it, else the mode and schedule."""
     planner = planner_for(device, shape.degree)
     if planner is None or not planner.predicts_experts():
         return None, None
@@ -159,8 +199,34 @@ def _prediction(variant: Variant, shape: ExpertShape, device: torch.device) -> t
     modes = (ExpertMode.REPLICATED,) + ((ExpertMode.COLLECTIVES, ExpertMode.STORES) if shape.degree > 1 else ())
     predicted = planner.predict_experts(shape, modes)
     best = min(predicted, key=predicted.__getitem__)
-    pick = best.value + (f" ({planner.expert_schedule(shape)})" if best is ExpertMode.STORES else "")
-    return seconds * 1e3, pick
+    if best is not ExpertMode.STORES:
+        return seconds * 1e3, f"xstage-{best.value}"
+    schedule = planner.expert_schedule(shape)
+    timed = [suffix for suffix, timed_schedule in SCHEDULES.items() if timed_schedule == schedule]
+    return seconds * 1e3, f"xstage-{best.value}{timed[0]}" if timed else f"{best.value} ({schedule})"
+
+
+def _ratios(records: list[dict]) -> list[str]:
+    """Per layer shape, from the graphed times: the X-Stage stores against the collectives, the interleaved
+    schedule against the plain one, the planner's pick against the fastest, expert parallel against replicated."""
+    lines = ["| size | capacity factor | collectives / stores (1 wave) | 4 waves: plain / interleaved | "
+             "replicated / stores (1 wave) | stores / replicated expert weights | fastest | planner's pick over the "
+             "fastest |", "|---|---|---|---|---|---|---|---|"]
+    shapes = dict.fromkeys((r["size"], r["capacity_factor"]) for r in records)
+    for size, factor in shapes:
+        rows = {r["mode"]: r for r in records if (r["size"], r["capacity_factor"]) == (size, factor)}
+        ms = {mode: r["graph_ms"] for mode, r in rows.items()}
+        stores, replicated = rows["xstage-expert-parallel-stores"], rows["xstage-replicated"]
+        fastest = min(ms, key=ms.__getitem__)
+        pick = stores["planner_picks"]
+        over = f"{pick}: {ms[pick] / ms[fastest] - 1:+.1%}" if pick in ms else f"{pick}: not timed"
+        waves = "xstage-expert-parallel-stores-4-waves"
+        lines.append(
+            f"| {size} | {factor:g} | {ms['xstage-expert-parallel-collectives'] / stores['graph_ms']:.2f}x | "
+            f"{ms[waves] / ms[waves + '-interleaved']:.3f} | {replicated['graph_ms'] / stores['graph_ms']:.2f}x | "
+            f"{stores['expert_weights_gib'] / replicated['expert_weights_gib']:.2f} | "
+            f"{fastest} ({ms[fastest]:.3f} ms) | {over} |")
+    return lines
 
 
 def write(records: list[dict], prefix: Path) -> None:
@@ -175,12 +241,16 @@ def write(records: list[dict], prefix: Path) -> None:
         table.append(f"| {r['size']} ({r['tokens']}) | {r['capacity_factor']:g} | {r['ranks']} | {r['mode']} | "
                      f"{ms(r['ms'])} | {ms(r['graph_ms'])} | {ms(r['predicted_ms'])} | {r['planner_picks'] or ''} | "
                      f"{r['expert_weights_gib']:.2f} | {r['peak_gib']:.2f} |")
-    write_records(records, prefix, "NucleusMoE-Image MoE layer", f"Medians of {records[0]['repeats']}, bf16, "
-                  "batch 1; times and memory are the slowest / largest rank's. Eager: one call of the layer as "
-                  "a model runs it without graphs (host launch time included); graphed: the same call captured "
-                  "in a CUDA graph and replayed. Predicted: the planner's time for the routed part (the router "
-                  "scores' gather, the experts and the moving of their rows; the router's and the shared expert's "
-                  "projections left out).", table)
+    first = records[0]
+    write_records(records, prefix, "NucleusMoE-Image MoE layer", (
+        f"Every variant of a layer shape is set up side by side and sampled in turn; medians of {first['repeats']} "
+        f"samples (an eager sample is one call, a graphed one {first['replays_per_sample']} replays back to back), "
+        "bf16, batch 1; times and memory are the slowest / largest rank's. Eager: one call of the layer as a model "
+        "runs it without graphs (host launch time included); graphed: the same call captured in a CUDA graph and "
+        "replayed. Predicted: the planner's time for the routed part (the router scores' gather, the experts and "
+        "the moving of their rows; the router's and the shared expert's projections left out). In the ratios "
+        "(graphed times) a time ratio above 1 means the second named is faster."),
+        table + ([] if records[0]["ranks"] == 1 else ["", *_ratios(records)]))
 
 
 def main() -> None:
@@ -193,8 +263,7 @@ def main() -> None:
         raise SystemExit("bench_moe.py times GPU kernels: run it on a GPU")
     ensure_process_group(timeout_s=600)
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    records = [bench(variant, size, factor, args.repeats, device)
-               for size in TOKENS for factor in (4.0, 2.0) for variant in variants(ranks)]
+    records = [r for size in TOKENS for factor in (4.0, 2.0) for r in bench(size, factor, args.repeats, device)]
     if xstage_dit.is_main_process():
         write(records, Path(args.out))
     if dist.is_initialized():
