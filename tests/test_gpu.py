@@ -52,11 +52,17 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-zimage": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-chroma": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-zimage-d64": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-ltx2": {"height": 32, "width": 32, "num_frames": 9}}
+         "tiny-ltx2": {"height": 32, "width": 32, "num_frames": 9},
+         "tiny-hunyuan-video15": {"height": 16, "width": 112, "num_frames": 17},
+         "tiny-wan2.2-ti2v": {"height": 32, "width": 224, "num_frames": 17},
+         "tiny-wan-vace": {"height": 16, "width": 112, "num_frames": 17},
+         "tiny-qwenimage-edit-2511": {"height": 64, "width": 96, "num_frames": 1},
+         "tiny-qwenimage21": {"height": 64, "width": 160, "num_frames": 1}}
 
 
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2", "tiny-zimage",
-                                  "tiny-chroma", "tiny-ltx2"])
+                                  "tiny-chroma", "tiny-ltx2", "tiny-hunyuan-video15", "tiny-wan2.2-ti2v",
+                                  "tiny-wan-vace", "tiny-qwenimage-edit-2511", "tiny-qwenimage21"])
 def test_degree_one_on_gpu_matches_stock(name):
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
