@@ -161,7 +161,8 @@ def _pipeline_graphs(name: str, enabled: bool) -> int:
 
 
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx",
-                                  "tiny-flux2", "tiny-wan-vace", "tiny-zimage", "tiny-chroma"])
+                                  "tiny-flux2", "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-hunyuan-video15",
+                                  "tiny-ltx2", "tiny-qwenimage21"])
 def test_every_family_with_repeated_blocks_compiles_as_often_as_stock(name):
     """The families whose diffusers model names its repeated blocks (SD3, CogVideoX and HiDream do not), four
     blocks deep, one process."""
