@@ -12,6 +12,7 @@ from diffusers.models.transformers import transformer_flux
 import xstage_dit
 import zoo
 from xstage_dit.module_forward import ReplacedForward
+from xstage_dit.runtime.cuda_graphs import GraphUse
 from xstage_dit.sp import ops, routing
 from xstage_dit.sp.sharding import SequenceShard
 
@@ -35,6 +36,17 @@ def world(monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", str(size))
         monkeypatch.setenv("RANK", "0")
     return set_world
+
+
+def test_cuda_graph_use_needs_an_enabled_pipeline_and_counts_nothing_without_graphs(flux_pipe):
+    with pytest.raises(ValueError, match="enable"):
+        xstage_dit.cuda_graph_use(flux_pipe)
+    xstage_dit.enable(flux_pipe, cuda_graphs=False)
+    try:
+        _latents(flux_pipe, steps=2)
+        assert xstage_dit.cuda_graph_use(flux_pipe) == GraphUse(replays=0, other_calls=0)
+    finally:
+        xstage_dit.disable(flux_pipe)
 
 
 def test_unsupported_pipeline_is_refused():

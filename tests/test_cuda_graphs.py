@@ -56,6 +56,7 @@ def _graphs_equal_eager(name: str, expect_captures: bool, **enable: object) -> N
         assert torch.equal(out, expected), f"{name} {enable}, batch {batch}, size {size}: graphs differ from eager"
     captured = sum(g.captured for g in graphed)
     assert (captured > 0) == expect_captures, f"{name} {enable}: {captured} graphs held, {len(graphed)} graphed"
+    assert (xstage_dit.cuda_graph_use(pipe).replays > 0) == expect_captures
     xstage_dit.disable(pipe)
     assert all("forward" not in m.__dict__ for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m)
 
@@ -153,6 +154,18 @@ def test_a_forward_replays_per_signature_and_holds_a_bounded_number():
     assert graphed.captured == CAPTURED_SIGNATURES
     graphed.remove()
     assert "forward" not in model.__dict__
+
+
+def test_graph_use_tells_replays_from_warm_up_and_capture():
+    from xstage_dit.runtime.cuda_graphs import EAGER_CALLS, GraphUse
+
+    model = _Scale()
+    graphed = GraphedForward(model, torch.device("cuda"))
+    with torch.no_grad():
+        for _ in range(EAGER_CALLS + 3):  # warm-up calls, the capture, two replays
+            model(torch.randn(3, 4, device="cuda"), 2.0)
+    assert graphed.use == GraphUse(replays=2, other_calls=EAGER_CALLS + 1)
+    graphed.remove()
 
 
 def test_a_forward_that_syncs_the_host_runs_eagerly_with_one_warning(caplog):

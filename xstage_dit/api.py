@@ -22,7 +22,7 @@ from .logging_utils import logger, warn_once
 from .pipeline_call import is_wrapped, unwrap_pipeline_call, wrap_pipeline_call
 from .runtime import ParallelGroups, build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, call_fingerprint, check_agreement, weights_checksum
-from .runtime.cuda_graphs import CrossRankWork, GraphedForward
+from .runtime.cuda_graphs import CrossRankWork, GraphedForward, GraphUse
 from .runtime.distributed import local_device, world_group
 from .sp import auto, overlap, reference  # noqa: F401  (register the backends)
 
@@ -373,6 +373,17 @@ def disable(pipe: Any) -> Any:
         pipe._progress_bar_config = getattr(pipe, _PROGRESS_ATTR)
         delattr(pipe, _PROGRESS_ATTR)
     return pipe
+
+
+def cuda_graph_use(pipe: Any) -> GraphUse:
+    """How the transformer forwards of an enabled pipeline (or model) have run since `enable` with CUDA graphs,
+    summed over its transformers: calls that replayed a graph, and the others (each input signature's warm-up
+    calls and capture, and calls that run eagerly after a fallback). Both stay 0 with `cuda_graphs` off."""
+    states = [getattr(model, _STATE_ATTR, None) for model in _transformers_of(pipe)]
+    if any(state is None for state in states):
+        raise ValueError("xstage_dit.cuda_graph_use: call xstage_dit.enable on the pipeline first")
+    graphed = [part for state in states for part in state.parts if isinstance(part, GraphedForward)]
+    return GraphUse(sum(g.use.replays for g in graphed), sum(g.use.other_calls for g in graphed))
 
 
 def is_main_process() -> bool:

@@ -56,6 +56,15 @@ class CrossRankWork:
 
 
 @dataclass
+class GraphUse:
+    """How a forward's calls ran: `replays` replayed a graph captured by an earlier call; `other_calls` did not
+    (warm-up and watched calls, captures, calls that run eagerly)."""
+
+    replays: int = 0
+    other_calls: int = 0
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]  # the static tensor arguments, in argument order
@@ -115,6 +124,7 @@ class GraphedForward:
         self._seen: OrderedDict[Hashable, int] = OrderedDict()  # eager calls of signatures not captured yet
         self._eager_only = False  # set when the forward synchronises the host or its capture failed
         self._in_flight: torch.cuda.Event | None = None
+        self.use = GraphUse()
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self(*args, **kwargs)
@@ -132,8 +142,17 @@ class GraphedForward:
         self._graphs.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or self._eager_only:
+        if torch.compiler.is_compiling():
             return self._inner(*args, **kwargs)  # a compiler traces the model itself
+        replays = self.use.replays
+        output = self._call(args, kwargs)
+        if self.use.replays == replays:
+            self.use.other_calls += 1
+        return output
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        if self._eager_only:
+            return self._inner(*args, **kwargs)
         if torch.is_grad_enabled():
             warn_once(f"xstage_dit: {self.name} runs eagerly under autograd; CUDA graphs replay inference "
                       "(torch.no_grad) calls only")
@@ -146,11 +165,11 @@ class GraphedForward:
         graph = self._graphs.get(key)
         if graph is None and self._seen.get(key, 0) < EAGER_CALLS:
             return self._eager(key, args, kwargs)
-        if graph is None:
+        if graph is None:  # this call captures, then replays what it captured
             graph = self._capture(key, leaves, spec)
-            if graph is None:
-                return self._inner(*args, **kwargs)
+            return self._inner(*args, **kwargs) if graph is None else self._replay(graph, leaves)
         self._graphs.move_to_end(key)
+        self.use.replays += 1
         return self._replay(graph, leaves)
 
     @property
