@@ -15,7 +15,8 @@ time from the last step's end to the call's end; xstage variants split it across
 A variant is stock or xstage-BACKEND in one of the --modes: eager; compiled (the transformers'
 `compile_repeated_blocks(fullgraph=True)`, as diffusers recommends); graphs (enable(cuda_graphs=True)); both.
 Stock has no graphs mode. Variants are enabled anew for every call, so a graphs variant's call includes its
-two eager steps and its capture (in the end-to-end time; the per-step median is the replays').
+warm-up steps and its capture: they count in the end-to-end time, while its per-step figures are over the steps
+that only replayed (`replayed_steps` in the record; every step where none did).
 Writes OUT.json (appending records), OUT.md (table) and OUT.png (plot) on the main rank; with --profile also
 OUT-profile.json and OUT-profile.md (GPU time per step by kernel, variants side by side; rank 0's, in
 OUT-nN-profile.* for N ranks)."""
@@ -86,8 +87,10 @@ class CountTokens:
         self._handle.remove()
 
 
-def time_call(pipe, call: dict, device: torch.device) -> StepTimer:
-    timer = StepTimer(device)
+def time_call(pipe, call: dict, device: torch.device, graphs: bool = False) -> StepTimer:
+    """One timed pipeline call; with `graphs` (xstage_dit enabled with CUDA graphs) the timer also tells which
+    steps only replayed graphs."""
+    timer = StepTimer(device, (lambda: xstage_dit.cuda_graph_use(pipe)) if graphs else None)
     with reporting_steps(pipe, timer) as step_callback:
         timer.start()
         pipe(**call, **step_callback)
@@ -134,20 +137,24 @@ def variant_of(pipe, variant: str):
 def measure(pipe, variants: list[str], call: dict, device: torch.device, repeats: int) -> dict[str, dict]:
     """Per variant: step times, call totals and peak memory over `repeats` calls after one warm-up call, the
     variants interleaved."""
-    samples: dict[str, dict[str, list]] = {v: {"steps": [], "host": [], "totals": [], "after_loop": [], "peak": []}
-                                           for v in variants}
+    samples: dict[str, dict[str, list]] = {
+        v: {"steps": [], "host": [], "totals": [], "after_loop": [], "peak": [], "replayed": []} for v in variants}
     for repeat in range(repeats + 1):  # repeat 0 warms up every variant
         for variant in variants:
             with variant_of(pipe, variant):
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                timer = time_call(pipe, call, device)
+                timer = time_call(pipe, call, device, graphs="graphs" in variant.split("+"))
             if xstage_dit.is_main_process():  # progress, for a run cut short
                 print(f"  {variant} call {repeat}: {timer.total_seconds:.2f} s, median step "
                       f"{statistics.median(timer.step_seconds) * 1e3:.1f} ms", flush=True)
             if repeat:
-                samples[variant]["steps"] += timer.step_seconds
-                samples[variant]["host"] += timer.host_seconds
+                # a graphs variant's steps that only replayed, where there are any (each call enables anew, so
+                # its first steps warm up and capture)
+                kept = timer.replayed if any(timer.replayed) else [True] * len(timer.step_seconds)
+                samples[variant]["steps"] += [s for s, keep in zip(timer.step_seconds, kept) if keep]
+                samples[variant]["host"] += [s for s, keep in zip(timer.host_seconds, kept) if keep]
+                samples[variant]["replayed"] += timer.replayed
                 samples[variant]["totals"].append(timer.total_seconds)
                 samples[variant]["after_loop"].append(timer.after_loop_seconds)
                 if device.type == "cuda":
@@ -228,6 +235,8 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
             "config": name, **size, "tokens": tokens.count, "world_size": world_size, "variant": variant,
             "steps_per_call": args.steps, "guidance": args.guidance, "decode": args.decode,
             "step_ms": step * 1e3, "step_ms_all": [s * 1e3 for s in samples[variant]["steps"]],
+            # graphs variants: timed steps whose transformer calls all replayed (the steps above, where any did)
+            "replayed_steps": sum(samples[variant]["replayed"]) if "graphs" in variant.split("+") else None,
             "host_ms": statistics.median(samples[variant]["host"]) * 1e3,
             "e2e_s": statistics.median(samples[variant]["totals"]),
             "decode_s": statistics.median(samples[variant]["after_loop"]) if args.decode else None,
@@ -263,9 +272,10 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
         decode = f"{r['decode_s']:.2f}" if r.get("decode_s") is not None else "-"
         speedup = scaling(r, rows)
         scaled = f"{speedup:.2f}x | {speedup / r['world_size']:.0%}" if speedup else "- | -"
+        replayed = f" ({r['replayed_steps']} replayed steps)" if r.get("replayed_steps") is not None else ""
         lines.append(
             f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['tokens']} | {r['world_size']} | "
-            f"{r['variant']} | {r['step_ms']:.1f} | {host} | "
+            f"{r['variant']}{replayed} | {r['step_ms']:.1f} | {host} | "
             f"{r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
             f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | `{r['command']}` |"
         )

@@ -4,9 +4,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from xstage_dit.runtime.cuda_graphs import GraphUse
 
 
 class StepTimer:
@@ -14,14 +15,18 @@ class StepTimer:
     GPU (the previous step's end waited for it), so the host time until the step's end is the time the host took
     to issue the step's work (all of the step, where something in it waits for the GPU)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, graph_use: Callable[[], GraphUse] | None = None) -> None:
+        """`graph_use`: the pipeline's `xstage_dit.cuda_graph_use`, to tell the steps that only replayed graphs."""
         self.device = device
+        self.graph_use = graph_use
         self.marks: list[float] = []
         self.issued: list[float] = []  # when the host reached each step's end, before waiting for the GPU
+        self.uses: list[GraphUse] = []  # at each mark, with `graph_use`
         self.end: float | None = None
 
     def start(self) -> None:
         self.marks, self.issued, self.end = [self._synchronized()], [], None
+        self.uses = [self.graph_use()] if self.graph_use is not None else []
 
     def finish(self) -> None:
         """Call right after the pipeline call returns: the end of what follows the loop (the VAE decode)."""
@@ -30,6 +35,8 @@ class StepTimer:
     def __call__(self, pipe, step, timestep, callback_kwargs):
         self.issued.append(time.perf_counter())
         self.marks.append(self._synchronized())
+        if self.graph_use is not None:
+            self.uses.append(self.graph_use())
         return callback_kwargs
 
     def _synchronized(self) -> float:
@@ -45,6 +52,11 @@ class StepTimer:
     def host_seconds(self) -> list[float]:
         """Per step, the host's time to issue it."""
         return [issued - start for start, issued in zip(self.marks, self.issued)]
+
+    @property
+    def replayed(self) -> list[bool]:
+        """Per step (with `graph_use`): every transformer call in it replayed a graph captured before."""
+        return [b.replays > a.replays and b.other_calls == a.other_calls for a, b in zip(self.uses, self.uses[1:])]
 
     @property
     def total_seconds(self) -> float:

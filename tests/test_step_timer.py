@@ -1,0 +1,27 @@
+"""examples/step_timer.py: which steps of a call only replayed CUDA graphs (the benchmarks time those)."""
+from __future__ import annotations
+
+import torch
+
+from step_timer import StepTimer
+from xstage_dit.runtime.cuda_graphs import GraphUse
+
+
+def test_a_step_counts_as_replayed_only_when_every_call_in_it_replayed() -> None:
+    # per step: two warm-up calls; a capture then a replay; two replays; two replays
+    uses = iter([GraphUse(0, 0), GraphUse(0, 2), GraphUse(1, 3), GraphUse(3, 3), GraphUse(5, 3)])
+    timer = StepTimer(torch.device("cpu"), lambda: next(uses))
+    timer.start()
+    for step in range(4):
+        timer(None, step, None, {})
+    timer.finish()
+    assert timer.replayed == [False, False, True, True]
+    assert len(timer.step_seconds) == 4
+
+
+def test_without_graphs_no_step_is_marked() -> None:
+    timer = StepTimer(torch.device("cpu"))
+    timer.start()
+    timer(None, 0, None, {})
+    timer.finish()
+    assert timer.replayed == []
