@@ -293,7 +293,7 @@ class Planner:
         slot_bytes = shape.slots * shape.row_bytes
         compute = self.costs.expert_time(shape.flops(shape.slots / shape.degree),
                                          shape.rows_per_expert / shape.degree, own=False)
-        # gather the slot rows, weigh them, scatter-add
+        # gather the slot rows, weigh them, sum each token's rows in expert order
         return self.gathered_scores(shape) + compute + 3 * self.copy(slot_bytes)
 
     def experts_collectives(self, shape: ExpertShape) -> float:
