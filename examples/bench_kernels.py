@@ -7,6 +7,7 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
 - host time per call (GPU kept busy) of our degree-1 attention entry and routed RoPE vs what they replace;
 - own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
   sweep of tile configurations; at the e2e benchmark's attention shapes also vs cuDNN back to back (no L2 flush);
+- the attention kernel with its last round of tiles cut over the keys vs whole tiles only, at one rank's shapes;
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
   local memory), each through the backends' own code: the fused backend's steps over a loopback fabric (store
   kernels, attention with the scatter epilogue; no barriers) in both tile orders vs our attention kernel alone;
@@ -35,7 +36,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xstage_dit.kernels.attention import TileConfig, flash_attention
-from xstage_dit.kernels.attention_hopper import HopperConfig
+from xstage_dit.kernels.attention_hopper import HopperConfig, split_tail
 from xstage_dit.kernels.rotary import rotary_interleaved
 from xstage_dit.sp import ops
 from xstage_dit.sp.exchange import InFlight
@@ -59,7 +60,7 @@ LOOPBACK_SEQ = [8192, 16384, 32768, 65536]
 
 
 ROUNDS = 8
-PARTS = ("tuning", "attention", "rotary", "host", "loopback")  # the row groups (--parts runs them in its order)
+PARTS = ("tuning", "attention", "tail", "rotary", "host", "loopback")  # the row groups (--parts runs them in its order)
 
 
 def back_to_back_ms(fn, calls: int = 10) -> float:
@@ -162,6 +163,33 @@ def bench_attention(planner: Planner | None) -> list[dict]:
         records.append(record("xstage_attention (back to back)", (b, s, h, d), ms["ours"],
                               "cudnn_sdpa (back to back)", ms["cudnn"], tflops=flops / ms["ours"] / 1e9,
                               baseline_tflops=flops / ms["cudnn"] / 1e9))
+    return records
+
+
+# one rank's attention in Ulysses at N = 1, 2, 4, 8 (Flux 1024²: 24 heads; Wan 1.3B 480p: 12) and a short length
+TAIL_SHAPES = [(1, 24 // n, 4608, 128) for n in (1, 2, 4, 8)] + [(1, 12 // n, 32760, 128) for n in (1, 2)] + [
+    (1, 24, 1024, 128)]
+
+
+def bench_tail_split() -> list[dict]:
+    """The Gluon kernel with its last round of tiles cut over the keys (TailSplit, the default) vs the same
+    kernel with whole tiles only, and cuDNN, at one rank's Ulysses attention shapes."""
+    records = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for b, h, s, d in TAIL_SHAPES:
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ms = compare_ms({"split": lambda: flash_attention(q, k, v, config=HopperConfig()),
+                         "whole": lambda: flash_attention(q, k, v, config=HopperConfig(split_tail=False)),
+                         "cudnn": lambda: cudnn(q, k, v)})
+        tiles, key_tiles = b * h * triton.cdiv(s, 128), triton.cdiv(s, 128)
+        split = split_tail(tiles, sms, key_tiles)
+        print(f"tail split {(b, s, h, d)}: {tiles} tiles on {sms} SMs, {split.splits} pieces: {ms['split']:.3f} "
+              f"ms, whole tiles {ms['whole']:.3f} ms, cuDNN {ms['cudnn']:.3f} ms")
+        extra = dict(work_tiles=tiles, splits=split.splits)
+        records.append(record("xstage_attention (tail split)", (b, s, h, d), ms["split"],
+                              "xstage_attention (whole tiles)", ms["whole"], **extra))
+        records.append(record("xstage_attention (tail split)", (b, s, h, d), ms["split"], "cudnn_sdpa", ms["cudnn"],
+                              **extra))
     return records
 
 
@@ -360,7 +388,8 @@ def main() -> None:
     calibration = (Calibration.load(args.calibration) if args.calibration
                    else find_calibration(card, 1, "loopback"))
     planner = Planner.from_calibration(calibration) if calibration else None
-    parts = {"tuning": tune_attention, "attention": lambda: bench_attention(planner), "rotary": bench_rotary,
+    parts = {"tuning": tune_attention, "attention": lambda: bench_attention(planner), "tail": bench_tail_split,
+             "rotary": bench_rotary,
              "host": bench_host, "loopback": lambda: bench_loopback(args.ranks, args.heads, planner)}
     records = [row for part in args.parts for row in parts[part]()]
     env = provenance()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
-from xstage_dit.kernels.attention_hopper import HopperConfig  # noqa: E402
+from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
 from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep  # noqa: E402
 from xstage_dit.sp.fused import fused_steps  # noqa: E402
 from xstage_dit.sp.layout import UlyssesLayout  # noqa: E402
@@ -103,6 +103,44 @@ def test_hopper_attention_heads_major(head_dim, masked, lengths):
     q_len, kv_rows, kv_len = lengths
     _check_attention("cuda", torch.bfloat16, 2, q_len, kv_rows, kv_len, 3, head_dim, masked, HopperConfig(),
                      heads_major=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("heads_major", [False, True])
+@pytest.mark.parametrize("shape", [(2, 1000, 4000, 3999, 3), (1, 4608, 4608, 4608, 12), (1, 4600, 4700, 4590, 12)],
+                         ids=["fewer-tiles-than-sms", "flux-two-ranks", "uneven"])
+def test_hopper_attention_splits_the_last_round(masked, heads_major, shape):
+    """Launches whose last round of tiles the kernel cuts into pieces over the keys (fewer tiles than SMs; Flux's
+    shape at two ranks, 432 tiles on an H200's 132 SMs; uneven lengths), against the reference, with key masks
+    and LSE; and the merged result is the same on every call (the merge order does not depend on timing)."""
+    batch, q_len, kv_rows, kv_len, heads = shape
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    row_tiles, key_tiles = -(-q_len // 128), -(-kv_len // 128)
+    if split_tail(batch * heads * row_tiles, sms, key_tiles).splits == 1:
+        pytest.skip(f"this GPU's {sms} SMs run the shape's tiles in whole rounds")
+    _check_attention("cuda", torch.bfloat16, batch, q_len, kv_rows, kv_len, heads, 128, masked, HopperConfig(),
+                     heads_major=heads_major)
+    q, k, v = (torch.randn(batch, q_len if t == "q" else kv_rows, heads, 128, device="cuda", dtype=torch.bfloat16)
+               for t in "qkv")
+    first = flash_attention(q, k, v, kv_len=kv_len)
+    assert all(torch.equal(first, flash_attention(q, k, v, kv_len=kv_len)) for _ in range(5))
+
+
+def test_tail_split_fills_the_last_round():
+    """The pieces per tile of a launch's last round (an H200's 132 SMs): Flux at two ranks cuts its 36 leftover
+    tiles in three; whole rounds, and tiles too short to cut, stay whole; fewer tiles than SMs are cut too; every
+    piece has a key tile."""
+    assert split_tail(432, 132, 36) == TailSplit(split_from=396, splits=3)
+    assert split_tail(396, 132, 36).splits == 1
+    assert split_tail(378, 132, 2).splits == 1
+    assert split_tail(12, 132, 32) == TailSplit(split_from=0, splits=8)
+    for work_tiles, key_tiles in [(864, 36), (3072, 256), (100, 9), (133, 40)]:
+        split = split_tail(work_tiles, 132, key_tiles)
+        assert split.splits <= key_tiles and (split.split_from % 132 == 0 if split.splits > 1
+                                              else split.split_from == work_tiles)
 
 
 def test_hopper_kernel_compiles():

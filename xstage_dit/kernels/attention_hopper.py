@@ -4,7 +4,11 @@ Why a second kernel: Triton's compiler runs a key tile's q·kᵀ, softmax and p�
 cores idle while the exponentials run, and at head_dim 128 those take a large share of a tile's time next to its
 two GEMMs. Gluon lets the schedule be written out, FlashAttention-3 style. A work tile is 128 query rows of
 one (batch, head); with `persistent` one program per SM walks the tiles (the next tile's Q and first K/V tiles
-load while this one's output is stored), else one program per tile. A program has three partitions:
+load while this one's output is stored), else one program per tile. Tiles rarely fill the last round of SMs (Flux
+at two ranks: 432 tiles on 132 SMs leave the fourth round 27 % full), so a persistent launch cuts the tiles of
+that round into pieces over their keys (TailSplit): each piece stores its unnormalised partial result and takes a
+ticket, and the tile's last piece merges the partials in piece order (the result does not depend on which piece
+finished last) and writes the rows. No program waits for another. A program has three partitions:
 - a producer warp loads both halves of a tile's Q once the consumers released the last tile's, then streams K and
   V tiles through a ring of shared-memory stages with TMA, signalled by mbarriers (`ready` when a tile landed,
   `free` when both consumers are done with it);
@@ -45,6 +49,7 @@ class HopperConfig:
     pingpong: bool = True  # the consumers take turns issuing their GEMMs
     consumer_regs: int = 240  # registers per consumer thread (a producer thread keeps 24)
     persistent: bool = True  # one program per SM walking the work tiles (else one program per tile)
+    split_tail: bool = True  # a persistent launch cuts its last round's tiles over their keys (TailSplit)
 
     @property
     def block_m(self) -> int:
@@ -77,7 +82,8 @@ def tma_rows(*tensors: torch.Tensor) -> TmaRows | None:
 
 class Schedule(NamedTuple):
     """The kernel's work: work tile w is row tile w % row_tiles (shifted, see _work_tile) of (batch, head)
-    w // row_tiles; every work tile walks key_tiles key tiles. kv_rows: rows of one batch (or one batch and head,
+    w // row_tiles, over key_tiles key tiles. Programs walk items: work tiles [0, split_from) whole, then each
+    later tile as `splits` pieces over its key tiles. kv_rows: rows of one batch (or one batch and head,
     heads-major) in K and V."""
 
     q_len: int
@@ -86,6 +92,43 @@ class Schedule(NamedTuple):
     row_tiles: int
     work_tiles: int
     key_tiles: int
+    split_from: int
+    splits: int
+
+
+class TailSplit(NamedTuple):
+    """Work tiles [split_from, work_tiles) run as `splits` pieces each (1: none is split)."""
+
+    split_from: int
+    splits: int
+
+    def items(self, work_tiles: int) -> int:
+        return self.split_from + (work_tiles - self.split_from) * self.splits
+
+
+# the tail's cost model, in key tiles' time (fitted to timings on an H200, docs/benchmarks/kernels-h200-tail.md)
+PIECE_COST = 6.0  # a piece's fixed cost: its Q load, the ring filling, its partial's store
+MERGE_COST = 0.5  # the merge's cost per piece it reads
+MAX_SPLITS = 8
+
+
+@functools.cache
+def split_tail(work_tiles: int, programs: int, key_tiles: int) -> TailSplit:
+    """How a persistent launch of `programs` programs cuts its last, partly filled round of tiles: the number of
+    pieces per tile that finishes that round soonest, in key tiles' time (rounds of pieces on the programs, each
+    piece its share of the keys plus PIECE_COST, and the merge)."""
+    tail = work_tiles % programs
+    if tail == 0:
+        return TailSplit(work_tiles, 1)
+
+    def tail_time(splits: int) -> float:
+        if splits == 1:
+            return key_tiles
+        rounds = triton.cdiv(tail * splits, programs)
+        return rounds * (key_tiles / splits + PIECE_COST) + MERGE_COST * splits
+
+    best = min(range(1, min(MAX_SPLITS, key_tiles) + 1), key=tail_time)  # every piece gets a key tile
+    return TailSplit(work_tiles - tail if best > 1 else work_tiles, best)
 
 
 class Keys(NamedTuple):
@@ -168,20 +211,37 @@ def _tma_origin(batch, h, pid_bh, rows, HEAD_DIM: gl.constexpr, HEADS_MAJOR: gl.
 
 
 @gluon.jit
-def _programs_tiles(schedule):
-    """How many work tiles this program walks (program p takes tiles p, p + programs, ...)."""
-    return gl.cdiv(schedule.work_tiles - gl.program_id(0), gl.num_programs(0))
+def _programs_items(schedule):
+    """How many items this program walks (program p takes items p, p + programs, ...)."""
+    items = schedule.split_from + (schedule.work_tiles - schedule.split_from) * schedule.splits
+    return gl.cdiv(items - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def _item(it, schedule):
+    """This program's it-th item -> (work tile, its first key tile, its key tiles, piece): a whole tile is piece
+    -1, a tile's pieces are `splits` consecutive items, each over its share of the key tiles."""
+    item = gl.program_id(0) + it * gl.num_programs(0)
+    piece = item - schedule.split_from
+    split = piece >= 0
+    part = gl.where(split, piece % schedule.splits, 0)
+    first_key = gl.where(split, part * schedule.key_tiles // schedule.splits, 0)
+    end_key = gl.where(split, (part + 1) * schedule.key_tiles // schedule.splits, schedule.key_tiles)
+    tile = gl.where(split, schedule.split_from + piece // schedule.splits, item)
+    return tile, first_key, end_key - first_key, gl.where(split, piece, -1)
 
 
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, ring, schedule, tile_shift, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, HEADS_MAJOR: gl.constexpr):
-    """Producer partition, per work tile: the two Q halves once their consumers released the last tile's, then K
+    """Producer partition, per item: the two Q halves once their consumers released the last item's, then its K
     and V tiles into the ring, the c-th tile of the program into stage c % STAGES once both consumers freed it.
     Q and the stages are free on their first lap (waiting for the parity before a fresh barrier's first phase
     returns at once)."""
-    for it in range(_programs_tiles(schedule)):
-        batch, h, pid_bh, row0 = _work_tile(gl.program_id(0) + it * gl.num_programs(0), schedule, tile_shift)
+    c = 0  # the program's key tiles so far
+    for it in range(_programs_items(schedule)):
+        tile, first_key, n_keys, _ = _item(it, schedule)
+        batch, h, pid_bh, row0 = _work_tile(tile, schedule, tile_shift)
         q_row, column = _tma_origin(batch, h, pid_bh, schedule.q_len, HEAD_DIM, HEADS_MAJOR)
         kv_row, _ = _tma_origin(batch, h, pid_bh, schedule.kv_rows, HEAD_DIM, HEADS_MAJOR)
         for half in gl.static_range(2):
@@ -189,8 +249,7 @@ def _produce(q_desc, k_desc, v_desc, ring, schedule, tile_shift, HEAD_DIM: gl.co
             mbarrier.expect(ring.q_ready.index(half), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_row + row0 + half * WARPGROUP_ROWS, column],
                                             ring.q_ready.index(half), ring.q.index(half))
-        for j in range(schedule.key_tiles):
-            c = it * schedule.key_tiles + j
+        for j in range(first_key, first_key + n_keys):
             stage = c % STAGES
             mbarrier.wait(ring.free.index(stage), ((c // STAGES) & 1) ^ 1)
             row = kv_row + j * BLOCK_N
@@ -198,6 +257,7 @@ def _produce(q_desc, k_desc, v_desc, ring, schedule, tile_shift, HEAD_DIM: gl.co
             tma.async_copy_global_to_shared(k_desc, [row, column], ring.k_ready.index(stage), ring.k.index(stage))
             mbarrier.expect(ring.v_ready.index(stage), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [row, column], ring.v_ready.index(stage), ring.v.index(stage))
+            c += 1
 
 
 @gluon.jit
@@ -221,12 +281,13 @@ def _softmax(s, m_i, qk_scale):
 
 
 @gluon.jit
-def _attend(ring, it, n_tiles, qk_scale, keys, KeyMask, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _attend(ring, it, c0, t0, first_key, n_tiles, qk_scale, keys, KeyMask, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_KEY_MASK: gl.constexpr, PINGPONG: gl.constexpr):
-    """One consumer warpgroup's 64 rows of the program's it-th work tile over every key tile: returns the row
-    maxima, row sums and unnormalised output. Tile j's q·kᵀ and tile j-1's p·v are issued together; the wait for
-    the first leaves the second on the tensor cores while tile j's softmax runs. The accumulator is rescaled only
-    once its p·v retired. Key tile j is the program's c-th (c = it * n_tiles + j): every work tile has n_tiles."""
+    """One consumer warpgroup's 64 rows of the program's it-th item over its n_tiles key tiles (from first_key):
+    returns the row maxima, row sums and unnormalised output. Key tile j's q·kᵀ and tile j-1's p·v are issued
+    together; the wait for the first leaves the second on the tensor cores while tile j's softmax runs. The
+    accumulator is rescaled only once its p·v retired. The item's j-th key tile is the program's (c0 + j)-th, and
+    its ping-pong turns follow the program's t0 earlier ones."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -234,19 +295,18 @@ def _attend(ring, it, n_tiles, qk_scale, keys, KeyMask, WG: gl.constexpr, HEAD_D
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     q = ring.q.index(WG)
-    # only the last tile can hold keys past kv_len; with a key mask every tile is masked
+    # only the last key tile can hold keys past kv_len; with a key mask every tile is masked
     last_full = 0 if HAS_KEY_MASK else keys.kv_len // BLOCK_N
     zero_s = gl.zeros([WARPGROUP_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
     acc = gl.zeros([WARPGROUP_ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
     m_i = gl.full([WARPGROUP_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    c0 = it * n_tiles
     mbarrier.wait(ring.q_ready.index(WG), it & 1)
 
     mbarrier.wait(ring.k_ready.index(c0 % STAGES), (c0 // STAGES) & 1)
     s = warpgroup_mma(q, ring.k.index(c0 % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
-    if last_full == 0:
-        s = _mask_keys(s, 0, keys, KeyMask, HAS_KEY_MASK)
+    if first_key >= last_full:
+        s = _mask_keys(s, first_key * BLOCK_N, keys, KeyMask, HAS_KEY_MASK)
     p, m_i, alpha = _softmax(s, m_i, qk_scale)
     l_i = gl.sum(p, 1)
     p = gl.convert_layout(p.to(ring.v.dtype), P_LAYOUT, assert_trivial=True)
@@ -258,16 +318,16 @@ def _attend(ring, it, n_tiles, qk_scale, keys, KeyMask, WG: gl.constexpr, HEAD_D
         mbarrier.wait(ring.k_ready.index(stage), (c // STAGES) & 1)
         mbarrier.wait(ring.v_ready.index(before), ((c - 1) // STAGES) & 1)
         if PINGPONG:
-            # turns alternate over the program's loop iterations (n_tiles - 1 per work tile); warpgroup 0 goes
-            # first: its first wait is on the parity before a fresh barrier's first phase
-            mbarrier.wait(ring.turn.index(WG), (it * (n_tiles - 1) + j - WG) & 1)
+            # turns alternate over the program's loop iterations; warpgroup 0 goes first: its first wait is on
+            # the parity before a fresh barrier's first phase
+            mbarrier.wait(ring.turn.index(WG), (t0 + j - WG) & 1)
         s = warpgroup_mma(q, ring.k.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p, ring.v.index(before), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(ring.turn.index(1 - WG))
         s = warpgroup_mma_wait(1, deps=[s])
-        if j >= last_full:
-            s = _mask_keys(s, j * BLOCK_N, keys, KeyMask, HAS_KEY_MASK)
+        if first_key + j >= last_full:
+            s = _mask_keys(s, (first_key + j) * BLOCK_N, keys, KeyMask, HAS_KEY_MASK)
         p_next, m_i, alpha = _softmax(s, m_i, qk_scale)
         l_i = l_i * alpha + gl.sum(p_next, 1)
         acc, p = warpgroup_mma_wait(0, deps=[acc, p])
@@ -275,7 +335,7 @@ def _attend(ring, it, n_tiles, qk_scale, keys, KeyMask, WG: gl.constexpr, HEAD_D
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, O_ROWS, assert_trivial=True), 1)
         p = gl.convert_layout(p_next.to(ring.v.dtype), P_LAYOUT, assert_trivial=True)
 
-    mbarrier.arrive(ring.q_free.index(WG))  # every q·kᵀ retired: the producer may load the next tile's Q
+    mbarrier.arrive(ring.q_free.index(WG))  # every q·kᵀ retired: the producer may load the next item's Q
     c = c0 + n_tiles - 1
     mbarrier.wait(ring.v_ready.index(c % STAGES), (c // STAGES) & 1)
     acc = warpgroup_mma(p, ring.v.index(c % STAGES), acc, is_async=True)
@@ -285,20 +345,80 @@ def _attend(ring, it, n_tiles, qk_scale, keys, KeyMask, WG: gl.constexpr, HEAD_D
 
 
 @gluon.jit
-def _consume(ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, o_strides, scatter, WG: gl.constexpr,
-             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_KEY_MASK: gl.constexpr,
-             PINGPONG: gl.constexpr, WRITE_LSE: gl.constexpr, SCATTER: gl.constexpr, ALIGN: gl.constexpr):
-    """Consumer partition WG: for each of the program's work tiles, attends its 64 rows (from row0 + 64 WG), then
-    writes them."""
+def _partial_at(Partials, slot, WG: gl.constexpr, acc_layout: gl.constexpr, stat_layout: gl.constexpr,
+                HEAD_DIM: gl.constexpr):
+    """Pointers to a warpgroup's 64 rows of a piece's partial result: workspace slot `slot` holds the
+    accumulator's 128 x HEAD_DIM floats, then the tile's 128 row maxima, then its 128 row sums. Returns the
+    accumulator's pointers (in acc_layout) and the row maxima's (in stat_layout)."""
+    ROWS: gl.constexpr = 2 * WARPGROUP_ROWS
+    base = Partials + slot.to(gl.int64) * (ROWS * (HEAD_DIM + 2))
+    acc_rows = WG * WARPGROUP_ROWS + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
+    columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    stat_rows = WG * WARPGROUP_ROWS + gl.arange(0, WARPGROUP_ROWS, layout=stat_layout)
+    acc_at = base + gl.expand_dims(acc_rows * HEAD_DIM, 1) + gl.expand_dims(columns, 0)
+    return acc_at, base + ROWS * HEAD_DIM + stat_rows
+
+
+@gluon.jit
+def _merge_piece(m_i, l_i, acc, Partials, Tickets, piece, splits, WG: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A piece's partial result: stored in its slot, then a ticket; the tile's last piece reads every piece's
+    partial in piece order and merges them (base-2 softmax statistics). Returns whether this piece merged, and
+    the merged statistics and accumulator (its own where it did not)."""
+    ROWS: gl.constexpr = 2 * WARPGROUP_ROWS
+    SLOT: gl.constexpr = ROWS * (HEAD_DIM + 2)
+    ACC_LAYOUT: gl.constexpr = acc.type.layout
+    STAT_LAYOUT: gl.constexpr = m_i.type.layout
+    ACC_ROWS: gl.constexpr = gl.SliceLayout(1, ACC_LAYOUT)
+    acc_at, m_at = _partial_at(Partials, piece, WG, ACC_LAYOUT, STAT_LAYOUT, HEAD_DIM)
+    gl.store(acc_at, acc)
+    gl.store(m_at, m_i)
+    gl.store(m_at + ROWS, l_i)
+    gl.thread_barrier()  # the warpgroup's stores are issued before its ticket releases them
+    ticket = gl.atomic_add(Tickets + (piece // splits) * 2 + WG, 1, sem="acq_rel", scope="gpu")
+    merged = ticket == splits - 1
+    if merged:
+        acc_at, m_at = _partial_at(Partials, piece - piece % splits, WG, ACC_LAYOUT, STAT_LAYOUT, HEAD_DIM)
+        m_i = gl.load(m_at, cache_modifier=".cg")
+        l_i = gl.load(m_at + ROWS, cache_modifier=".cg")
+        acc = gl.load(acc_at, cache_modifier=".cg")
+        for k in range(1, splits):
+            m_k = gl.load(m_at + k * SLOT, cache_modifier=".cg")
+            m_new = gl.maximum(m_i, m_k)
+            alpha = gl.exp2(m_i - m_new)
+            beta = gl.exp2(m_k - m_new)
+            l_i = l_i * alpha + gl.load(m_at + (k * SLOT + ROWS), cache_modifier=".cg") * beta
+            acc = (acc * gl.expand_dims(gl.convert_layout(alpha, ACC_ROWS, assert_trivial=True), 1)
+                   + gl.load(acc_at + k * SLOT, cache_modifier=".cg")
+                   * gl.expand_dims(gl.convert_layout(beta, ACC_ROWS, assert_trivial=True), 1))
+            m_i = m_new
+    return merged, m_i, l_i, acc
+
+
+@gluon.jit
+def _consume(ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
+             WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             HAS_KEY_MASK: gl.constexpr, PINGPONG: gl.constexpr, WRITE_LSE: gl.constexpr, SCATTER: gl.constexpr,
+             ALIGN: gl.constexpr):
+    """Consumer partition WG: for each of the program's items, attends its 64 rows (from row0 + 64 WG), then
+    writes them (a piece: once its tile's pieces are merged)."""
     qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-    for it in range(_programs_tiles(schedule)):
-        batch, h, pid_bh, row0 = _work_tile(gl.program_id(0) + it * gl.num_programs(0), schedule,
-                                            scatter.tile_shift)
-        m_i, l_i, acc = _attend(ring, it, schedule.key_tiles, qk_scale, keys,
+    c = 0  # the program's key tiles so far
+    t = 0  # its ping-pong turns so far
+    for it in range(_programs_items(schedule)):
+        tile, first_key, n_keys, piece = _item(it, schedule)
+        batch, h, pid_bh, row0 = _work_tile(tile, schedule, scatter.tile_shift)
+        m_i, l_i, acc = _attend(ring, it, c, t, first_key, n_keys, qk_scale, keys,
                                 KeyMask + batch.to(gl.int64) * keys.mask_stride, WG, HEAD_DIM, BLOCK_N, STAGES,
                                 HAS_KEY_MASK, PINGPONG)
-        _write(m_i, l_i, acc, Out, Lse, Dest, row0 + WG * WARPGROUP_ROWS, schedule.q_len, batch, h, pid_bh,
-               o_strides, scatter, HEAD_DIM, WRITE_LSE, SCATTER, ALIGN)
+        c += n_keys
+        t += n_keys - 1
+        done = True
+        if piece >= 0:
+            done, m_i, l_i, acc = _merge_piece(m_i, l_i, acc, Partials, Tickets, piece, schedule.splits, WG,
+                                               HEAD_DIM)
+        if done:
+            _write(m_i, l_i, acc, Out, Lse, Dest, row0 + WG * WARPGROUP_ROWS, schedule.q_len, batch, h, pid_bh,
+                   o_strides, scatter, HEAD_DIM, WRITE_LSE, SCATTER, ALIGN)
 
 
 @gluon.jit
@@ -341,7 +461,8 @@ def _write(m_i, l_i, acc, Out, Lse, Dest, first, q_len, batch, h, pid_bh, o_stri
 
 @gluon.jit
 def _attention_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, KeyMask, Dest, sm_scale, schedule, keys, o_strides, scatter,
+    q_desc, k_desc, v_desc, Out, Lse, KeyMask, Dest, Partials, Tickets, sm_scale, schedule, keys, o_strides,
+    scatter,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_KEY_MASK: gl.constexpr, SCATTER: gl.constexpr,
     HEADS_MAJOR: gl.constexpr, ALIGN: gl.constexpr,
@@ -349,10 +470,10 @@ def _attention_kernel(
     ring = _allocate_ring(q_desc, k_desc, v_desc, HEAD_DIM, BLOCK_N, STAGES)
     # the two consumers' arguments differ only in their warpgroup index
     gl.warp_specialize([
-        (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, o_strides, scatter, gl.constexpr(0),
-                    HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, ALIGN)),
-        (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, o_strides, scatter, gl.constexpr(1),
-                    HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, ALIGN)),
+        (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
+                    gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, ALIGN)),
+        (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
+                    gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, ALIGN)),
         (_produce, (q_desc, k_desc, v_desc, ring, schedule, scatter.tile_shift, HEAD_DIM, BLOCK_N, STAGES,
                     HEADS_MAJOR)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -369,6 +490,11 @@ def is_available(q: torch.Tensor) -> bool:
 @functools.cache
 def _properties(device: torch.device):
     return torch.cuda.get_device_properties(device)
+
+
+@functools.cache
+def _unused(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(1, device=device, dtype=dtype)
 
 
 @functools.cache
@@ -391,14 +517,27 @@ def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: boo
     batch, q_len, heads, head_dim = q.shape
     row_tiles = triton.cdiv(q_len, config.block_m)
     work_tiles = row_tiles * batch * heads
+    key_tiles = triton.cdiv(call.kv_len, config.block_n)
     persistent = config.persistent and not warmup
-    grid = (min(work_tiles, _properties(q.device).multi_processor_count) if persistent else work_tiles,)
+    programs = _properties(q.device).multi_processor_count if persistent else work_tiles
+    split = (split_tail(work_tiles, programs, key_tiles) if persistent and config.split_tail
+             else TailSplit(work_tiles, 1))
+    grid = (min(split.items(work_tiles), programs),)
     schedule = Schedule(q_len=q_len, kv_rows=k.shape[1], heads=heads, row_tiles=row_tiles, work_tiles=work_tiles,
-                        key_tiles=triton.cdiv(call.kv_len, config.block_n))
+                        key_tiles=key_tiles, split_from=split.split_from, splits=split.splits)
+    split_tiles = work_tiles - split.split_from
+    # a piece's partial result: 128 rows of accumulator, row maxima and row sums; a ticket per tile and half
+    if split_tiles:
+        partials = torch.empty(split_tiles * split.splits * config.block_m * (head_dim + 2), device=q.device,
+                               dtype=torch.float32)
+        tickets = torch.zeros(2 * split_tiles, device=q.device, dtype=torch.int32)
+    else:  # unread, but typed as the kernel reads them
+        partials, tickets = _unused(q.device, torch.float32), _unused(q.device, torch.int32)
     args = (_descriptor(q, ROWS_PER_WARPGROUP, view), _descriptor(k, config.block_n, view),
             _descriptor(call.v, config.block_n, view), call.out, call.lse if call.lse is not None else call.out,
-            call.key_mask if call.key_mask is not None else call.out, call.destinations, call.scale, schedule,
-            Keys(kv_len=call.kv_len, mask_len=call.key_mask_len, mask_stride=call.key_mask_stride),
+            call.key_mask if call.key_mask is not None else call.out, call.destinations, partials, tickets,
+            call.scale, schedule, Keys(kv_len=call.kv_len, mask_len=call.key_mask_len,
+                                       mask_stride=call.key_mask_stride),
             Strides.of(call.out), call.scatter_args(config.block_m))
     switches = dict(HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, PINGPONG=config.pingpong,
                     CONSUMER_REGS=config.consumer_regs, WRITE_LSE=call.lse is not None,
