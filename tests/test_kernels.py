@@ -129,6 +129,30 @@ def test_hopper_attention_splits_the_last_round(masked, heads_major, shape):
     assert all(torch.equal(first, flash_attention(q, k, v, kv_len=kv_len)) for _ in range(5))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernel needs an sm_90 GPU")
+def test_hopper_attention_split_replays_in_a_cuda_graph():
+    """A launch that splits its last round, captured once in a CUDA graph (its tickets zeroed and its partials
+    allocated inside the graph) and replayed on fresh inputs, equals the eager call on those inputs bit for bit."""
+    batch, seq, heads = 1, 4608, 12
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if split_tail(batch * heads * 36, sms, 36).splits == 1:
+        pytest.skip(f"this GPU's {sms} SMs run the shape's tiles in whole rounds")
+    static = [torch.randn(batch, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    flash_attention(*static)  # compiles the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention(*static)
+    for _ in range(3):
+        fresh = [torch.randn_like(t) for t in static]
+        for slot, value in zip(static, fresh):
+            slot.copy_(value)
+        graph.replay()
+        assert torch.equal(out, flash_attention(*fresh))
+
+
 def test_tail_split_fills_the_last_round():
     """The pieces per tile of a launch's last round (an H200's 132 SMs): Flux at two ranks cuts its 36 leftover
     tiles in three; whole rounds, and tiles too short to cut, stay whole; fewer tiles than SMs are cut too; every
