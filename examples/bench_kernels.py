@@ -181,7 +181,8 @@ def bench_tail_split() -> list[dict]:
         ms = compare_ms({"split": lambda: flash_attention(q, k, v, config=HopperConfig()),
                          "whole": lambda: flash_attention(q, k, v, config=HopperConfig(split_tail=False)),
                          "cudnn": lambda: cudnn(q, k, v)})
-        tiles, key_tiles = b * h * triton.cdiv(s, 128), triton.cdiv(s, 128)
+        config = HopperConfig()
+        tiles, key_tiles = b * h * triton.cdiv(s, config.block_m), triton.cdiv(s, config.block_n)
         split = split_tail(tiles, sms, key_tiles)
         print(f"tail split {(b, s, h, d)}: {tiles} tiles on {sms} SMs, {split.splits} pieces: {ms['split']:.3f} "
               f"ms, whole tiles {ms['whole']:.3f} ms, cuDNN {ms['cudnn']:.3f} ms")

@@ -105,6 +105,15 @@ def test_hopper_attention_heads_major(head_dim, masked, lengths):
                      heads_major=True)
 
 
+def _skip_unless_split(batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    """Skip unless the default Hopper launch of this shape splits its last round on this GPU."""
+    config = HopperConfig()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    work_tiles = batch * heads * -(-q_len // config.block_m)
+    if split_tail(work_tiles, sms, -(-kv_len // config.block_n)).splits == 1:
+        pytest.skip(f"this GPU's {sms} SMs run the shape's tiles in whole rounds")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Hopper kernel needs an sm_90 GPU")
@@ -117,10 +126,7 @@ def test_hopper_attention_splits_the_last_round(masked, heads_major, shape):
     shape at two ranks, 432 tiles on an H200's 132 SMs; uneven lengths), against the reference, with key masks
     and LSE; and the merged result is the same on every call (the merge order does not depend on timing)."""
     batch, q_len, kv_rows, kv_len, heads = shape
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    row_tiles, key_tiles = -(-q_len // 128), -(-kv_len // 128)
-    if split_tail(batch * heads * row_tiles, sms, key_tiles).splits == 1:
-        pytest.skip(f"this GPU's {sms} SMs run the shape's tiles in whole rounds")
+    _skip_unless_split(batch, heads, q_len, kv_len)
     _check_attention("cuda", torch.bfloat16, batch, q_len, kv_rows, kv_len, heads, 128, masked, HopperConfig(),
                      heads_major=heads_major)
     q, k, v = (torch.randn(batch, q_len if t == "q" else kv_rows, heads, 128, device="cuda", dtype=torch.bfloat16)
@@ -136,9 +142,7 @@ def test_hopper_attention_split_replays_in_a_cuda_graph():
     """A launch that splits its last round, captured once in a CUDA graph (its tickets zeroed and its partials
     allocated inside the graph) and replayed on fresh inputs, equals the eager call on those inputs bit for bit."""
     batch, seq, heads = 1, 4608, 12
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if split_tail(batch * heads * 36, sms, 36).splits == 1:
-        pytest.skip(f"this GPU's {sms} SMs run the shape's tiles in whole rounds")
+    _skip_unless_split(batch, heads, seq, seq)
     static = [torch.randn(batch, seq, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     flash_attention(*static)  # compiles the kernel outside the capture
     torch.cuda.synchronize()
