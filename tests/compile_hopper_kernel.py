@@ -3,7 +3,8 @@
 reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
 every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
 once), the RoPE
-kernel for bf16 at head_dim 128, whose PTX must have no fused multiply-add (it rounds as diffusers' code does),
+kernel and the norm + RoPE kernel for bf16 at head_dim 128, whose PTX must have no fused multiply-add (they round
+as diffusers' code does),
 and the MoE expert kernel, whose matmuls must be Hopper's wgmma.
 Exits non-zero on the first failure."""
 from __future__ import annotations
@@ -62,6 +63,15 @@ def main() -> None:
     (ptx,) = Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_rotary_kernel.ptx")
     assert "fma.rn.f32" not in ptx.read_text(), "the RoPE kernel's PTX fuses a multiply-add"
     print("compiled rotary, no FMA")
+
+    from xstage_dit.kernels.rotary_args import NormedTokens
+
+    weight = torch.empty(128, dtype=torch.bfloat16)
+    rotary.norm_rotate([NormedTokens(x[:, :20], weight, 1e-6), NormedTokens(x[:, 20:], weight, 1e-6)], tables,
+                       tables, warmup=True)
+    (ptx,) = Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_norm_rope_kernel.ptx")
+    assert "fma.rn.f32" not in ptx.read_text(), "the norm + RoPE kernel's PTX fuses a multiply-add"
+    print("compiled norm + rope, no FMA")
 
     from xstage_dit.kernels import experts
 

@@ -12,6 +12,7 @@ from diffusers.models.transformers import transformer_flux
 import xstage_dit
 import zoo
 from xstage_dit.module_forward import ReplacedForward
+from xstage_dit.patches.flux import NormRopeProcessor
 from xstage_dit.runtime.cuda_graphs import GraphUse
 from xstage_dit.sp import ops, routing
 from xstage_dit.sp.sharding import SequenceShard
@@ -259,26 +260,32 @@ needs_interpreter = pytest.mark.skipif(not ops._TRITON_RUNS_ON_CPU, reason="need
 @needs_interpreter
 @pytest.mark.parametrize("fuse_rope", [True, False])
 def test_rope_runs_our_kernel_unless_asked_not_to(flux_pipe, monkeypatch, fuse_rope):
-    """The routed apply_rotary_emb runs our RoPE kernel for every block's query and key: the output stays the
-    stock one; `fuse_rope=False` leaves diffusers' code in place (the name is not even rebound)."""
+    """Every block's query and key are normalised and rotated by our norm + RoPE kernel (Flux's blocks run
+    NormRopeProcessor): the output stays the stock one; `fuse_rope=False` leaves diffusers' processors and code in
+    place (the rotary name is not even rebound)."""
     calls = []
-    kernel = ops.rotary
-    monkeypatch.setattr(ops, "rotary", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    kernel = ops.norm_rope
+    monkeypatch.setattr(ops, "norm_rope", lambda *args: calls.append(len(args[0])) or kernel(*args))
     stock = _latents(flux_pipe, steps=1)
     original_rotary = transformer_flux.apply_rotary_emb
     model = flux_pipe.transformer
+    processors = [block.attn.processor for block in (*model.transformer_blocks, *model.single_transformer_blocks)]
     model_calls = []
     counter = model.register_forward_hook(lambda *_: model_calls.append(1))
     xstage_dit.enable(flux_pipe, fuse_rope=fuse_rope)
     try:
         assert (transformer_flux.apply_rotary_emb is original_rotary) is not fuse_rope
+        assert all(isinstance(block.attn.processor, NormRopeProcessor) is fuse_rope
+                   for block in (*model.transformer_blocks, *model.single_transformer_blocks))
         torch.testing.assert_close(_latents(flux_pipe, steps=1), stock, rtol=1e-5, atol=1e-6)
     finally:
         xstage_dit.disable(flux_pipe)
         counter.remove()
-    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
-    # query and key of every block in every model call
-    assert len(calls) == (2 * blocks * len(model_calls) if fuse_rope else 0)
+    assert [block.attn.processor for block in (*model.transformer_blocks, *model.single_transformer_blocks)] == \
+        processors
+    # query and key of every block in every model call: [text, image] in dual-stream blocks, joint in the others
+    expected = ([2] * 2 * len(model.transformer_blocks) + [1] * 2 * len(model.single_transformer_blocks))
+    assert calls == (expected * len(model_calls) if fuse_rope else [])
 
 
 @needs_interpreter
@@ -317,6 +324,32 @@ def test_routed_rope_runs_diffusers_code_where_the_kernel_does_not_apply(flux_pi
     assert active
     torch.testing.assert_close(out, expected)
     assert ("RoPE kernel does not take" in caplog.text) is warns
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tables", ["kernel", "float64", "none"])
+@pytest.mark.parametrize("stream", ["dual", "single"])
+def test_norm_rope_processor_equals_flux_processor(flux_pipe, caplog, tables, stream):
+    """NormRopeProcessor gives diffusers' Flux attention on fresh inputs: through the kernel, through diffusers'
+    steps where the kernel does not take the tables (said once), and without rotary tables."""
+    torch.manual_seed(1)
+    model = flux_pipe.transformer
+    attn = (model.transformer_blocks if stream == "dual" else model.single_transformer_blocks)[0].attn
+    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        if (norm := getattr(attn, name, None)) is not None:
+            torch.nn.init.normal_(norm.weight, 1.0, 0.3)  # not the ones they start at
+    text, image = torch.randn(1, 5, attn.query_dim), torch.randn(1, 11, attn.query_dim)
+    if stream == "dual":
+        inputs = dict(hidden_states=image, encoder_hidden_states=text)
+    else:
+        inputs = dict(hidden_states=torch.cat([text, image], dim=1))
+    angles = 10 * torch.rand(16, attn.head_dim, dtype=torch.float64 if tables == "float64" else torch.float32)
+    rotary = None if tables == "none" else (angles.cos(), angles.sin())
+    expected = transformer_flux.FluxAttnProcessor()(attn, **inputs, image_rotary_emb=rotary)
+    with caplog.at_level("WARNING", logger="xstage_dit"):
+        out = NormRopeProcessor(transformer_flux.FluxAttnProcessor())(attn, **inputs, image_rotary_emb=rotary)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert ("norm + RoPE kernel does not take" in caplog.text) is (tables == "float64")
 
 
 def test_refused_rope_inputs_compile_without_a_graph_break():

@@ -266,6 +266,49 @@ def _check_rotary(device, dtype, shape, sequence_dim, strided, tolerance):
     assert error <= tolerance, f"max relative error {error:.2e}"
 
 
+def _check_norm_rope(device, dtype, batch, lengths, heads, head_dim, strided, tolerance):
+    """Our norm + RoPE kernel against torch's RMSNorm per part, concatenation and diffusers' apply_rotary_emb, on
+    fresh random inputs (the norm's output rounded to the input dtype, as the modules' is)."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    from xstage_dit.kernels.rotary import norm_rope_accepts, norm_rotate
+    from xstage_dit.kernels.rotary_args import NormedTokens
+
+    parts = []
+    for i, length in enumerate(lengths):
+        tokens = 3 * torch.randn(batch, length, heads * (2 if strided else 1), head_dim, device=device, dtype=dtype)
+        if strided:  # every other head of a wider projection: strided along the heads
+            tokens = tokens[:, :, ::2]
+        weight = 1 + torch.randn(head_dim, device=device, dtype=dtype) / 2
+        parts.append(NormedTokens(tokens, weight, eps=10.0 ** -(5 + i)))
+    angles = 10 * torch.rand(sum(lengths), head_dim, device=device)
+    cos, sin = angles.cos(), angles.sin()
+    assert norm_rope_accepts(parts, cos, sin)
+    out = norm_rotate(parts, cos, sin)
+    normed = torch.cat([torch.nn.functional.rms_norm(p.tokens, (head_dim,), p.weight, p.eps) for p in parts], 1)
+    ref = apply_rotary_emb(normed.float(), (cos, sin), sequence_dim=1)
+    assert out.dtype == dtype and out.shape == (batch, sum(lengths), heads, head_dim)
+    error = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest value"
+
+
+@pytest.mark.parametrize("lengths", [(37,), (5, 33), (1, 300)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_norm_rope_interpreted(lengths, strided):
+    _check_norm_rope("cpu", torch.float32, 2, lengths, 3, 16, strided, tolerance=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths, heads, head_dim", [((4608,), 24, 128), ((512, 2304), 12, 128), ((77, 4093), 3, 64)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_norm_rope_on_gpu(dtype, lengths, heads, head_dim, strided):
+    # both round the norm's output (where torch's RMSNorm and ours may differ by one rounding, which the rotation
+    # carries into the result) and then the result: within one ulp of the largest value
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    _check_norm_rope("cuda", dtype, 1, lengths, heads, head_dim, strided, tolerance=ulp)
+
+
 @pytest.mark.parametrize("shape, sequence_dim", [((2, 37, 3, 128), 1), ((2, 5, 19, 64), 2), ((1, 300, 4, 16), 1)])
 @pytest.mark.parametrize("strided", [False, True])
 def test_rotary_interpreted(shape, sequence_dim, strided):

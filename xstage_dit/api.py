@@ -213,7 +213,8 @@ def enable(
     transformer. Under torchrun / accelerate the default process group is started if the caller has not;
     in a single process the model runs unsplit with xstage_dit's attention. Every rank must make the same
     calls with the same inputs; every rank gets the whole result. `fuse_rope=False` keeps diffusers' own
-    rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU).
+    rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU; in
+    Flux and Chroma one kernel pass also takes the q/k RMSNorms before it).
     `check_inputs=False` skips the small collectives in which the ranks check that they got the same
     arguments and models (weights included) at `enable`, and the same arguments at every pipeline call.
     `cuda_graphs` (default: on where there is a GPU) captures each transformer's forward per input signature

@@ -12,7 +12,8 @@ class XStageConfig:
     cfg_degree: groups of ranks that split the classifier-free-guidance branches.
     backend: how Ulysses moves data; see `xstage_dit.sp.backends.available_backends()`.
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
-    fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU).
+    fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU); in
+        Flux and Chroma the q/k RMSNorms before it run in the same pass (patches/flux.py NormRopeProcessor).
     check_inputs: the ranks check, in one small collective at `enable`, that they got the same arguments and
         models (weights included).
     cuda_graphs: each transformer's forward is captured per input signature in a CUDA graph and replayed.

@@ -1,15 +1,23 @@
-"""Rotary position embedding on interleaved pairs, in one pass over the tensor.
+"""Rotary position embedding on interleaved pairs, in one pass over the tensor, alone or after the RMSNorm that
+DiTs apply to each head's query and key vectors.
 
 out[..., 2i] = x[2i] cos[2i] - x[2i+1] sin[2i];  out[..., 2i+1] = x[2i+1] cos[2i+1] + x[2i] sin[2i+1]
 
 in float32, rounded once to x's dtype: diffusers' `apply_rotary_emb(use_real=True, use_real_unbind_dim=-1)`
 computes the same with nine kernels over float32 temporaries (over ten times the bytes of x moved);
-this kernel reads x and the tables once and writes the result once."""
+this kernel reads x and the tables once and writes the result once. With the norm, the normalised vector is
+rounded to x's dtype first, as the norm module's output is, then rotated; the norm's own pass and the
+concatenation of text and image tokens that sits between norm and rotation in a joint-attention processor are
+folded into the same read and write."""
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from .rotary_args import NormedTokens
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ELEMENTS_PER_PROGRAM = 4096  # rows x head_dim per program: 8 KiB of bf16 in, 8 KiB out
@@ -17,25 +25,65 @@ _MAX_ROWS = 2**31 - ELEMENTS_PER_PROGRAM  # row indices are int32 in the kernel
 
 
 @triton.jit
-def _rotary_kernel(X, Cos, Sin, Out, rows, seq, heads,
-                   stride_xb, stride_xs, stride_xh, stride_ob, stride_os, stride_oh, stride_cs,
-                   HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    # a row is one (batch, token, head) vector; consecutive rows are the heads of one token (they share its
-    # cos/sin row in cache)
+def _token_rows(rows, seq, heads, BLOCK_ROWS: tl.constexpr):
+    """This program's rows: a row is one (batch, token, head) vector; consecutive rows are the heads of one token
+    (they share its cos/sin row in cache). Returns (in bounds, batch, token, head), int64 indices."""
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    ok = (row < rows)[:, None]
     h = (row % heads).to(tl.int64)
     s = ((row // heads) % seq).to(tl.int64)
     b = (row // (heads * seq)).to(tl.int64)
+    return (row < rows)[:, None], b, s, h
+
+
+@triton.jit
+def _rotate_into(x, Cos, Sin, Out, ok, b, s, h, stride_ob, stride_os, stride_oh, stride_cs,
+                 BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Stores the float32 rows x rotated by their tokens' (cos, sin) rows. The caller launches without FMA
+    contraction, so that x cos and rotated sin are rounded to float32 before the sum, as in diffusers' code."""
     d = tl.arange(0, HEAD_DIM)[None, :]
-    x = tl.load(X + (b * stride_xb + s * stride_xs + h * stride_xh)[:, None] + d, mask=ok, other=0.0)
     cos = tl.load(Cos + (s * stride_cs)[:, None] + d, mask=ok, other=0.0)
     sin = tl.load(Sin + (s * stride_cs)[:, None] + d, mask=ok, other=0.0)
-    even, odd = tl.split(tl.reshape(x.to(tl.float32), [BLOCK_ROWS, HEAD_DIM // 2, 2]))
+    even, odd = tl.split(tl.reshape(x, [BLOCK_ROWS, HEAD_DIM // 2, 2]))
     rotated = tl.reshape(tl.join(-odd, even), [BLOCK_ROWS, HEAD_DIM])  # the pair (x0, x1) turned to (-x1, x0)
-    out = x.to(tl.float32) * cos + rotated * sin  # launched without FMA contraction: rounded as diffusers rounds
+    out = x * cos + rotated * sin
     tl.store(Out + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + d, out.to(Out.dtype.element_ty),
              mask=ok)
+
+
+@triton.jit
+def _rotary_kernel(X, Cos, Sin, Out, rows, seq, heads,
+                   stride_xb, stride_xs, stride_xh, stride_ob, stride_os, stride_oh, stride_cs,
+                   HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    ok, b, s, h = _token_rows(rows, seq, heads, BLOCK_ROWS)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    x = tl.load(X + (b * stride_xb + s * stride_xs + h * stride_xh)[:, None] + d, mask=ok, other=0.0)
+    _rotate_into(x.to(tl.float32), Cos, Sin, Out, ok, b, s, h, stride_ob, stride_os, stride_oh, stride_cs,
+                 BLOCK_ROWS, HEAD_DIM)
+
+
+@triton.jit
+def _norm_rope_kernel(First, FirstWeight, Second, SecondWeight, Cos, Sin, Out, rows, seq, heads, first_len,
+                      first_eps, second_eps,
+                      stride_fb, stride_fs, stride_fh, stride_sb, stride_ss, stride_sh,
+                      stride_ob, stride_os, stride_oh, stride_cs,
+                      HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    # rows over the output's tokens: the first `first_len` come from First (normalised with FirstWeight), the
+    # rest from Second
+    ok, b, s, h = _token_rows(rows, seq, heads, BLOCK_ROWS)
+    in_first = (s < first_len)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    # one load per element from whichever part holds its token; the weights are read as whole (rows, head_dim)
+    # tiles too (cached), so that everything shares one register layout
+    first_at = First + (b * stride_fb + s * stride_fs + h * stride_fh)[:, None] + d
+    second_at = Second + (b * stride_sb + (s - first_len) * stride_ss + h * stride_sh)[:, None] + d
+    x = tl.load(tl.where(in_first, first_at, second_at), mask=ok, other=0.0).to(tl.float32)
+    weight = tl.load(tl.where(in_first, FirstWeight + d, SecondWeight + d), mask=ok, other=0.0)
+    eps = tl.where(s < first_len, first_eps, second_eps)
+    inverse_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+    # rounded to the tokens' dtype, as the norm module's output is, before the rotation
+    normed = (x * inverse_rms[:, None] * weight.to(tl.float32)).to(Out.dtype.element_ty).to(tl.float32)
+    _rotate_into(normed, Cos, Sin, Out, ok, b, s, h, stride_ob, stride_os, stride_oh, stride_cs, BLOCK_ROWS,
+                 HEAD_DIM)
 
 
 def rotary_accepts(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> bool:
@@ -70,14 +118,61 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: 
     x_bshd, out_bshd = (x, out) if sequence_dim == 1 else (x.transpose(1, 2), out.transpose(1, 2))
     batch, seq, heads, head_dim = x_bshd.shape
     rows = batch * seq * heads
+    _launch(_rotary_kernel, rows, head_dim, warmup, x_bshd, cos, sin, out_bshd, rows, seq, heads,
+            *x_bshd.stride()[:3], *out_bshd.stride()[:3], cos.stride(0))
+    return out
+
+
+def _launch(kernel: triton.runtime.JITFunction, rows: int, head_dim: int, warmup: bool, *args: object) -> None:
+    """`kernel` over `rows` (batch, token, head) rows, or with `warmup` only compiled for the active driver."""
     block_rows = max(1, ELEMENTS_PER_PROGRAM // head_dim)
     grid = (triton.cdiv(rows, block_rows),)
-    args = (x_bshd, cos, sin, out_bshd, rows, seq, heads, *x_bshd.stride()[:3], *out_bshd.stride()[:3],
-            cos.stride(0))
     # no FMA contraction: x cos and rotated sin are rounded to float32 before the sum, as in diffusers' code
     switches = dict(HEAD_DIM=head_dim, BLOCK_ROWS=block_rows, num_warps=4, enable_fp_fusion=False)
     if warmup:
-        _rotary_kernel.warmup(*args, grid=grid, **switches)
+        kernel.warmup(*args, grid=grid, **switches)
     else:
-        _rotary_kernel[grid](*args, **switches)
+        kernel[grid](*args, **switches)
+
+
+def _like(part: NormedTokens, first: torch.Tensor, head_dim: int) -> bool:
+    tokens = part.tokens
+    return (tokens.dim() == 4 and tokens.shape[0] == first.shape[0] and tokens.shape[2:] == first.shape[2:]
+            and tokens.dtype == first.dtype and tokens.stride(-1) == 1 and tokens.device == first.device
+            and part.weight.shape == (head_dim,) and part.weight.stride(-1) == 1
+            and part.weight.device == first.device)
+
+
+def norm_rope_accepts(parts: Sequence[NormedTokens], cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `norm_rotate` runs these inputs: one or two parts alike but in length, (B, S, H, D) with a
+    power-of-two head_dim (last, contiguous), each with a (D,) weight, and float32 (S_total, D) tables, all on
+    one device."""
+    if len(parts) not in (1, 2):
+        return False
+    first = parts[0].tokens
+    batch, _, heads, head_dim = first.shape if first.dim() == 4 else (0, 0, 0, 0)
+    tokens = sum(part.tokens.shape[1] for part in parts)
+    return (first.dtype in _DTYPES and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+            and batch * tokens * heads < _MAX_ROWS
+            and all(_like(part, first, head_dim) for part in parts)
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and cos.shape == sin.shape == (tokens, head_dim)
+            and cos.stride() == sin.stride() and cos.stride(-1) == 1
+            and cos.device == first.device and sin.device == first.device)
+
+
+def norm_rotate(parts: Sequence[NormedTokens], cos: torch.Tensor, sin: torch.Tensor,
+                warmup: bool = False) -> torch.Tensor:
+    """The parts' tokens, concatenated along S, each normalised by its RMSNorm and rotated by the tables' rows:
+    a new (B, S_total, H, D) tensor of the parts' dtype. For inputs the caller checked with `norm_rope_accepts`;
+    `warmup` only compiles the kernel for the active driver's target."""
+    first, second = parts[0], parts[-1]
+    first_len = first.tokens.shape[1] if len(parts) == 2 else cos.shape[0]
+    batch, _, heads, head_dim = first.tokens.shape
+    seq = cos.shape[0]
+    out = first.tokens.new_empty(batch, seq, heads, head_dim)
+    rows = batch * seq * heads
+    _launch(_norm_rope_kernel, rows, head_dim, warmup, first.tokens, first.weight, second.tokens, second.weight,
+            cos, sin, out, rows, seq, heads, first_len, first.eps, second.eps, *first.tokens.stride()[:3],
+            *second.tokens.stride()[:3], *out.stride()[:3], cos.stride(0))
     return out

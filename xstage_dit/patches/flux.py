@@ -3,18 +3,27 @@
 Image tokens and their position ids are split on entry, and so are the text tokens and theirs where the
 sequence allows (`JointText`: the model drops its text at the end, and masks none of it); otherwise the text
 stays whole on every rank. Either way the rotary table the model builds from [local txt_ids, local img_ids]
-follows each local token's true position."""
+follows each local token's true position.
+
+While RoPE is fused (XStageConfig.fuse_rope), the blocks whose processor is diffusers' `FluxAttnProcessor` run
+`NormRopeProcessor`: the same attention, with each of query and key normalised, joined ([text, image]) and rotated
+by one kernel pass (ops.norm_rope) where diffusers runs two norms, a concatenation and a rotation."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+import torch.nn.functional as F
 from diffusers import FluxTransformer2DModel
+from diffusers.models.transformers import transformer_flux
 from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
-from ..sp import routing
-from ..sp.plan import JointText, SequenceParallelPlan
+from ..kernels.rotary_args import NormedTokens
+from ..sp import ops, routing
+from ..sp.plan import JointText, PlanContext, SequenceParallelPlan
 from . import cfg_rules
+from .processors import ReplacedProcessors, StandInProcessor
 
 
 def attention_of_both_streams(model: nn.Module) -> list[nn.Module]:
@@ -37,6 +46,68 @@ def refuse_controlnet_and_ip_adapter(family: str) -> Callable[[dict[str, Any]], 
     return check
 
 
+def _normed(tokens: torch.Tensor, norm: nn.RMSNorm) -> NormedTokens:
+    # torch's RMSNorm without an eps uses float32's, the type it computes in
+    return NormedTokens(tokens, norm.weight, torch.finfo(torch.float32).eps if norm.eps is None else norm.eps)
+
+
+def _norm_rope(parts: list[NormedTokens], rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The parts normalised, joined along the tokens and rotated: in one kernel where it takes them, else as
+    diffusers' processor does it (norms, concatenation, then the module's `apply_rotary_emb`, which xstage_dit
+    routes)."""
+    if rotary is not None and ops.norm_rope_kernel_runs(parts, *rotary):
+        return ops.norm_rope(parts, *rotary)
+    normed = [F.rms_norm(part.tokens, part.weight.shape, part.weight, part.eps) for part in parts]
+    joined = normed[0] if len(normed) == 1 else torch.cat(normed, dim=1)
+    return joined if rotary is None else transformer_flux.apply_rotary_emb(joined, rotary, sequence_dim=1)
+
+
+class NormRopeProcessor(StandInProcessor):
+    """diffusers' Flux attention with the query and key prologue in one kernel pass each (`_norm_rope`); it calls
+    the projections helper and attention through the diffusers module's names, so that whatever routes them
+    (xstage_dit) applies. Set only on modules whose q/k norms are RMSNorms with weights."""
+
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        projections = transformer_flux._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key, value, text_query, text_key, text_value = (
+            None if t is None else t.unflatten(-1, (-1, attn.head_dim)) for t in projections)
+        query_parts, key_parts = [_normed(query, attn.norm_q)], [_normed(key, attn.norm_k)]
+        if attn.added_kv_proj_dim is not None:  # text leads the joint sequence
+            query_parts.insert(0, _normed(text_query, attn.norm_added_q))
+            key_parts.insert(0, _normed(text_key, attn.norm_added_k))
+            value = torch.cat([text_value, value], dim=1)
+        query, key = _norm_rope(query_parts, image_rotary_emb), _norm_rope(key_parts, image_rotary_emb)
+        hidden_states = transformer_flux.dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        ).flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return hidden_states
+        text_len = encoder_hidden_states.shape[1]
+        text, image = hidden_states[:, :text_len], hidden_states[:, text_len:]
+        image = attn.to_out[1](attn.to_out[0](image.contiguous()))
+        return image, attn.to_add_out(text.contiguous())
+
+
+def _takes_norm_rope(attn: nn.Module) -> bool:
+    norms = [attn.norm_q, attn.norm_k]
+    if attn.added_kv_proj_dim is not None:
+        norms += [attn.norm_added_q, attn.norm_added_k]
+    return (type(attn.processor) is transformer_flux.FluxAttnProcessor
+            and all(isinstance(norm, nn.RMSNorm) and norm.weight is not None for norm in norms))
+
+
+def install_norm_rope(model: nn.Module, context: PlanContext) -> list[Any]:
+    """The plan install of a model whose blocks run Flux's processor (FLUX.1, Chroma): while RoPE is fused, every
+    attention module of both streams that runs diffusers' processor with RMSNorm q/k norms runs
+    `NormRopeProcessor`."""
+    if not context.fuse_rope:
+        return []
+    return [ReplacedProcessors(attention_of_both_streams(model), _takes_norm_rope, NormRopeProcessor)]
+
+
 PLANS = {
     FluxTransformer2DModel: SequenceParallelPlan(
         family="Flux",
@@ -53,5 +124,6 @@ PLANS = {
                            "encoder_hidden_states": JointText(-2), "txt_ids": JointText(-2)}},
         gather_outputs={"proj_out": -2},
         check_inputs=refuse_controlnet_and_ip_adapter("Flux"),
+        install=install_norm_rope,
     )
 }

@@ -24,16 +24,12 @@ from ..sp import routing
 from ..sp.masks import QueryKeyMasks
 from ..sp.plan import PlanContext, SequenceParallelPlan
 from . import cfg_rules
+from .processors import ReplacedProcessors, StandInProcessor
 
 
-class KeyPaddingProcessor:
+class KeyPaddingProcessor(StandInProcessor):
     """diffusers' HunyuanVideo 1.5 attention, masked by key padding (B, 1, 1, keys). It calls attention and the
     rotary embedding through their modules' names, so that whatever routes those names (xstage_dit) applies."""
-
-    def __init__(self, replaced: Any) -> None:
-        # the attention backend and parallel config diffusers set on the processor it replaces
-        self._attention_backend = replaced._attention_backend
-        self._parallel_config = replaced._parallel_config
 
     def __call__(self, attn: Attention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -72,23 +68,10 @@ class KeyPaddingProcessor:
         return hidden_states, encoder_hidden_states
 
 
-class _KeyPaddingProcessors:
-    """Every block's stock processor replaced by a `KeyPaddingProcessor` until `remove`."""
-
-    def __init__(self, model: nn.Module) -> None:
-        stock = transformer_hunyuan_video15.HunyuanVideo15AttnProcessor2_0
-        self._replaced = [(block.attn, block.attn.processor) for block in model.transformer_blocks
-                          if type(block.attn.processor) is stock]
-        for attn, processor in self._replaced:
-            attn.processor = KeyPaddingProcessor(processor)
-
-    def remove(self) -> None:
-        for attn, processor in self._replaced:
-            attn.processor = processor
-
-
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
-    return [_KeyPaddingProcessors(model)]
+    stock = transformer_hunyuan_video15.HunyuanVideo15AttnProcessor2_0
+    return [ReplacedProcessors([block.attn for block in model.transformer_blocks],
+                               lambda attn: type(attn.processor) is stock, KeyPaddingProcessor)]
 
 
 PLANS = {

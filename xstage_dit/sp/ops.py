@@ -8,13 +8,18 @@ compiler never traces collectives, symmetric-memory kernels or our Triton kernel
 - xstage::local_attention: degree 1, the backend choice's own kernel (what a compiled graph records; eager calls
   run `local_attention` directly);
 - xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY), what a
-  compiled graph records; eager calls launch the kernel directly (`rotary`)."""
+  compiled graph records; eager calls launch the kernel directly (`rotary`);
+- xstage::norm_rope: a joint-attention processor's query or key RMSNorms, the concatenation of its text and image
+  tokens and the rotation in one kernel (`norm_rope`, launched directly in eager calls like `rotary`)."""
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..kernels import triton_runs_on
+from ..kernels.rotary_args import NormedTokens
 from ..logging_utils import warn_once
 from ..runtime.distributed import waiting_for
 from ..xstage.planner import ExpertMode, ExpertSchedule
@@ -192,3 +197,42 @@ def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_d
 @rotary_emb.register_fake
 def _(x, cos, sin, sequence_dim):
     return torch.empty_like(x)
+
+
+def norm_rope_kernel_runs(parts: Sequence[NormedTokens], cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the norm + RoPE kernel takes these inputs (on a GPU, or in Triton's CPU interpreter); inputs it
+    cannot take are said once, as `rotary_kernel_runs` does."""
+    if _rotary is None or not (parts[0].tokens.is_cuda or _TRITON_RUNS_ON_CPU):
+        return False
+    if _rotary.norm_rope_accepts(parts, cos, sin):
+        return True
+    if not torch.compiler.is_compiling():
+        warn_once(f"xstage_dit: the norm + RoPE kernel does not take tokens "
+                  f"{[(tuple(part.tokens.shape), part.tokens.dtype) for part in parts]} with tables "
+                  f"{tuple(cos.shape)} {cos.dtype}; running the model's norms and apply_rotary_emb")
+    return False
+
+
+def norm_rope(parts: Sequence[NormedTokens], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The parts normalised, concatenated and rotated (kernels/rotary.py `norm_rotate`), for inputs
+    `norm_rope_kernel_runs` took; through the custom op where a graph is being compiled."""
+    if not torch.compiler.is_compiling():
+        return _rotary.norm_rotate(parts, cos, sin)
+    first, second = parts[0], parts[-1]
+    return norm_rope_op(first.tokens, first.weight, first.eps, second.tokens if len(parts) == 2 else None,
+                        second.weight, second.eps, cos, sin)
+
+
+@torch.library.custom_op("xstage::norm_rope", mutates_args=())
+def norm_rope_op(first: torch.Tensor, first_weight: torch.Tensor, first_eps: float, second: torch.Tensor | None,
+                 second_weight: torch.Tensor, second_eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    parts = [NormedTokens(first, first_weight, first_eps)]
+    if second is not None:
+        parts.append(NormedTokens(second, second_weight, second_eps))
+    return _rotary.norm_rotate(parts, cos, sin)
+
+
+@norm_rope_op.register_fake
+def _(first, first_weight, first_eps, second, second_weight, second_eps, cos, sin):
+    return first.new_empty(first.shape[0], cos.shape[0], *first.shape[2:])

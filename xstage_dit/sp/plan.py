@@ -49,10 +49,12 @@ class JointTokens:
 
 @dataclass(frozen=True)
 class PlanContext:
-    """What a plan's `install` is given: the model's token split, and the modes its MoE layers may run."""
+    """What a plan's `install` is given: the model's token split, the modes its MoE layers may run, and whether
+    the model's RoPE runs in our kernels (XStageConfig.fuse_rope)."""
 
     shard: SequenceShard
     experts: ExpertModes = ExpertModes()
+    fuse_rope: bool = True
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,8 @@ class AppliedPlan:
         self._marks: list[routing.ActiveMark | cache_hooks.SharedCacheDecisions] = []  # each undone by remove()
 
         shard = attention.shard
-        self._installed = plan.install(model, PlanContext(shard, experts)) if plan.install is not None else []
+        context = PlanContext(shard, experts, attention.fuse_rope)
+        self._installed = plan.install(model, context) if plan.install is not None else []
         if plan.check_inputs is not None:
             self._hooks.append(model.register_forward_pre_hook(
                 _check_inputs_hook(model, plan.check_inputs), with_kwargs=True

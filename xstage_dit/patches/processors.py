@@ -1,0 +1,30 @@
+"""What patches share to run their own attention processors on diffusers modules while a model is enabled."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+
+class StandInProcessor:
+    """Base of a processor that stands in for diffusers' one on a module: it keeps the attention backend and
+    parallel config diffusers set on the processor it replaces (`set_attention_backend` sets them on ours too)."""
+
+    def __init__(self, replaced: Any) -> None:
+        self._attention_backend = replaced._attention_backend
+        self._parallel_config = replaced._parallel_config
+
+
+class ReplacedProcessors:
+    """`make(processor)` set on every module of `modules` that `takes`, until `remove` puts the old ones back (a
+    processor the user set before stays where `takes` refuses it)."""
+
+    def __init__(self, modules: list[nn.Module], takes: Callable[[nn.Module], bool],
+                 make: Callable[[Any], StandInProcessor]) -> None:
+        self._replaced = [(module, module.processor) for module in modules if takes(module)]
+        for module, processor in self._replaced:
+            module.processor = make(processor)
+
+    def remove(self) -> None:
+        for module, processor in self._replaced:
+            module.processor = processor
