@@ -3,11 +3,13 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
 
     python examples/bench_kernels.py --out docs/benchmarks/kernels-h200 [--calibration FILE]
 
-- the RoPE kernel vs diffusers' apply_rotary_emb on q/k of the e2e benchmark's attention shapes, back to back;
+- the RoPE kernel vs diffusers' apply_rotary_emb on q/k of the e2e benchmark's attention shapes, and the
+  norm + RoPE kernel vs the norms, concatenation and RoPE it replaces in Flux, in CUDA graphs;
 - host time per call (GPU kept busy) of our degree-1 attention entry and routed RoPE vs what they replace;
 - own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
   sweep of tile configurations; at the e2e benchmark's attention shapes also vs cuDNN back to back (no L2 flush);
-- the attention kernel with its last round of tiles cut over the keys vs whole tiles only, at one rank's shapes;
+- the attention kernel with its last round of tiles cut over the keys vs whole tiles only, at one rank's shapes,
+  and vs cuDNN in CUDA graphs (the GPU's time alone: a short call timed on its own also times its launch);
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
   local memory), each through the backends' own code: the fused backend's steps over a loopback fabric (store
   kernels, attention with the scatter epilogue; no barriers) in both tile orders vs our attention kernel alone;
@@ -37,7 +39,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xstage_dit.kernels.attention import TileConfig, flash_attention
 from xstage_dit.kernels.attention_hopper import HopperConfig, split_tail
-from xstage_dit.kernels.rotary import rotary_interleaved
+from xstage_dit.kernels.rotary import norm_rotate, rotary_interleaved
+from xstage_dit.kernels.rotary_args import NormedTokens
 from xstage_dit.sp import ops
 from xstage_dit.sp.exchange import InFlight
 from xstage_dit.sp.fabric import LoopbackFabric
@@ -73,6 +76,29 @@ def back_to_back_ms(fn, calls: int = 10) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / calls
+
+
+def graph_ms(fn, calls: int = 20) -> float:
+    """ms per call of `calls` calls captured in one CUDA graph and replayed (the median of ROUNDS replays): the
+    GPU's time alone, with no host launch in the loop (short kernels' do_bench times include the host's)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) off the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(ROUNDS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def compare_ms(fns: dict, flush: bool = True) -> dict:
@@ -173,7 +199,8 @@ TAIL_SHAPES = [(1, 24 // n, 4608, 128) for n in (1, 2, 4, 8)] + [(1, 12 // n, 32
 
 def bench_tail_split() -> list[dict]:
     """The Gluon kernel with its last round of tiles cut over the keys (TailSplit, the default) vs the same
-    kernel with whole tiles only, and cuDNN, at one rank's Ulysses attention shapes."""
+    kernel with whole tiles only, and cuDNN, at one rank's Ulysses attention shapes; and ours vs cuDNN timed in
+    CUDA graphs, the GPU's time alone (for short calls, do_bench also times the host's launch)."""
     records = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for b, h, s, d in TAIL_SHAPES:
@@ -191,22 +218,42 @@ def bench_tail_split() -> list[dict]:
                               "xstage_attention (whole tiles)", ms["whole"], **extra))
         records.append(record("xstage_attention (tail split)", (b, s, h, d), ms["split"], "cudnn_sdpa", ms["cudnn"],
                               **extra))
+        records.append(record("xstage_attention (CUDA graph)", (b, s, h, d), graph_ms(lambda: flash_attention(q, k, v)),
+                              "cudnn_sdpa (CUDA graph)", graph_ms(lambda: cudnn(q, k, v)), **extra))
     return records
 
 
 def bench_rotary() -> list[dict]:
     """Our one-pass RoPE kernel vs diffusers' apply_rotary_emb (what a patched model's routed call replaces) on
-    q/k tensors of the e2e benchmark's attention shapes, back to back as inside a step."""
+    q/k tensors of the e2e benchmark's attention shapes, and the norm + RoPE kernel vs the norms, concatenation and
+    RoPE kernel it replaces in Flux's blocks; timed in CUDA graphs (these calls take microseconds: timed one by one
+    they measure the host's launch)."""
     records = []
     for b, h, s, d in IN_STEP_SHAPES:
         x = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
         cos, sin = (torch.randn(s, d, device="cuda") for _ in range(2))
-        ms = compare_ms({"ours": lambda: rotary_interleaved(x, cos, sin, 1),
-                         "diffusers": lambda: apply_rotary_emb(x, (cos, sin), sequence_dim=1)}, flush=False)
+        ours = graph_ms(lambda: rotary_interleaved(x, cos, sin, 1))
         moved = 2 * x.numel() * x.element_size() + 2 * cos.numel() * cos.element_size()  # x in, out, tables
-        records.append(record("rotary_emb (back to back)", (b, s, h, d), ms["ours"],
-                              "diffusers apply_rotary_emb (back to back)", ms["diffusers"],
-                              gb_per_s=moved / ms["ours"] / 1e6))
+        records.append(record("rotary_emb (CUDA graph)", (b, s, h, d), ours,
+                              "diffusers apply_rotary_emb (CUDA graph)",
+                              graph_ms(lambda: apply_rotary_emb(x, (cos, sin), sequence_dim=1)),
+                              gb_per_s=moved / ours / 1e6))
+    # a Flux dual-stream block's query: its text and image tokens, each with its own RMSNorm, joined and rotated
+    b, h, s, d = IN_STEP_SHAPES[0]
+    text_len = 512
+    parts = [NormedTokens(torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16),
+                          torch.randn(d, device="cuda", dtype=torch.bfloat16), 1e-6) for n in (text_len, s - text_len)]
+    cos, sin = (torch.randn(s, d, device="cuda") for _ in range(2))
+
+    def norms_then_rope():  # what NormRopeProcessor replaces, with our RoPE kernel
+        normed = torch.cat([F.rms_norm(p.tokens, (d,), p.weight, p.eps) for p in parts], dim=1)
+        return rotary_interleaved(normed, cos, sin, 1)
+
+    ours = graph_ms(lambda: norm_rotate(parts, cos, sin))
+    moved = 4 * b * s * h * d + 2 * cos.numel() * cos.element_size()  # bf16 tokens in and out, tables
+    records.append(record("norm + rope (CUDA graph)", (b, s, h, d), ours,
+                          "2 rms_norm + cat + rotary_emb (CUDA graph)", graph_ms(norms_then_rope),
+                          gb_per_s=moved / ours / 1e6))
     return records
 
 
