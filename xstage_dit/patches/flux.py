@@ -7,7 +7,9 @@ follows each local token's true position.
 
 While RoPE is fused (XStageConfig.fuse_rope), the blocks whose processor is diffusers' `FluxAttnProcessor` run
 `NormRopeProcessor`: the same attention, with each of query and key normalised, joined ([text, image]) and rotated
-by one kernel pass (ops.norm_rope) where diffusers runs two norms, a concatenation and a rotation."""
+by one kernel pass (ops.norm_rope) where diffusers runs two norms, a concatenation and a rotation. FLUX.1's MLP
+branches run as patches/flux_mlp.py says (the GELU in its GEMM's epilogue, no concatenation before the single-stream
+blocks' output projection)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -23,6 +25,7 @@ from ..kernels.rotary_args import NormedTokens
 from ..sp import ops, routing
 from ..sp.plan import JointText, PlanContext, SequenceParallelPlan
 from . import cfg_rules
+from .flux_mlp import FusedMlp
 from .processors import ReplacedProcessors, StandInProcessor
 
 
@@ -108,6 +111,10 @@ def install_norm_rope(model: nn.Module, context: PlanContext) -> list[Any]:
     return [ReplacedProcessors(attention_of_both_streams(model), _takes_norm_rope, NormRopeProcessor)]
 
 
+def _install(model: nn.Module, context: PlanContext) -> list[Any]:
+    return [*install_norm_rope(model, context), FusedMlp(model)]
+
+
 PLANS = {
     FluxTransformer2DModel: SequenceParallelPlan(
         family="Flux",
@@ -124,6 +131,6 @@ PLANS = {
                            "encoder_hidden_states": JointText(-2), "txt_ids": JointText(-2)}},
         gather_outputs={"proj_out": -2},
         check_inputs=refuse_controlnet_and_ip_adapter("Flux"),
-        install=install_norm_rope,
+        install=_install,
     )
 }

@@ -1,0 +1,67 @@
+"""patches/flux_mlp.py: FLUX.1's MLP branches with the GELU in the GEMM epilogue and the single-stream output
+projection split in two GEMMs, against diffusers' modules on fresh random inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.transformers import transformer_flux
+
+import xstage_dit
+import zoo
+from xstage_dit.patches.flux_mlp import EpilogueGELU, FusedMlp, SplitProjectionBlock
+
+
+def _single_block_and_ff(device: str, dtype: torch.dtype, dim: int = 256, heads: int = 4):
+    torch.manual_seed(0)
+    single = transformer_flux.FluxSingleTransformerBlock(dim, heads, dim // heads).to(device, dtype)
+    dual = transformer_flux.FluxTransformerBlock(dim, heads, dim // heads).to(device, dtype)
+    for module in (single, dual):
+        for parameter in module.parameters():  # not the initial ones (zero biases, unit norms)
+            torch.nn.init.normal_(parameter, 0.0, 0.05)
+    return single, dual.ff
+
+
+def _check(device: str, dtype: torch.dtype, tolerance: float) -> None:
+    single, ff = _single_block_and_ff(device, dtype)
+    dim = ff.net[0].proj.in_features
+    text, image = (torch.randn(2, n, dim, device=device, dtype=dtype) for n in (7, 61))
+    temb = torch.randn(2, dim, device=device, dtype=dtype)
+    angles = 10 * torch.rand(68, dim // 4, device=device)
+    rotary = (angles.cos(), angles.sin())
+    with torch.no_grad():
+        expected = (single(image, text, temb, rotary), ff(image))
+        swapped = FusedMlp(torch.nn.ModuleList([single, ff]))
+        assert type(single) is SplitProjectionBlock and type(ff.net[0]) is EpilogueGELU
+        got = (single(image, text, temb, rotary), ff(image))
+        swapped.remove()
+    assert type(single) is transformer_flux.FluxSingleTransformerBlock and type(ff.net[0]).__name__ == "GELU"
+    assert type(ff.net[0]) is not EpilogueGELU
+    for out, ref in zip((*got[0], got[1]), (*expected[0], expected[1])):
+        error = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        assert error <= tolerance, f"max error {error:.2e} of the largest value"
+
+
+def test_fused_mlp_equals_diffusers_modules():
+    _check("cpu", torch.float32, tolerance=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_mlp_equals_diffusers_modules_on_gpu(dtype):
+    # the epilogue GELU of the float32 accumulator and the projection's two roundings against diffusers' roundings
+    _check("cuda", dtype, tolerance=2 * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10))
+
+
+def test_enable_swaps_flux_mlps_under_their_names_and_disable_restores_them():
+    pipe = zoo.build_pipeline("tiny-flux")
+    model = pipe.transformer
+    before = {name: type(module) for name, module in model.named_modules()}
+    xstage_dit.enable(pipe)
+    try:
+        kinds = {type(module) for module in model.modules()}
+        assert SplitProjectionBlock in kinds and EpilogueGELU in kinds
+        # compile_repeated_blocks finds the blocks by these names
+        assert {type(block).__name__ for block in model.single_transformer_blocks} == {"FluxSingleTransformerBlock"}
+    finally:
+        xstage_dit.disable(pipe)
+    assert {name: type(module) for name, module in model.named_modules()} == before
