@@ -1,5 +1,5 @@
-"""patches/flux_mlp.py: FLUX.1's MLP branches with the GELU in the GEMM epilogue and the single-stream output
-projection split in two GEMMs, against diffusers' modules on fresh random inputs."""
+"""fused_gelu.py (tanh-GELU feed-forwards with the GELU in the GEMM epilogue) and patches/flux_mlp.py (FLUX.1's
+single-stream output projection split in two GEMMs) against diffusers' modules on fresh random inputs."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,8 @@ from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
 import zoo
-from xstage_dit.patches.flux_mlp import EpilogueGELU, FusedMlp, SplitProjectionBlock
+from xstage_dit.fused_gelu import EpilogueGELU, EpilogueGELUs
+from xstage_dit.patches.flux_mlp import SplitProjectionBlock, SplitProjectionBlocks
 
 
 def _single_block_and_ff(device: str, dtype: torch.dtype, dim: int = 256, heads: int = 4):
@@ -30,10 +31,12 @@ def _check(device: str, dtype: torch.dtype, tolerance: float) -> None:
     rotary = (angles.cos(), angles.sin())
     with torch.no_grad():
         expected = (single(image, text, temb, rotary), ff(image))
-        swapped = FusedMlp(torch.nn.ModuleList([single, ff]))
+        both = torch.nn.ModuleList([single, ff])
+        swaps = [EpilogueGELUs(both), SplitProjectionBlocks(both)]
         assert type(single) is SplitProjectionBlock and type(ff.net[0]) is EpilogueGELU
         got = (single(image, text, temb, rotary), ff(image))
-        swapped.remove()
+        for swap in swaps:
+            swap.remove()
     assert type(single) is transformer_flux.FluxSingleTransformerBlock and type(ff.net[0]).__name__ == "GELU"
     assert type(ff.net[0]) is not EpilogueGELU
     for out, ref in zip((*got[0], got[1]), (*expected[0], expected[1])):
@@ -52,16 +55,17 @@ def test_fused_mlp_equals_diffusers_modules_on_gpu(dtype):
     _check("cuda", dtype, tolerance=2 * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10))
 
 
-def test_enable_swaps_flux_mlps_under_their_names_and_disable_restores_them():
-    pipe = zoo.build_pipeline("tiny-flux")
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan"])
+def test_enable_swaps_the_layers_under_their_names_and_disable_restores_them(name):
+    pipe = zoo.build_pipeline(name)
     model = pipe.transformer
     before = {name: type(module) for name, module in model.named_modules()}
     xstage_dit.enable(pipe)
     try:
         kinds = {type(module) for module in model.modules()}
-        assert SplitProjectionBlock in kinds and EpilogueGELU in kinds
+        assert EpilogueGELU in kinds and (SplitProjectionBlock in kinds) is (name == "tiny-flux")
         # compile_repeated_blocks finds the blocks by these names
-        assert {type(block).__name__ for block in model.single_transformer_blocks} == {"FluxSingleTransformerBlock"}
+        assert {type(module).__name__ for module in model.modules()} == {kind.__name__ for kind in before.values()}
     finally:
         xstage_dit.disable(pipe)
     assert {name: type(module) for name, module in model.named_modules()} == before

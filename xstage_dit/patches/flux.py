@@ -7,9 +7,8 @@ follows each local token's true position.
 
 While RoPE is fused (XStageConfig.fuse_rope), the blocks whose processor is diffusers' `FluxAttnProcessor` run
 `NormRopeProcessor`: the same attention, with each of query and key normalised, joined ([text, image]) and rotated
-by one kernel pass (ops.norm_rope) where diffusers runs two norms, a concatenation and a rotation. FLUX.1's MLP
-branches run as patches/flux_mlp.py says (the GELU in its GEMM's epilogue, no concatenation before the single-stream
-blocks' output projection)."""
+by one kernel pass (ops.norm_rope) where diffusers runs two norms, a concatenation and a rotation. FLUX.1's
+single-stream blocks write no concatenation before their output projection (patches/flux_mlp.py)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -25,7 +24,7 @@ from ..kernels.rotary_args import NormedTokens
 from ..sp import ops, routing
 from ..sp.plan import JointText, PlanContext, SequenceParallelPlan
 from . import cfg_rules
-from .flux_mlp import FusedMlp
+from .flux_mlp import SplitProjectionBlocks
 from .processors import ReplacedProcessors, StandInProcessor
 
 
@@ -112,7 +111,7 @@ def install_norm_rope(model: nn.Module, context: PlanContext) -> list[Any]:
 
 
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
-    return [*install_norm_rope(model, context), FusedMlp(model)]
+    return [*install_norm_rope(model, context), SplitProjectionBlocks(model)]
 
 
 PLANS = {

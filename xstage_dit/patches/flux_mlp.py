@@ -1,27 +1,19 @@
-"""FLUX.1's MLP branches without the extra passes over their hidden activations (14 or 15 thousand columns per
-token): the tanh-GELU runs in the epilogue of the GEMM before it (`torch._addmm_activation`, cuBLASLt's GELU
-epilogue; on CUDA), and each single-stream block projects its attention output and its MLP branch as two GEMMs,
-the second accumulating into the first's output, where diffusers writes their concatenation and projects that.
+"""FLUX.1's single-stream blocks without writing the concatenation of their attention output and MLP branch
+(15360 columns per token at FLUX.1-dev's size): the output projection runs as two GEMMs, the second accumulating
+into the first's output, and the MLP's tanh-GELU runs in its GEMM's epilogue (fused_gelu.gelu_linear).
 
-The blocks and the feed-forward GELUs get subclasses of the same names (so that `compile_repeated_blocks`, which
-finds blocks by class name, still compiles them) until `remove`. The single-stream forward is diffusers' with those
-two changes; its result differs from diffusers' by rounding (the GELU on the float32 accumulator; the attention
-part of the projection rounded once before the MLP part is added)."""
+The blocks get a subclass of the same name (so that `compile_repeated_blocks`, which finds blocks by class name,
+still compiles them) until `remove`. Its forward is diffusers' with those two changes; its result differs from
+diffusers' by rounding (the GELU on the float32 accumulator; the attention part of the projection rounded once
+before the MLP part is added)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.activations import GELU
 from diffusers.models.transformers import transformer_flux
 from torch import nn
 
-
-def gelu_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """tanh-GELU of `linear(x)`; on CUDA with the GELU in the GEMM's epilogue."""
-    if x.is_cuda and linear.bias is not None:
-        out = torch._addmm_activation(linear.bias, x.reshape(-1, x.shape[-1]), linear.weight.t(), use_gelu=True)
-        return out.view(*x.shape[:-1], out.shape[-1])
-    return F.gelu(linear(x), approximate="tanh")
+from ..fused_gelu import gelu_linear
 
 
 def project_joined(first: torch.Tensor, second: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -31,16 +23,6 @@ def project_joined(first: torch.Tensor, second: torch.Tensor, linear: nn.Linear)
     out = F.linear(first, linear.weight[:, :split], linear.bias)
     out = torch.addmm(out.view(-1, out.shape[-1]), second.reshape(-1, second.shape[-1]), linear.weight[:, split:].t())
     return out.view(*first.shape[:-1], out.shape[-1])
-
-
-class EpilogueGELU(GELU):
-    """diffusers' GELU (a Linear, then the tanh-GELU) as one GEMM with the GELU in its epilogue."""
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return gelu_linear(hidden_states, self.proj)
-
-
-EpilogueGELU.__name__ = EpilogueGELU.__qualname__ = GELU.__name__
 
 
 class SplitProjectionBlock(transformer_flux.FluxSingleTransformerBlock):
@@ -70,22 +52,14 @@ def _takes_single_block(module: nn.Module) -> bool:
             and module.act_mlp.approximate == "tanh")
 
 
-class FusedMlp:
-    """The model's tanh-GELU feed-forwards and single-stream blocks switched to the classes above until
-    `remove`."""
+class SplitProjectionBlocks:
+    """The model's single-stream blocks switched to `SplitProjectionBlock` until `remove`."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._swapped: list[tuple[nn.Module, type]] = []
-        for module in model.modules():
-            if type(module) is GELU and module.approximate == "tanh":
-                self._swap(module, EpilogueGELU)
-            elif _takes_single_block(module):
-                self._swap(module, SplitProjectionBlock)
-
-    def _swap(self, module: nn.Module, cls: type) -> None:
-        self._swapped.append((module, type(module)))
-        module.__class__ = cls
+        self._swapped = [module for module in model.modules() if _takes_single_block(module)]
+        for module in self._swapped:
+            module.__class__ = SplitProjectionBlock
 
     def remove(self) -> None:
-        for module, original in self._swapped:
-            module.__class__ = original
+        for module in self._swapped:
+            module.__class__ = transformer_flux.FluxSingleTransformerBlock

@@ -1,0 +1,43 @@
+"""diffusers' tanh-GELU feed-forward activations (`GELU(approximate="tanh")`: a Linear, then the GELU) as one GEMM
+with the GELU in its epilogue (`torch._addmm_activation`, cuBLASLt's GELU epilogue, on CUDA): the pass that reads
+and writes the feed-forward's widest activations once more goes away. The GELU then acts on the float32
+accumulator rather than on the output rounded to the model's dtype. The modules get a subclass of the same name
+until `remove`; elsewhere (CPU, a Linear replaced by an adapter, mixed dtypes) they run diffusers' forward."""
+from __future__ import annotations
+
+import torch
+from diffusers.models.activations import GELU
+from torch import nn
+
+
+def gelu_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """tanh-GELU of `linear(x)`; on CUDA with the GELU in the GEMM's epilogue where `linear` is a plain Linear
+    with a bias, in x's dtype."""
+    if x.is_cuda and type(linear) is nn.Linear and linear.bias is not None and x.dtype == linear.weight.dtype:
+        out = torch._addmm_activation(linear.bias, x.reshape(-1, x.shape[-1]), linear.weight.t(), use_gelu=True)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return nn.functional.gelu(linear(x), approximate="tanh")
+
+
+class EpilogueGELU(GELU):
+    """diffusers' GELU with the tanh approximation, through `gelu_linear`."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return gelu_linear(hidden_states, self.proj)
+
+
+EpilogueGELU.__name__ = EpilogueGELU.__qualname__ = GELU.__name__
+
+
+class EpilogueGELUs:
+    """Every tanh-GELU module of `model` switched to `EpilogueGELU` until `remove`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._swapped = [module for module in model.modules()
+                         if type(module) is GELU and module.approximate == "tanh"]
+        for module in self._swapped:
+            module.__class__ = EpilogueGELU
+
+    def remove(self) -> None:
+        for module in self._swapped:
+            module.__class__ = GELU
