@@ -21,7 +21,9 @@ from .rotary_args import NormedTokens
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ELEMENTS_PER_PROGRAM = 4096  # rows x head_dim per program: 8 KiB of bf16 in, 8 KiB out
-_MAX_ROWS = 2**31 - ELEMENTS_PER_PROGRAM  # row indices are int32 in the kernel
+# Triton's CPU interpreter runs one program at a time, each op a numpy call over the block: few large programs
+INTERPRETED_ELEMENTS_PER_PROGRAM = 65536
+_MAX_ROWS = 2**31 - INTERPRETED_ELEMENTS_PER_PROGRAM  # row indices are int32 in the kernel
 
 
 @triton.jit
@@ -124,8 +126,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: 
 
 
 def _launch(kernel: triton.runtime.JITFunction, rows: int, head_dim: int, warmup: bool, *args: object) -> None:
-    """`kernel` over `rows` (batch, token, head) rows, or with `warmup` only compiled for the active driver."""
-    block_rows = max(1, ELEMENTS_PER_PROGRAM // head_dim)
+    """`kernel` over `rows` (batch, token, head) rows (args[0] is a tensor on the device it runs for), or with
+    `warmup` only compiled for the active driver."""
+    per_program = ELEMENTS_PER_PROGRAM if args[0].is_cuda or warmup else INTERPRETED_ELEMENTS_PER_PROGRAM
+    block_rows = max(1, per_program // head_dim)
     grid = (triton.cdiv(rows, block_rows),)
     # no FMA contraction: x cos and rotated sin are rounded to float32 before the sum, as in diffusers' code
     switches = dict(HEAD_DIM=head_dim, BLOCK_ROWS=block_rows, num_warps=4, enable_fp_fusion=False)
