@@ -8,8 +8,8 @@ from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
 import zoo
-from xstage_dit.fused_gelu import EpilogueGELU, EpilogueGELUs
-from xstage_dit.patches.flux_mlp import SplitProjectionBlock, SplitProjectionBlocks
+from xstage_dit.fused_gelu import EpilogueGELU, epilogue_gelus
+from xstage_dit.patches.flux_mlp import SplitProjectionBlock, split_projection_blocks
 
 
 def _single_block_and_ff(device: str, dtype: torch.dtype, dim: int = 256, heads: int = 4):
@@ -32,7 +32,7 @@ def _check(device: str, dtype: torch.dtype, tolerance: float) -> None:
     with torch.no_grad():
         expected = (single(image, text, temb, rotary), ff(image))
         both = torch.nn.ModuleList([single, ff])
-        swaps = [EpilogueGELUs(both), SplitProjectionBlocks(both)]
+        swaps = [epilogue_gelus(both), split_projection_blocks(both)]
         assert type(single) is SplitProjectionBlock and type(ff.net[0]) is EpilogueGELU
         got = (single(image, text, temb, rotary), ff(image))
         for swap in swaps:

@@ -18,7 +18,7 @@ from .patches.vaes import supported_vaes, vae_rule_for
 from .cfg_parallel import CfgSplit, PairedCalls
 from .cfg_plan import PAIRS
 from .config import XStageConfig
-from .fused_gelu import EpilogueGELUs
+from .fused_gelu import epilogue_gelus
 from .logging_utils import logger, warn_once
 from .pipeline_call import is_wrapped, unwrap_pipeline_call, wrap_pipeline_call
 from .runtime import ParallelGroups, build_groups, ensure_process_group, world_from_env
@@ -258,7 +258,7 @@ def enable(
         shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
         attention = UlyssesAttention(shard, choice, plan.text_first, config.fuse_rope, plan.query_key_masks)
         experts = ExpertModes.resolve(config.expert_parallel, groups.ulysses_degree, fabric is not None)
-        parts: list[Any] = [AppliedPlan(model, plan, attention, experts), EpilogueGELUs(model)]
+        parts: list[Any] = [AppliedPlan(model, plan, attention, experts), epilogue_gelus(model)]
         if graphs:  # inside the CFG split: a graph holds this rank's branch, the swap stays outside
             parts.append(GraphedForward(model, groups.device, _cross_rank_work(groups, config, fabric),
                                         functools.partial(stateful_hooks, model)))

@@ -9,6 +9,8 @@ import torch
 from diffusers.models.activations import GELU
 from torch import nn
 
+from .module_forward import SwappedClasses
+
 
 def gelu_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     """tanh-GELU of `linear(x)`; on CUDA with the GELU in the GEMM's epilogue where `linear` is a plain Linear
@@ -29,15 +31,7 @@ class EpilogueGELU(GELU):
 EpilogueGELU.__name__ = EpilogueGELU.__qualname__ = GELU.__name__
 
 
-class EpilogueGELUs:
-    """Every tanh-GELU module of `model` switched to `EpilogueGELU` until `remove`."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self._swapped = [module for module in model.modules()
-                         if type(module) is GELU and module.approximate == "tanh"]
-        for module in self._swapped:
-            module.__class__ = EpilogueGELU
-
-    def remove(self) -> None:
-        for module in self._swapped:
-            module.__class__ = GELU
+def epilogue_gelus(model: nn.Module) -> SwappedClasses:
+    """Every tanh-GELU module of `model` switched to `EpilogueGELU` until `.remove()`."""
+    return SwappedClasses([module for module in model.modules()
+                           if type(module) is GELU and module.approximate == "tanh"], EpilogueGELU)

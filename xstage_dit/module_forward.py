@@ -1,6 +1,6 @@
 """Replacing a module's forward (or another method) for a while: the layers `enable` puts around a transformer's
 forward stack (CUDA graphs inside, the CFG split outside), and the parallel VAE's layers, each undone exactly,
-whatever was there before."""
+whatever was there before; and modules switched to a subclass with another forward (`SwappedClasses`)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -29,3 +29,17 @@ class ReplacedForward:
             delattr(self.model, self.attribute)
         else:
             setattr(self.model, self.attribute, self._previous)
+
+
+class SwappedClasses:
+    """Each of `modules` switched to `cls` (a subclass of its class with another forward) until `remove` puts its
+    own class back."""
+
+    def __init__(self, modules: list[nn.Module], cls: type) -> None:
+        self._swapped = [(module, type(module)) for module in modules]
+        for module, _ in self._swapped:
+            module.__class__ = cls
+
+    def remove(self) -> None:
+        for module, original in self._swapped:
+            module.__class__ = original

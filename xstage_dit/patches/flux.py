@@ -24,7 +24,7 @@ from ..kernels.rotary_args import NormedTokens
 from ..sp import ops, routing
 from ..sp.plan import JointText, PlanContext, SequenceParallelPlan
 from . import cfg_rules
-from .flux_mlp import SplitProjectionBlocks
+from .flux_mlp import split_projection_blocks
 from .processors import ReplacedProcessors, StandInProcessor
 
 
@@ -111,7 +111,7 @@ def install_norm_rope(model: nn.Module, context: PlanContext) -> list[Any]:
 
 
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
-    return [*install_norm_rope(model, context), SplitProjectionBlocks(model)]
+    return [*install_norm_rope(model, context), split_projection_blocks(model)]
 
 
 PLANS = {

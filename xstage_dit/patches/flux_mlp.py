@@ -14,6 +14,7 @@ from diffusers.models.transformers import transformer_flux
 from torch import nn
 
 from ..fused_gelu import gelu_linear
+from ..module_forward import SwappedClasses
 
 
 def project_joined(first: torch.Tensor, second: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -52,14 +53,7 @@ def _takes_single_block(module: nn.Module) -> bool:
             and module.act_mlp.approximate == "tanh")
 
 
-class SplitProjectionBlocks:
-    """The model's single-stream blocks switched to `SplitProjectionBlock` until `remove`."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self._swapped = [module for module in model.modules() if _takes_single_block(module)]
-        for module in self._swapped:
-            module.__class__ = SplitProjectionBlock
-
-    def remove(self) -> None:
-        for module in self._swapped:
-            module.__class__ = transformer_flux.FluxSingleTransformerBlock
+def split_projection_blocks(model: nn.Module) -> SwappedClasses:
+    """The model's single-stream blocks switched to `SplitProjectionBlock` until `.remove()`."""
+    return SwappedClasses([module for module in model.modules() if _takes_single_block(module)],
+                          SplitProjectionBlock)
