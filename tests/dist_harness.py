@@ -1,5 +1,10 @@
 """Run a function on N real processes joined by a gloo group started from launcher-style environment
-variables, the way torchrun starts them; fail the calling test with the workers' error or on a deadline."""
+variables, the way torchrun starts them; fail the calling test with the workers' error or on a deadline.
+
+Without a GPU the ranks are forked from a server process that imports the heavy libraries once (`PRELOADED`): a
+freshly spawned rank spends seconds importing them, which made up most of the CPU suite's time. With a GPU they
+are spawned (importing those libraries initialises CUDA, which a forked process cannot use). Each rank gets the
+caller's environment as it is at the call, as a spawned process would."""
 from __future__ import annotations
 
 import faulthandler
@@ -10,23 +15,28 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from xstage_dit.runtime.distributed import free_port
 
+PRELOADED = ["torch", "torch.distributed", "xstage_dit", "zoo"]
+START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
+mp.set_forkserver_preload(PRELOADED)
 
-def _worker(rank: int, world_size: int, port: int, deadline: float, fn: Callable[..., Any], args: tuple) -> None:
-    # a rank still running shortly before the caller's deadline (wall clock: a spawned process starts seconds
-    # after the caller's clock did) prints where each of its threads is stuck
+
+def _worker(rank: int, world_size: int, port: int, deadline: float, environment: dict[str, str],
+            fn: Callable[..., Any], args: tuple) -> None:
+    # a rank still running shortly before the caller's deadline (wall clock: a rank starts after the caller's
+    # clock did) prints where each of its threads is stuck
     faulthandler.dump_traceback_later(max(1.0, deadline - time.time() - 10), exit=False)
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )
-    import torch
-
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     # how far each rank got shows in the test's captured stderr when it fails or runs out of time
     try:
@@ -58,11 +68,11 @@ def share_one_gpu() -> None:
 
 
 def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 300.0) -> None:
-    """Call fn(*args) on `world_size` spawned processes; re-raise the first worker failure."""
+    """Call fn(*args) on `world_size` processes; re-raise the first worker failure."""
     end = time.monotonic() + deadline_s
     context = mp.start_processes(
-        _worker, args=(world_size, free_port(), time.time() + deadline_s, fn, args), nprocs=world_size,
-        join=False, start_method="spawn"
+        _worker, args=(world_size, free_port(), time.time() + deadline_s, dict(os.environ), fn, args),
+        nprocs=world_size, join=False, start_method=START_METHOD
     )
     while not context.join(timeout=1.0):
         if time.monotonic() > end:
