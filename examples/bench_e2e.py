@@ -40,6 +40,7 @@ from provenance import provenance
 from step_timer import StepTimer, reporting_steps
 
 DIFFUSERS_ROPE = "+diffusers-rope"  # backend-name suffix: that backend with enable(fuse_rope=False)
+DIFFUSERS_MLP = "+diffusers-mlp"  # backend-name suffix: that backend with enable(fuse_mlp=False)
 EXPERT_PARALLEL = "+expert-parallel"  # backend-name suffix: that backend with enable(expert_parallel=True)
 MODES = ["eager", "compiled", "graphs", "compiled+graphs"]
 
@@ -56,7 +57,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", nargs="+", default=["reference"],
                         help="xstage_dit backends to time; a name ending in " + DIFFUSERS_ROPE + " runs that backend "
                              "with diffusers' own RoPE code (enable(fuse_rope=False)), one ending in "
-                             + EXPERT_PARALLEL + " with its experts split (enable(expert_parallel=True))")
+                             + DIFFUSERS_MLP + " with diffusers' feed-forward code (enable(fuse_mlp=False)), one "
+                             "ending in " + EXPERT_PARALLEL + " with its experts split (enable(expert_parallel=True))")
     parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES,
                         help="how each variant runs (stock: eager and compiled only)")
     parser.add_argument("--diffusers-cp", action="store_true",
@@ -120,15 +122,19 @@ def compiled_blocks(pipe):
 
 @contextlib.contextmanager
 def variant_of(pipe, variant: str):
-    """The pipeline as `variant` runs it: "xstage-<backend>[+diffusers-rope][+expert-parallel]" enables xstage_dit
-    for the block,
-    "+compiled" compiles the repeated blocks, "+graphs" captures the transformers' forwards."""
-    base, *modes = variant.replace(DIFFUSERS_ROPE, "").replace(EXPERT_PARALLEL, "").split("+")
+    """The pipeline as `variant` runs it: "xstage-<backend>[+diffusers-rope][+diffusers-mlp][+expert-parallel]"
+    enables xstage_dit for the block, "+compiled" compiles the repeated blocks, "+graphs" captures the
+    transformers' forwards."""
+    name = variant
+    for suffix in (DIFFUSERS_ROPE, DIFFUSERS_MLP, EXPERT_PARALLEL):
+        name = name.replace(suffix, "")
+    base, *modes = name.split("+")
     with contextlib.ExitStack() as stack:
         if "compiled" in modes:
             stack.enter_context(compiled_blocks(pipe))
         if base.startswith("xstage-"):
             xstage_dit.enable(pipe, backend=base.removeprefix("xstage-"), fuse_rope=DIFFUSERS_ROPE not in variant,
+                              fuse_mlp=DIFFUSERS_MLP not in variant,
                               cuda_graphs="graphs" in modes, expert_parallel=EXPERT_PARALLEL in variant)
             stack.callback(xstage_dit.disable, pipe)
         yield

@@ -181,6 +181,7 @@ def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flu
     ({"ulysses_degree": 0}, r"ulysses_degree must be None or an int >= 1, got 0"),
     ({"backend": None}, r"backend must be a name from \["),
     ({"fuse_rope": "yes"}, r"fuse_rope must be True or False, got 'yes'"),
+    ({"fuse_mlp": None}, r"fuse_mlp must be True or False, got None"),
     ({"cuda_graphs": 1}, r"cuda_graphs must be None \(on where there is a GPU\), True or False, got 1"),
     ({"parallel_vae": "yes"}, r"parallel_vae must be None \(on where supported\), True or False, got 'yes'"),
     ({"expert_parallel": 1}, r"expert_parallel must be None \(chosen per layer call\), True or False, got 1"),

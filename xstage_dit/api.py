@@ -61,7 +61,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any,
+def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any, fuse_rope: Any, fuse_mlp: Any,
                  check_inputs: Any, cuda_graphs: Any, parallel_vae: Any, expert_parallel: Any) -> None:
     """Each argument's type and range, named in the error with the value given."""
     if ulysses_degree is not None and not (_is_int(ulysses_degree) and ulysses_degree >= 1):
@@ -73,7 +73,7 @@ def _check_types(ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: 
     if not (isinstance(timeout_s, numbers.Real) and not isinstance(timeout_s, bool)
             and 0 < timeout_s < math.inf):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    for name, value in (("fuse_rope", fuse_rope), ("check_inputs", check_inputs)):
+    for name, value in (("fuse_rope", fuse_rope), ("fuse_mlp", fuse_mlp), ("check_inputs", check_inputs)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
@@ -155,11 +155,11 @@ def _expert_parallel(asked: bool | None, models: list[nn.Module], degree: int) -
 
 def _resolve_config(
     pipe: Any, models: list[nn.Module], ulysses_degree: Any, cfg_degree: Any, backend: Any, timeout_s: Any,
-    fuse_rope: Any, check_inputs: Any, cuda_graphs: Any, parallel_vae: Any, expert_parallel: Any,
+    fuse_rope: Any, fuse_mlp: Any, check_inputs: Any, cuda_graphs: Any, parallel_vae: Any, expert_parallel: Any,
 ) -> XStageConfig:
     """Check every argument against the job and the models, before any collective."""
-    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs, cuda_graphs, parallel_vae,
-                 expert_parallel)
+    _check_types(ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, fuse_mlp, check_inputs, cuda_graphs,
+                 parallel_vae, expert_parallel)
     world_size, _ = world_from_env()
     degree = _ulysses_degree(world_size, ulysses_degree, cfg_degree)
     for model in models:
@@ -169,7 +169,7 @@ def _resolve_config(
         _check_heads(model, plan.num_heads(model), degree, ulysses_degree is not None, world_size)
     resolve_backend(backend, local_device())
     return XStageConfig(ulysses_degree=degree, cfg_degree=int(cfg_degree), backend=backend,
-                        timeout_s=float(timeout_s), fuse_rope=fuse_rope, check_inputs=check_inputs,
+                        timeout_s=float(timeout_s), fuse_rope=fuse_rope, fuse_mlp=fuse_mlp, check_inputs=check_inputs,
                         cuda_graphs=_cuda_graphs(cuda_graphs, local_device()),
                         parallel_vae=_parallel_vae(parallel_vae, getattr(pipe, "vae", None)),
                         expert_parallel=_expert_parallel(expert_parallel, models, degree))
@@ -178,8 +178,8 @@ def _resolve_config(
 def _fingerprint(models: list[nn.Module], config: XStageConfig) -> Fingerprint:
     """What every rank's `enable` must agree on: the resolved arguments, the models' classes and weights."""
     fingerprint = Fingerprint()
-    for name in ("ulysses_degree", "cfg_degree", "backend", "timeout_s", "fuse_rope", "cuda_graphs", "parallel_vae",
-                 "expert_parallel"):
+    for name in ("ulysses_degree", "cfg_degree", "backend", "timeout_s", "fuse_rope", "fuse_mlp", "cuda_graphs",
+                 "parallel_vae", "expert_parallel"):
         fingerprint.add(name, getattr(config, name))
     for model in models:
         fingerprint.add("model class", type(model).__name__)
@@ -203,6 +203,7 @@ def enable(
     backend: str = "auto",
     timeout_s: float = 600.0,
     fuse_rope: bool = True,
+    fuse_mlp: bool = True,
     check_inputs: bool = True,
     cuda_graphs: bool | None = None,
     parallel_vae: bool | None = None,
@@ -215,7 +216,9 @@ def enable(
     in a single process the model runs unsplit with xstage_dit's attention. Every rank must make the same
     calls with the same inputs; every rank gets the whole result. `fuse_rope=False` keeps diffusers' own
     rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU; in
-    Flux and Chroma one kernel pass also takes the q/k RMSNorms before it).
+    Flux and Chroma one kernel pass also takes the q/k RMSNorms before it). `fuse_mlp=False` keeps diffusers'
+    feed-forward code (by default a tanh-GELU runs in its GEMM's epilogue on a GPU, and FLUX.1's single-stream
+    blocks project their attention and MLP outputs without joining them); both fusions change rounding slightly.
     `check_inputs=False` skips the small collectives in which the ranks check that they got the same
     arguments and models (weights included) at `enable`, and the same arguments at every pipeline call.
     `cuda_graphs` (default: on where there is a GPU) captures each transformer's forward per input signature
@@ -234,8 +237,8 @@ def enable(
     if any(state is not None and id(pipe) in state.pipelines for state in enabled) or (
             isinstance(pipe, ModelMixin) and enabled[0] is not None):
         raise RuntimeError(f"xstage_dit.enable was already called on this {type(models[0]).__name__}")
-    config = _resolve_config(pipe, models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, check_inputs,
-                             cuda_graphs, parallel_vae, expert_parallel)
+    config = _resolve_config(pipe, models, ulysses_degree, cfg_degree, backend, timeout_s, fuse_rope, fuse_mlp,
+                             check_inputs, cuda_graphs, parallel_vae, expert_parallel)
     if any(state is not None for state in enabled):
         return _attach(pipe, models, enabled, config)
     ensure_process_group(config.timeout_s)
@@ -258,7 +261,9 @@ def enable(
         shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
         attention = UlyssesAttention(shard, choice, plan.text_first, config.fuse_rope, plan.query_key_masks)
         experts = ExpertModes.resolve(config.expert_parallel, groups.ulysses_degree, fabric is not None)
-        parts: list[Any] = [AppliedPlan(model, plan, attention, experts), epilogue_gelus(model)]
+        parts: list[Any] = [AppliedPlan(model, plan, attention, experts, config.fuse_mlp)]
+        if config.fuse_mlp:
+            parts.append(epilogue_gelus(model))
         if graphs:  # inside the CFG split: a graph holds this rank's branch, the swap stays outside
             parts.append(GraphedForward(model, groups.device, _cross_rank_work(groups, config, fabric),
                                         functools.partial(stateful_hooks, model)))

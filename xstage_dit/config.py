@@ -14,6 +14,9 @@ class XStageConfig:
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
     fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU); in
         Flux and Chroma the q/k RMSNorms before it run in the same pass (patches/flux.py NormRopeProcessor).
+    fuse_mlp: the feed-forwards' tanh-GELU runs in its GEMM's epilogue (fused_gelu.py, on CUDA) and FLUX.1's
+        single-stream blocks project their attention and MLP outputs without joining them (patches/flux_mlp.py).
+        Like fuse_rope, it changes rounding slightly; False keeps diffusers' layer code.
     check_inputs: the ranks check, in one small collective at `enable`, that they got the same arguments and
         models (weights included).
     cuda_graphs: each transformer's forward is captured per input signature in a CUDA graph and replayed.
@@ -27,6 +30,7 @@ class XStageConfig:
     backend: str = "auto"
     timeout_s: float = 600.0
     fuse_rope: bool = True
+    fuse_mlp: bool = True
     check_inputs: bool = True
     cuda_graphs: bool = False
     parallel_vae: bool = False

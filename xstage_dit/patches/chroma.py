@@ -15,7 +15,7 @@ from ..sp import routing
 from ..sp.masks import QueryKeyMasks
 from ..sp.plan import JointTokens, SequenceParallelPlan
 from . import cfg_rules
-from .flux import attention_of_both_streams, install_norm_rope, refuse_controlnet_and_ip_adapter
+from .flux import attention_of_both_streams, install_flux_blocks, refuse_controlnet_and_ip_adapter
 
 _FLUX = "diffusers.models.transformers.transformer_flux"  # Chroma's blocks run Flux's processor
 
@@ -31,6 +31,6 @@ PLANS = {
         gather_outputs={"proj_out": -2},
         check_inputs=refuse_controlnet_and_ip_adapter("Chroma"),
         query_key_masks=QueryKeyMasks.PAIR_BIAS,
-        install=install_norm_rope,
+        install=install_flux_blocks,
     )
 }

@@ -7,8 +7,9 @@ follows each local token's true position.
 
 While RoPE is fused (XStageConfig.fuse_rope), the blocks whose processor is diffusers' `FluxAttnProcessor` run
 `NormRopeProcessor`: the same attention, with each of query and key normalised, joined ([text, image]) and rotated
-by one kernel pass (ops.norm_rope) where diffusers runs two norms, a concatenation and a rotation. FLUX.1's
-single-stream blocks write no concatenation before their output projection (patches/flux_mlp.py)."""
+by one kernel pass (ops.norm_rope) where diffusers runs two norms, a concatenation and a rotation. While MLPs are
+fused (XStageConfig.fuse_mlp), the single-stream blocks write no concatenation before their output projection
+(patches/flux_mlp.py). Chroma's plan installs the same (install_flux_blocks)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -101,17 +102,18 @@ def _takes_norm_rope(attn: nn.Module) -> bool:
             and all(isinstance(norm, nn.RMSNorm) and norm.weight is not None for norm in norms))
 
 
-def install_norm_rope(model: nn.Module, context: PlanContext) -> list[Any]:
-    """The plan install of a model whose blocks run Flux's processor (FLUX.1, Chroma): while RoPE is fused, every
-    attention module of both streams that runs diffusers' processor with RMSNorm q/k norms runs
-    `NormRopeProcessor`."""
+def _install_norm_rope(model: nn.Module, context: PlanContext) -> list[Any]:
+    """While RoPE is fused, every attention module of both streams that runs diffusers' processor with RMSNorm q/k
+    norms runs `NormRopeProcessor`."""
     if not context.fuse_rope:
         return []
     return [ReplacedProcessors(attention_of_both_streams(model), _takes_norm_rope, NormRopeProcessor)]
 
 
-def _install(model: nn.Module, context: PlanContext) -> list[Any]:
-    return [*install_norm_rope(model, context), split_projection_blocks(model)]
+def install_flux_blocks(model: nn.Module, context: PlanContext) -> list[Any]:
+    """The plan install of FLUX.1 and Chroma: the norm + RoPE processors, and while MLPs are fused the single-stream
+    blocks' split projection (patches/flux_mlp.py)."""
+    return [*_install_norm_rope(model, context), *(split_projection_blocks(model) if context.fuse_mlp else [])]
 
 
 PLANS = {
@@ -130,6 +132,6 @@ PLANS = {
                            "encoder_hidden_states": JointText(-2), "txt_ids": JointText(-2)}},
         gather_outputs={"proj_out": -2},
         check_inputs=refuse_controlnet_and_ip_adapter("Flux"),
-        install=_install,
+        install=install_flux_blocks,
     )
 }

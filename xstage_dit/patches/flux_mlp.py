@@ -1,6 +1,7 @@
-"""FLUX.1's single-stream blocks without writing the concatenation of their attention output and MLP branch
-(15360 columns per token at FLUX.1-dev's size): the output projection runs as two GEMMs, the second accumulating
-into the first's output, and the MLP's tanh-GELU runs in its GEMM's epilogue (fused_gelu.gelu_linear).
+"""FLUX.1-style single-stream blocks (FLUX.1's and Chroma's) without writing the concatenation of their attention
+output and MLP branch (15360 columns per token at FLUX.1-dev's size): the output projection runs as two GEMMs,
+the second accumulating into the first's output, and the MLP's tanh-GELU runs in its GEMM's epilogue
+(fused_gelu.gelu_linear).
 
 The blocks get a subclass of the same name (so that `compile_repeated_blocks`, which finds blocks by class name,
 still compiles them) until `remove`. Its forward is diffusers' with those two changes; its result differs from
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.transformers import transformer_flux
+from diffusers.models.transformers import transformer_chroma, transformer_flux
 from torch import nn
 
 from ..fused_gelu import gelu_linear
@@ -26,8 +27,19 @@ def project_joined(first: torch.Tensor, second: torch.Tensor, linear: nn.Linear)
     return out.view(*first.shape[:-1], out.shape[-1])
 
 
+def single_stream_tail(block: nn.Module, residual: torch.Tensor, norm_hidden_states: torch.Tensor,
+                       gate: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
+    """What a single-stream block does after its attention: `residual + gate * proj_out([attention, MLP])`, with
+    the MLP through `gelu_linear` and the projection through `project_joined`."""
+    mlp_hidden_states = gelu_linear(norm_hidden_states, block.proj_mlp)
+    hidden_states = residual + gate.unsqueeze(1) * project_joined(attn_output, mlp_hidden_states, block.proj_out)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states
+
+
 class SplitProjectionBlock(transformer_flux.FluxSingleTransformerBlock):
-    """diffusers' single-stream block with `gelu_linear` for its MLP and `project_joined` for its output."""
+    """diffusers' FLUX.1 single-stream block ending in `single_stream_tail`."""
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -35,25 +47,39 @@ class SplitProjectionBlock(transformer_flux.FluxSingleTransformerBlock):
         text_len = encoder_hidden_states.shape[1]
         residual = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         norm_hidden_states, gate = self.norm(residual, emb=temb)
-        mlp_hidden_states = gelu_linear(norm_hidden_states, self.proj_mlp)
         attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
                                 **(joint_attention_kwargs or {}))
-        hidden_states = residual + gate.unsqueeze(1) * project_joined(attn_output, mlp_hidden_states, self.proj_out)
-        if hidden_states.dtype == torch.float16:
-            hidden_states = hidden_states.clip(-65504, 65504)
+        hidden_states = single_stream_tail(self, residual, norm_hidden_states, gate, attn_output)
         return hidden_states[:, :text_len], hidden_states[:, text_len:]
 
 
-SplitProjectionBlock.__name__ = SplitProjectionBlock.__qualname__ = \
-    transformer_flux.FluxSingleTransformerBlock.__name__
+class ChromaSplitProjectionBlock(transformer_chroma.ChromaSingleTransformerBlock):
+    """diffusers' Chroma single-stream block (joined tokens, a prompt mask) ending in `single_stream_tail`."""
+
+    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor,
+                image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None,
+                joint_attention_kwargs: dict | None = None) -> torch.Tensor:
+        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+        if attention_mask is not None:  # the (queries x keys) outer product of the token mask, as diffusers'
+            attention_mask = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+        attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                                attention_mask=attention_mask, **(joint_attention_kwargs or {}))
+        return single_stream_tail(self, hidden_states, norm_hidden_states, gate, attn_output)
 
 
-def _takes_single_block(module: nn.Module) -> bool:
-    return (type(module) is transformer_flux.FluxSingleTransformerBlock and isinstance(module.act_mlp, nn.GELU)
+SPLIT_BLOCKS = {transformer_flux.FluxSingleTransformerBlock: SplitProjectionBlock,
+                transformer_chroma.ChromaSingleTransformerBlock: ChromaSplitProjectionBlock}
+for _original, _split in SPLIT_BLOCKS.items():
+    _split.__name__ = _split.__qualname__ = _original.__name__
+
+
+def _takes_single_block(module: nn.Module, original: type) -> bool:
+    return (type(module) is original and isinstance(module.act_mlp, nn.GELU)
             and module.act_mlp.approximate == "tanh")
 
 
-def split_projection_blocks(model: nn.Module) -> SwappedClasses:
-    """The model's single-stream blocks switched to `SplitProjectionBlock` until `.remove()`."""
-    return SwappedClasses([module for module in model.modules() if _takes_single_block(module)],
-                          SplitProjectionBlock)
+def split_projection_blocks(model: nn.Module) -> list[SwappedClasses]:
+    """The model's single-stream blocks switched to their split-projection subclass until `.remove()`."""
+    return [SwappedClasses([module for module in model.modules() if _takes_single_block(module, original)], split)
+            for original, split in SPLIT_BLOCKS.items()]

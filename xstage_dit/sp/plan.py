@@ -50,11 +50,12 @@ class JointTokens:
 @dataclass(frozen=True)
 class PlanContext:
     """What a plan's `install` is given: the model's token split, the modes its MoE layers may run, and whether
-    the model's RoPE runs in our kernels (XStageConfig.fuse_rope)."""
+    the model's RoPE and MLPs run fused (XStageConfig.fuse_rope, XStageConfig.fuse_mlp)."""
 
     shard: SequenceShard
     experts: ExpertModes = ExpertModes()
     fuse_rope: bool = True
+    fuse_mlp: bool = True
 
 
 @dataclass(frozen=True)
@@ -179,14 +180,14 @@ class AppliedPlan:
     """A plan applied to one model; `remove()` restores the model exactly."""
 
     def __init__(self, model: nn.Module, plan: SequenceParallelPlan, attention: UlyssesAttention,
-                 experts: ExpertModes = ExpertModes()) -> None:
+                 experts: ExpertModes = ExpertModes(), fuse_mlp: bool = True) -> None:
         self.plan = plan
         self.attention = attention
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._marks: list[routing.ActiveMark | cache_hooks.SharedCacheDecisions] = []  # each undone by remove()
 
         shard = attention.shard
-        context = PlanContext(shard, experts, attention.fuse_rope)
+        context = PlanContext(shard, experts, attention.fuse_rope, fuse_mlp)
         self._installed = plan.install(model, context) if plan.install is not None else []
         if plan.check_inputs is not None:
             self._hooks.append(model.register_forward_pre_hook(
