@@ -1,9 +1,11 @@
 """Replacing a module's forward (or another method) for a while: the layers `enable` puts around a transformer's
 forward stack (CUDA graphs inside, the CFG split outside), and the parallel VAE's layers, each undone exactly,
-whatever was there before; and modules switched to a subclass with another forward (`SwappedClasses`)."""
+whatever was there before; modules switched to a subclass with another forward (`SwappedClasses`); and names
+in a library module rebound for a while (`ReboundName`)."""
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+from typing import Any, Callable
 
 from torch import nn
 
@@ -43,3 +45,27 @@ class SwappedClasses:
     def remove(self) -> None:
         for module, original in self._swapped:
             module.__class__ = original
+
+
+_bindings: dict[tuple[str, str], tuple[Any, int]] = {}  # (module, name) -> (its original object, holders)
+
+
+class ReboundName:
+    """`name` in module `module_name` bound to `make(original)` until `remove()`. Holders of one name share the
+    first holder's binding (one `make` per name), and the last `remove()` puts the original back."""
+
+    def __init__(self, module_name: str, name: str, make: Callable[[Any], Any]) -> None:
+        self._key = (module_name, name)
+        original, holders = _bindings.get(self._key, (None, 0))
+        if not holders:
+            module = importlib.import_module(module_name)
+            original = getattr(module, name)
+            setattr(module, name, make(original))
+        _bindings[self._key] = (original, holders + 1)
+
+    def remove(self) -> None:
+        original, holders = _bindings.pop(self._key)
+        if holders > 1:
+            _bindings[self._key] = (original, holders - 1)
+        else:
+            setattr(importlib.import_module(self._key[0]), self._key[1], original)

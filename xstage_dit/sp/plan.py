@@ -208,10 +208,9 @@ class AppliedPlan:
                 self._marks.extend(routing.mark_active(module, gathered) for module in plan.gathered_key_modules(model))
         for module in plan.attention_modules(model):
             self._marks.append(routing.mark_active(module, attention))
-        routing.route(*plan.call_site)
-        self._rotary_routed = plan.rotary_site is not None and attention.fuse_rope
-        if self._rotary_routed:
-            routing.route(plan.rotary_site, routing.ROTARY)
+        self._routes = [routing.route(*plan.call_site)]
+        if plan.rotary_site is not None and attention.fuse_rope:
+            self._routes.append(routing.route(plan.rotary_site, routing.ROTARY))
 
     def remove(self) -> None:
         for handle in self._hooks:
@@ -220,6 +219,5 @@ class AppliedPlan:
             mark.remove()
         for change in reversed(self._installed):
             change.remove()
-        routing.unroute(*self.plan.call_site)
-        if self._rotary_routed:
-            routing.unroute(self.plan.rotary_site, routing.ROTARY)
+        for binding in self._routes:
+            binding.remove()

@@ -6,24 +6,22 @@ router (and, where a family's plan names it, `apply_rotary_emb` to one that runs
 routed attention module is marked active while it runs (`mark_active`): calls made inside an active module go to its
 `UlyssesAttention` (or the RoPE kernel), unless it declines them (`routes`: calls within a prefix every rank holds
 whole); every other call (text refiners, cross-attention, VAEs, models that are
-not enabled) goes to diffusers or torch unchanged. No processor code is copied. Bindings are
-reference-counted, so several enabled models share them and the last `unroute` restores the original."""
+not enabled) goes to diffusers or torch unchanged. No processor code is copied. Bindings are shared by the
+enabled models (module_forward.ReboundName): the last one's `remove` restores the original."""
 from __future__ import annotations
 
 import functools
-import importlib
 import types
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..module_forward import ReplacedForward
+from ..module_forward import ReboundName, ReplacedForward
 from . import ops
 from .attention import GatheredKeysAttention, UlyssesAttention
 
 _active: UlyssesAttention | GatheredKeysAttention | None = None
-_routed: dict[tuple[str, str], tuple[Any, int]] = {}
 
 # the kinds of call sites, and the module attribute a processor looks them up by
 DISPATCH = "dispatch_attention_fn"
@@ -80,28 +78,10 @@ def _rotary_router(original: Callable[..., Any]) -> Callable[..., Any]:
 _ROUTERS = {DISPATCH: _dispatch_router, SDPA: _sdpa_router, ROTARY: _rotary_router}
 
 
-def route(module_name: str, kind: str) -> None:
-    """Rebind `kind` (DISPATCH, SDPA or ROTARY) in `module_name` to its router (idempotent, counted)."""
-    key = (module_name, kind)
-    if key in _routed:
-        original, count = _routed[key]
-        _routed[key] = (original, count + 1)
-        return
-    module = importlib.import_module(module_name)
-    original = getattr(module, kind)
-    setattr(module, kind, _ROUTERS[kind](original))
-    _routed[key] = (original, 1)
-
-
-def unroute(module_name: str, kind: str) -> None:
-    """Undo one `route`; the last one restores the original binding."""
-    key = (module_name, kind)
-    original, count = _routed[key]
-    if count > 1:
-        _routed[key] = (original, count - 1)
-        return
-    setattr(importlib.import_module(module_name), kind, original)
-    del _routed[key]
+def route(module_name: str, kind: str) -> ReboundName:
+    """`kind` (DISPATCH, SDPA or ROTARY) in `module_name` bound to its router until the handle's `remove()`
+    (shared by every enabled model whose plan routes it)."""
+    return ReboundName(module_name, kind, _ROUTERS[kind])
 
 
 class ActiveMark:
