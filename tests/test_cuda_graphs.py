@@ -26,6 +26,8 @@ SIZES = {  # two resolutions per config: a pipeline call at the second captures 
     "tiny-sd3.5": [{"height": 48, "width": 64, "num_frames": 1}, {"height": 40, "width": 56, "num_frames": 1}],
     "tiny-nucleusmoe-d64": [{"height": 48, "width": 64, "num_frames": 1},
                             {"height": 40, "width": 56, "num_frames": 1}],
+    "tiny-chroma": [{"height": 32, "width": 48, "num_frames": 1}, {"height": 20, "width": 28, "num_frames": 1}],
+    "tiny-qwenimage": [{"height": 64, "width": 96, "num_frames": 1}, {"height": 48, "width": 64, "num_frames": 1}],
 }
 
 
@@ -61,7 +63,8 @@ def _graphs_equal_eager(name: str, expect_captures: bool, **enable: object) -> N
     assert all("forward" not in m.__dict__ for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m)
 
 
-@pytest.mark.parametrize("name", ["tiny-flux-d64", "tiny-wan2.2", "tiny-sd3.5"])
+# Chroma and QwenImage: their forwards hold no host copy once enabled (patches/chroma.py, patches/qwenimage.py)
+@pytest.mark.parametrize("name", ["tiny-flux-d64", "tiny-wan2.2", "tiny-sd3.5", "tiny-chroma", "tiny-qwenimage"])
 @pytest.mark.parametrize("backend", ["reference", "fused"])
 def test_one_gpu_replays_equal_eager(name, backend):
     _graphs_equal_eager(name, True, backend=backend)

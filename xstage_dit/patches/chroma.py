@@ -5,19 +5,49 @@ a prompt padding mask that every block turns into an additive (queries x keys) o
 Image tokens and their ids are split on entry, and so is the image part of the joint mask; the text stays whole
 (its padding is masked, not dropped). The padding tokens' own rows are not masked, and other tokens read them
 (as keys, without the bonus): attention rebuilds the pair bias over the gathered tokens
-(`QueryKeyMasks.PAIR_BIAS`), which only the reference backend attends with."""
+(`QueryKeyMasks.PAIR_BIAS`), which only the reference backend attends with.
+
+The timestep embedding's guidance term runs on the model's device (`DeviceGuidanceEmbeddings`): diffusers computes
+it on the host and copies it over in every forward, a copy that keeps the forward out of a CUDA graph."""
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from diffusers import ChromaTransformer2DModel
+from diffusers.models.transformers import transformer_chroma
+from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
 from ..sp import routing
 from ..sp.masks import QueryKeyMasks
-from ..sp.plan import JointTokens, SequenceParallelPlan
+from ..module_forward import SwappedClasses
+from ..sp.plan import JointTokens, PlanContext, SequenceParallelPlan
 from . import cfg_rules
 from .flux import attention_of_both_streams, install_flux_blocks, refuse_controlnet_and_ip_adapter
 
 _FLUX = "diffusers.models.transformers.transformer_flux"  # Chroma's blocks run Flux's processor
+
+
+class DeviceGuidanceEmbeddings(transformer_chroma.ChromaCombinedTimestepTextProjEmbeddings):
+    """diffusers' Chroma timestep embeddings with the guidance projection (of zeros) computed on the timestep's
+    device; the same values (the sine of 0 is 0 and its cosine 1 on any device)."""
+
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        mod_index_length = self.mod_proj.shape[0]
+        batch_size = timestep.shape[0]
+        timesteps_proj = self.time_proj(timestep).to(dtype=timestep.dtype)
+        guidance_proj = self.guidance_proj(timestep.new_zeros(batch_size)).to(dtype=timestep.dtype)
+        mod_proj = self.mod_proj.to(dtype=timesteps_proj.dtype, device=timesteps_proj.device).repeat(batch_size, 1, 1)
+        timestep_guidance = torch.cat([timesteps_proj, guidance_proj], dim=1).unsqueeze(1)
+        input_vec = torch.cat([timestep_guidance.repeat(1, mod_index_length, 1), mod_proj], dim=-1)
+        return input_vec.to(timestep.dtype)
+
+
+def _install(model: nn.Module, context: PlanContext) -> list[Any]:
+    embeddings = [module for module in model.modules()
+                  if type(module) is transformer_chroma.ChromaCombinedTimestepTextProjEmbeddings]
+    return [*install_flux_blocks(model, context), SwappedClasses(embeddings, DeviceGuidanceEmbeddings)]
 
 
 PLANS = {
@@ -31,6 +61,6 @@ PLANS = {
         gather_outputs={"proj_out": -2},
         check_inputs=refuse_controlnet_and_ip_adapter("Chroma"),
         query_key_masks=QueryKeyMasks.PAIR_BIAS,
-        install=install_flux_blocks,
+        install=_install,
     )
 }

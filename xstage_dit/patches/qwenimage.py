@@ -3,17 +3,48 @@
 Packed image tokens are split on entry with the image rotary table (complex, image rows only); the text rotary
 table and the text tokens stay whole. The model builds its mask from the local token count. Edit models with
 `zero_cond_t` (Edit-2511) pick each image token's modulation by `modulate_index`, which every block gets and
-which is split with the tokens there."""
+which is split with the tokens there.
+
+The text lengths the model derives from its mask are computed without diffusers' host-to-device copy of the full
+length (`text_lengths_without_copy`), which would keep the forward out of a CUDA graph."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from diffusers import QwenImageTransformer2DModel
+from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
+from ..module_forward import ReboundName
 from ..sp import routing
-from ..sp.plan import PerToken, SequenceParallelPlan
+from ..sp.plan import PerToken, PlanContext, SequenceParallelPlan
 from . import cfg_rules
+
+_QWEN = "diffusers.models.transformers.transformer_qwenimage"
+TextLengths = tuple[int, torch.Tensor | None, torch.Tensor | None]
+
+
+def text_lengths_without_copy(original: Callable[..., TextLengths]) -> Callable[..., TextLengths]:
+    """diffusers' `compute_text_seq_len_from_mask`, with the full length that stands in for a prompt without
+    valid tokens given as a scalar instead of a tensor copied from the host; the same results. Inputs without a
+    mask, or with one of the wrong shape, go to diffusers' function (its answer, its error)."""
+
+    def compute_text_seq_len_from_mask(encoder_hidden_states: torch.Tensor,
+                                       encoder_hidden_states_mask: torch.Tensor | None) -> TextLengths:
+        batch_size, text_len = encoder_hidden_states.shape[:2]
+        if encoder_hidden_states_mask is None or encoder_hidden_states_mask.shape[:2] != (batch_size, text_len):
+            return original(encoder_hidden_states, encoder_hidden_states_mask)
+        mask = encoder_hidden_states_mask.to(torch.bool)
+        positions = torch.arange(text_len, device=encoder_hidden_states.device)
+        last_valid = torch.where(mask, positions, 0).max(dim=1).values + 1
+        return text_len, torch.where(mask.any(dim=1), last_valid, text_len), mask
+
+    return compute_text_seq_len_from_mask
+
+
+def _install(model: nn.Module, context: PlanContext) -> list[Any]:
+    return [ReboundName(_QWEN, "compute_text_seq_len_from_mask", text_lengths_without_copy)]
 
 
 def _check_inputs(arguments: dict[str, Any]) -> None:
@@ -24,12 +55,13 @@ def _check_inputs(arguments: dict[str, Any]) -> None:
 PLANS = {
     QwenImageTransformer2DModel: SequenceParallelPlan(
         family="QwenImage",
-        call_site=("diffusers.models.transformers.transformer_qwenimage", routing.DISPATCH),
+        call_site=(_QWEN, routing.DISPATCH),
         attention_modules=lambda model: [block.attn for block in model.transformer_blocks],
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.token_output_shape, pipeline_uses_cfg=cfg_rules.true_cfg),
         shard_inputs={"": {"hidden_states": 1}, "transformer_blocks.*": {"modulate_index": PerToken(1)}},
         shard_outputs={"pos_embed": {0: 0}},
         gather_outputs={"proj_out": 1},
         check_inputs=_check_inputs,
+        install=_install,
     )
 }
