@@ -271,3 +271,26 @@ def test_ltx2_blocks_compile_on_two_ranks_without_a_graph_break():
     """LTX-2's blocks hold both kinds of routed attention (Ulysses video self-attention, video-to-audio over the
     gathered video keys): four blocks compile as one graph, fullgraph, at 2 ranks."""
     run_on_ranks(2, _ltx2_blocks_worker, deadline_s=300)
+
+
+class _Doubled(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_compiled_code_follows_swapped_classes(monkeypatch):
+    """A module switched to another class (module_forward.SwappedClasses: the GELU epilogue, split projections)
+    and back is run by the code compiled for its current class, also where dynamo skips re-checking modules whose
+    instance dict did not change (recursive dict tags, on by default in some torch releases)."""
+    from xstage_dit.module_forward import SwappedClasses
+
+    monkeypatch.setattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", True)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    x = torch.randn(3, 4)
+    plain = compiled(x)
+    swap = SwappedClasses([block[0]], _Doubled)
+    assert torch.equal(compiled(x), block(x))  # eager, through the swapped class
+    assert not torch.equal(compiled(x), plain)
+    swap.remove()
+    assert torch.equal(compiled(x), plain)

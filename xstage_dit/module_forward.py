@@ -35,16 +35,23 @@ class ReplacedForward:
 
 class SwappedClasses:
     """Each of `modules` switched to `cls` (a subclass of its class with another forward) until `remove` puts its
-    own class back."""
+    own class back. While switched, the module's instance dict names `cls` (`SWAPPED_TO`): torch.compile may skip
+    re-checking a module whose instance dict has not changed since it traced it (dynamo's recursive dict tags),
+    and a class change alone would leave the dict as it was, so compiled code traced for the other class would
+    run."""
+
+    SWAPPED_TO = "_xstage_dit_swapped_to"
 
     def __init__(self, modules: list[nn.Module], cls: type) -> None:
         self._swapped = [(module, type(module)) for module in modules]
         for module, _ in self._swapped:
             module.__class__ = cls
+            module.__dict__[self.SWAPPED_TO] = cls
 
     def remove(self) -> None:
         for module, original in self._swapped:
             module.__class__ = original
+            del module.__dict__[self.SWAPPED_TO]
 
 
 _bindings: dict[tuple[str, str], tuple[Any, int]] = {}  # (module, name) -> (its original object, holders)
