@@ -217,8 +217,9 @@ def enable(
     calls with the same inputs; every rank gets the whole result. `fuse_rope=False` keeps diffusers' own
     rotary-embedding code in the patched attention (our one-pass RoPE kernel runs it by default on a GPU; in
     Flux and Chroma one kernel pass also takes the q/k RMSNorms before it). `fuse_mlp=False` keeps diffusers'
-    feed-forward code (by default a tanh-GELU runs in its GEMM's epilogue on a GPU, and FLUX.1's single-stream
-    blocks project their attention and MLP outputs without joining them); both fusions change rounding slightly.
+    feed-forward code (by default a tanh-GELU runs in its GEMM's epilogue on a GPU, and FLUX.1's and Chroma's
+    single-stream blocks project their attention and MLP outputs without joining them); both fusions change
+    rounding slightly.
     `check_inputs=False` skips the small collectives in which the ranks check that they got the same
     arguments and models (weights included) at `enable`, and the same arguments at every pipeline call.
     `cuda_graphs` (default: on where there is a GPU) captures each transformer's forward per input signature

@@ -14,8 +14,9 @@ class XStageConfig:
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
     fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU); in
         Flux and Chroma the q/k RMSNorms before it run in the same pass (patches/flux.py NormRopeProcessor).
-    fuse_mlp: the feed-forwards' tanh-GELU runs in its GEMM's epilogue (fused_gelu.py, on CUDA) and FLUX.1's
-        single-stream blocks project their attention and MLP outputs without joining them (patches/flux_mlp.py).
+    fuse_mlp: the feed-forwards' tanh-GELU runs in its GEMM's epilogue (fused_gelu.py, on CUDA) and FLUX.1's and
+        Chroma's single-stream blocks project their attention and MLP outputs without joining them
+        (patches/flux_mlp.py).
         Like fuse_rope, it changes rounding slightly; False keeps diffusers' layer code.
     check_inputs: the ranks check, in one small collective at `enable`, that they got the same arguments and
         models (weights included).

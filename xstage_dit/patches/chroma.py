@@ -19,9 +19,9 @@ from diffusers.models.transformers import transformer_chroma
 from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
+from ..module_forward import SwappedClasses
 from ..sp import routing
 from ..sp.masks import QueryKeyMasks
-from ..module_forward import SwappedClasses
 from ..sp.plan import JointTokens, PlanContext, SequenceParallelPlan
 from . import cfg_rules
 from .flux import attention_of_both_streams, install_flux_blocks, refuse_controlnet_and_ip_adapter
