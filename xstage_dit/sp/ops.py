@@ -13,7 +13,7 @@ compiler never traces collectives, symmetric-memory kernels or our Triton kernel
   tokens and the rotation in one kernel (`norm_rope`, launched directly in eager calls like `rotary`)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -167,17 +167,25 @@ except ImportError:  # Triton is optional: without it the routed calls run diffu
     _rotary = None
 
 
-def rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> bool:
-    """Whether the RoPE kernel takes these inputs; on a GPU, inputs it cannot take are said once (not while a
-    graph is traced: the compiler cannot trace logging)."""
-    if _rotary is None or not (x.is_cuda or _TRITON_RUNS_ON_CPU):
+def _rope_kernel_runs(on_gpu: bool, accepts: Callable[[], bool], refusal: Callable[[], str]) -> bool:
+    """Whether a kernel of kernels/rotary.py runs a call: on a GPU (or in Triton's CPU interpreter) for inputs
+    `accepts`; inputs it cannot take are said once (not while a graph is traced: the compiler cannot trace
+    logging)."""
+    if _rotary is None or not (on_gpu or _TRITON_RUNS_ON_CPU):
         return False
-    if _rotary.rotary_accepts(x, cos, sin, sequence_dim):
+    if accepts():
         return True
     if not torch.compiler.is_compiling():
-        warn_once(f"xstage_dit: the RoPE kernel does not take x {tuple(x.shape)} {x.dtype} with tables "
-                  f"{tuple(cos.shape)} {cos.dtype}; running diffusers' apply_rotary_emb")
+        warn_once(refusal())
     return False
+
+
+def rotary_kernel_runs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> bool:
+    """Whether the RoPE kernel takes these inputs."""
+    return _rope_kernel_runs(
+        x.is_cuda, lambda: _rotary.rotary_accepts(x, cos, sin, sequence_dim),
+        lambda: f"xstage_dit: the RoPE kernel does not take x {tuple(x.shape)} {x.dtype} with tables "
+                f"{tuple(cos.shape)} {cos.dtype}; running diffusers' apply_rotary_emb")
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
@@ -200,17 +208,12 @@ def _(x, cos, sin, sequence_dim):
 
 
 def norm_rope_kernel_runs(parts: Sequence[NormedTokens], cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether the norm + RoPE kernel takes these inputs (on a GPU, or in Triton's CPU interpreter); inputs it
-    cannot take are said once, as `rotary_kernel_runs` does."""
-    if _rotary is None or not (parts[0].tokens.is_cuda or _TRITON_RUNS_ON_CPU):
-        return False
-    if _rotary.norm_rope_accepts(parts, cos, sin):
-        return True
-    if not torch.compiler.is_compiling():
-        warn_once(f"xstage_dit: the norm + RoPE kernel does not take tokens "
-                  f"{[(tuple(part.tokens.shape), part.tokens.dtype) for part in parts]} with tables "
-                  f"{tuple(cos.shape)} {cos.dtype}; running the model's norms and apply_rotary_emb")
-    return False
+    """Whether the norm + RoPE kernel takes these inputs."""
+    return _rope_kernel_runs(
+        parts[0].tokens.is_cuda, lambda: _rotary.norm_rope_accepts(parts, cos, sin),
+        lambda: f"xstage_dit: the norm + RoPE kernel does not take tokens "
+                f"{[(tuple(part.tokens.shape), part.tokens.dtype) for part in parts]} with tables "
+                f"{tuple(cos.shape)} {cos.dtype}; running the model's norms and apply_rotary_emb")
 
 
 def norm_rope(parts: Sequence[NormedTokens], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
