@@ -9,7 +9,7 @@ import torch
 from diffusers.models.activations import GELU
 from torch import nn
 
-from .module_forward import SwappedClasses
+from .module_forward import SwappedClasses, named_as
 
 
 def gelu_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
@@ -21,14 +21,12 @@ def gelu_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     return nn.functional.gelu(linear(x), approximate="tanh")
 
 
+@named_as(GELU)
 class EpilogueGELU(GELU):
     """diffusers' GELU with the tanh approximation, through `gelu_linear`."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gelu_linear(hidden_states, self.proj)
-
-
-EpilogueGELU.__name__ = EpilogueGELU.__qualname__ = GELU.__name__
 
 
 def epilogue_gelus(model: nn.Module) -> SwappedClasses:

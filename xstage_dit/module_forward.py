@@ -33,6 +33,17 @@ class ReplacedForward:
             setattr(self.model, self.attribute, self._previous)
 
 
+def named_as(original: type) -> Callable[[type], type]:
+    """Class decorator: the subclass takes `original`'s name, so that code that finds modules by class name
+    (diffusers' `compile_repeated_blocks`) finds them while they are swapped."""
+
+    def name(cls: type) -> type:
+        cls.__name__ = cls.__qualname__ = original.__name__
+        return cls
+
+    return name
+
+
 class SwappedClasses:
     """Each of `modules` switched to `cls` (a subclass of its class with another forward) until `remove` puts its
     own class back. While switched, the module's instance dict names `cls` (`SWAPPED_TO`): torch.compile may skip

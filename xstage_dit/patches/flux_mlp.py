@@ -15,7 +15,7 @@ from diffusers.models.transformers import transformer_chroma, transformer_flux
 from torch import nn
 
 from ..fused_gelu import gelu_linear
-from ..module_forward import SwappedClasses
+from ..module_forward import SwappedClasses, named_as
 
 
 def project_joined(first: torch.Tensor, second: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -38,6 +38,7 @@ def single_stream_tail(block: nn.Module, residual: torch.Tensor, norm_hidden_sta
     return hidden_states
 
 
+@named_as(transformer_flux.FluxSingleTransformerBlock)
 class SplitProjectionBlock(transformer_flux.FluxSingleTransformerBlock):
     """diffusers' FLUX.1 single-stream block ending in `single_stream_tail`."""
 
@@ -53,6 +54,7 @@ class SplitProjectionBlock(transformer_flux.FluxSingleTransformerBlock):
         return hidden_states[:, :text_len], hidden_states[:, text_len:]
 
 
+@named_as(transformer_chroma.ChromaSingleTransformerBlock)
 class ChromaSplitProjectionBlock(transformer_chroma.ChromaSingleTransformerBlock):
     """diffusers' Chroma single-stream block (joined tokens, a prompt mask) ending in `single_stream_tail`."""
 
@@ -70,8 +72,6 @@ class ChromaSplitProjectionBlock(transformer_chroma.ChromaSingleTransformerBlock
 
 SPLIT_BLOCKS = {transformer_flux.FluxSingleTransformerBlock: SplitProjectionBlock,
                 transformer_chroma.ChromaSingleTransformerBlock: ChromaSplitProjectionBlock}
-for _original, _split in SPLIT_BLOCKS.items():
-    _split.__name__ = _split.__qualname__ = _original.__name__
 
 
 def _takes_single_block(module: nn.Module, original: type) -> bool:
