@@ -55,8 +55,11 @@ class StepTimer:
 
     @property
     def replayed(self) -> list[bool]:
-        """Per step (with `graph_use`): every transformer call in it replayed a graph captured before."""
-        return [b.replays > a.replays and b.other_calls == a.other_calls for a, b in zip(self.uses, self.uses[1:])]
+        """Per step (with `graph_use`): every transformer call in it replayed a graph captured before, or every
+        block call in it did (where the whole forward could not be captured)."""
+        return [(b.replays > a.replays and b.other_calls == a.other_calls)
+                or (b.block_replays > a.block_replays and b.block_other_calls == a.block_other_calls)
+                for a, b in zip(self.uses, self.uses[1:])]
 
     @property
     def total_seconds(self) -> float:

@@ -5,6 +5,7 @@ eagerly with one warning. Two ranks use two GPUs with NCCL where there are two; 
 gloo, whose collectives cannot be captured (then the check is that they fall back)."""
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -14,7 +15,8 @@ import torch
 import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
-from xstage_dit.runtime.cuda_graphs import GraphedForward
+from xstage_dit import logging_utils
+from xstage_dit.runtime.cuda_graphs import EAGER_CALLS, GraphedForward, repeated_blocks
 
 pytestmark = pytest.mark.gpu
 STEPS = 5  # a signature's third call is its first replay: the later steps (and the CFG branches) replay
@@ -31,8 +33,8 @@ SIZES = {  # two resolutions per config: a pipeline call at the second captures 
 }
 
 
-def _generate(pipe, name: str, size: dict, batch: int) -> torch.Tensor:
-    kwargs = zoo.call_kwargs(name, **size, steps=STEPS, guidance=3.0)
+def _generate(pipe, name: str, size: dict, batch: int, steps: int = STEPS) -> torch.Tensor:
+    kwargs = zoo.call_kwargs(name, **size, steps=steps, guidance=3.0)
     embeddings = zoo.text_embeddings(name, batch, seed=batch, device=pipe.device, dtype=torch.bfloat16)
     return pipe(**kwargs, **embeddings, output_type="latent", generator=torch.Generator().manual_seed(3),
                 return_dict=False)[0]
@@ -131,6 +133,24 @@ def test_compiled_blocks_replay_in_graphs():
     xstage_dit.disable(pipe)
 
 
+def test_compiled_blocks_replay_where_the_forward_syncs_the_host():
+    """compile_repeated_blocks + graphs on a model whose forward syncs the host: its compiled blocks replay,
+    equal to the compiled eager run."""
+    name = "tiny-qwenimage-edit-2511"
+    size = {"height": 64, "width": 96, "num_frames": 1}
+    pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    xstage_dit.enable(pipe, cuda_graphs=False)
+    eager = _generate(pipe, name, size, 1)
+    xstage_dit.disable(pipe)
+    xstage_dit.enable(pipe, cuda_graphs=True)
+    out = _generate(pipe, name, size, 1)
+    assert xstage_dit.cuda_graph_use(pipe).block_replays > 0
+    assert torch.equal(out, eager)
+    xstage_dit.disable(pipe)
+
+
 class _Scale(torch.nn.Module):
     def forward(self, x: torch.Tensor, factor: float = 2.0) -> torch.Tensor:
         return torch.relu(x) * factor
@@ -144,7 +164,7 @@ class _SyncingScale(torch.nn.Module):
 def test_a_forward_replays_per_signature_and_holds_a_bounded_number():
     """Fresh inputs every call: replays equal eager bit for bit; a non-tensor argument is part of the signature;
     more signatures than the bound drop the least recently used graph."""
-    from xstage_dit.runtime.cuda_graphs import CAPTURED_SIGNATURES, EAGER_CALLS
+    from xstage_dit.runtime.cuda_graphs import CAPTURED_SIGNATURES
 
     model = _Scale()
     graphed = GraphedForward(model, torch.device("cuda"))
@@ -160,7 +180,7 @@ def test_a_forward_replays_per_signature_and_holds_a_bounded_number():
 
 
 def test_graph_use_tells_replays_from_warm_up_and_capture():
-    from xstage_dit.runtime.cuda_graphs import EAGER_CALLS, GraphUse
+    from xstage_dit.runtime.cuda_graphs import GraphUse
 
     model = _Scale()
     graphed = GraphedForward(model, torch.device("cuda"))
@@ -180,3 +200,99 @@ def test_a_forward_that_syncs_the_host_runs_eagerly_with_one_warning(caplog):
             assert torch.equal(model(x), x * x.abs().max().item())
     assert graphed.captured == 0
     assert any("synchronises the host" in r.getMessage() for r in caplog.records), caplog.text
+
+
+# the tiny configs whose forward runs eagerly with graphs on: the warning's words (the diffusers code that
+# synchronises the host: a modulation index built from host lists; a host check of the conditioning and a
+# boolean-mask index; Qwen-Image 2.1's KV cache object), and whether their blocks replay instead
+EAGER_FORWARDS = {
+    "tiny-qwenimage-edit-2511": ("synchronises the host", True),
+    "tiny-hunyuan-video15": ("synchronises the host", True),
+    "tiny-qwenimage21": ("gets an argument of type QwenImage21KVCache", False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in zoo.ZOO if n.startswith("tiny-")))
+def test_every_config_replays_or_says_why(name, caplog, monkeypatch):
+    """Every tiny config's forward either replays (equal to eager bit for bit) or, for the few listed above, runs
+    eagerly after a warning, its blocks replaying where they can; a family whose forward starts or stops
+    replaying fails here."""
+    monkeypatch.setattr(logging_utils, "_already_warned", set())  # earlier tests may have said it
+    entry = zoo.ZOO[name]
+    size = {"height": entry.height, "width": entry.width, "num_frames": entry.num_frames}
+    pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    xstage_dit.enable(pipe, cuda_graphs=False)
+    steps = 2 * STEPS  # image-to-image pipelines run only their `strength` share of the steps
+    eager = _generate(pipe, name, size, 1, steps)
+    xstage_dit.disable(pipe)
+    xstage_dit.enable(pipe, cuda_graphs=True)
+    with caplog.at_level(logging.WARNING, logger="xstage_dit"):
+        out = _generate(pipe, name, size, 1, steps)
+    use = xstage_dit.cuda_graph_use(pipe)
+    xstage_dit.disable(pipe)
+    assert torch.equal(out, eager), f"{name}: graphs differ from eager"
+    warnings = [r.getMessage() for r in caplog.records if "xstage_dit:" in r.getMessage()]
+    if name in EAGER_FORWARDS:
+        words, blocks_replay = EAGER_FORWARDS[name]
+        assert use.replays == 0 and any(words in w for w in warnings), f"{name}: {use}, warnings {warnings}"
+        assert (use.block_replays > 0) == blocks_replay, f"{name}: {use}"
+    else:
+        assert use.replays > 0 and use.block_replays == 0, f"{name}: {use}, warnings {warnings}"
+        assert not any("eagerly" in w for w in warnings), f"{name}: {warnings}"
+
+
+_HOST_STATE = {"scale": 1.0}  # what the blocks below read besides their arguments
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, holder: object = None) -> torch.Tensor:
+        return torch.relu(self.linear(x)) * _HOST_STATE["scale"]
+
+
+class _SyncingModel(torch.nn.Module):
+    _repeated_blocks = ["_Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, holder: object = None) -> torch.Tensor:
+        x = x / x.abs().max().item()
+        for block in self.blocks:
+            x = block(x, holder)
+        return x
+
+
+def test_blocks_replay_where_the_forward_syncs_the_host(caplog):
+    """Fresh inputs every call: equal to the model run eagerly bit for bit, also after the host state the blocks
+    read changes; a block call with an object argument runs eagerly; remove() restores the blocks."""
+    model = _SyncingModel().cuda()
+    reference = copy.deepcopy(model)
+    original = type(model.blocks[0])
+    graphed = GraphedForward(model, torch.device("cuda"), blocks=repeated_blocks(model),
+                             block_state=lambda: _HOST_STATE["scale"])
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="xstage_dit"):
+        for scale in (1.0, 2.0):
+            _HOST_STATE["scale"] = scale
+            for _ in range(EAGER_CALLS + 4):
+                x = torch.randn(5, 16, device="cuda")
+                assert torch.equal(model(x), reference(x))
+        # per block: two eager calls (the model's own watched call found the sync), then per scale two eager
+        # calls, the capture, and one replay at scale 1 and three at scale 2
+        replays = graphed.use.block_replays
+        assert graphed.captured == 0 and replays == 3 * (1 + 3), graphed.use
+        x = torch.randn(5, 16, device="cuda")
+        assert torch.equal(model(x, holder=object()), reference(x))
+        assert graphed.use.block_replays == replays
+    _HOST_STATE["scale"] = 1.0
+    messages = caplog.text
+    assert "synchronises the host" in messages and "blocks (_Block, ...) replay" in messages, messages
+    assert "gets an argument of type object" in messages, messages
+    graphed.remove()
+    assert type(model.blocks[0]) is original and "forward" not in model.__dict__
+    assert all(set(block.__dict__) == set(fresh.__dict__) for block, fresh in zip(model.blocks, reference.blocks))

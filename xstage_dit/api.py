@@ -5,7 +5,7 @@ import contextlib
 import functools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
 import torch
@@ -23,7 +23,7 @@ from .logging_utils import logger, warn_once
 from .pipeline_call import is_wrapped, unwrap_pipeline_call, wrap_pipeline_call
 from .runtime import ParallelGroups, build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, call_fingerprint, check_agreement, weights_checksum
-from .runtime.cuda_graphs import CrossRankWork, GraphedForward, GraphUse
+from .runtime.cuda_graphs import CrossRankWork, GraphedForward, GraphUse, repeated_blocks
 from .runtime.distributed import local_device, world_group
 from .sp import auto, overlap, reference  # noqa: F401  (register the backends)
 
@@ -224,8 +224,9 @@ def enable(
     arguments and models (weights included) at `enable`, and the same arguments at every pipeline call.
     `cuda_graphs` (default: on where there is a GPU) captures each transformer's forward per input signature
     in a CUDA graph and replays it (runtime/cuda_graphs.py); a forward that cannot be captured runs eagerly,
-    with one warning saying why. `parallel_vae` (default: on where the pipeline's VAE is supported) splits the
-    VAE decode by rows across all the job's ranks (vae/); every rank still returns the whole image or video.
+    with one warning saying why, and its repeated blocks are captured one by one instead. `parallel_vae`
+    (default: on where the pipeline's VAE is supported) splits the VAE decode by rows across all the job's
+    ranks (vae/); every rank still returns the whole image or video.
     `expert_parallel=True` shards a mixture of experts over the Ulysses group (each rank keeps E/N experts on its
     device and the others on the host until `disable`); `False` keeps every expert on every rank, each running
     the experts on its own tokens; the default (None) keeps every expert on every rank and runs each MoE layer
@@ -267,7 +268,7 @@ def enable(
             parts.append(epilogue_gelus(model))
         if graphs:  # inside the CFG split: a graph holds this rank's branch, the swap stays outside
             parts.append(GraphedForward(model, groups.device, _cross_rank_work(groups, config, fabric),
-                                        functools.partial(stateful_hooks, model)))
+                                        stateful_hooks, repeated_blocks(model), shard.split_key))
         if groups.cfg_degree > 1:
             parts.append(CfgSplit(model, plan.cfg, groups, pairs))
         setattr(model, _STATE_ATTR, Enabled(config, parts, pairs, [id(pipe)]))
@@ -386,12 +387,13 @@ def disable(pipe: Any) -> Any:
 def cuda_graph_use(pipe: Any) -> GraphUse:
     """How the transformer forwards of an enabled pipeline (or model) have run since `enable` with CUDA graphs,
     summed over its transformers: calls that replayed a graph, and the others (each input signature's warm-up
-    calls and capture, and calls that run eagerly after a fallback). Both stay 0 with `cuda_graphs` off."""
+    calls and capture, and calls that run eagerly after a fallback), and the same of the block calls in forwards
+    that run eagerly. All stay 0 with `cuda_graphs` off."""
     states = [getattr(model, _STATE_ATTR, None) for model in _transformers_of(pipe)]
     if any(state is None for state in states):
         raise ValueError("xstage_dit.cuda_graph_use: call xstage_dit.enable on the pipeline first")
-    graphed = [part for state in states for part in state.parts if isinstance(part, GraphedForward)]
-    return GraphUse(sum(g.use.replays for g in graphed), sum(g.use.other_calls for g in graphed))
+    uses = [part.use for state in states for part in state.parts if isinstance(part, GraphedForward)]
+    return GraphUse(*(sum(getattr(use, field.name) for use in uses) for field in fields(GraphUse)))
 
 
 def is_main_process() -> bool:

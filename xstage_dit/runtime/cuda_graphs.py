@@ -9,7 +9,13 @@ operation's place; so does one whose caller names host decisions, e.g. a cache's
 static copies of the tensor arguments, into a memory pool that every graph of the device shares, and replayed;
 later calls copy their tensors into the static ones and replay. The outputs are cloned out of the graph's
 buffers, so callers may keep them across calls (the CFG branches of one step do). At most `CAPTURED_SIGNATURES`
-graphs are kept per forward, the least recently used dropped first.
+graphs are kept per forward, the least recently used dropped first. A call with an argument that is neither a
+tensor nor a plain value (an object that may hold tensors or state) runs eagerly.
+
+Where a model's forward synchronises the host (most do it before their blocks: a mask or an index built on the
+host) or cannot be captured, each of its repeated blocks is captured and replayed the same way instead, its
+whole call (hooks, compiled code, forward); the forward runs eagerly around them. A block's signature includes
+the host state it reads besides its arguments (the token split).
 
 Work that crosses ranks inside a replay (collectives, symmetric-memory barriers) is not watched by the host: a
 replay with cross-rank work waits, after launching the next replay, for the previous one within the timeout,
@@ -17,6 +23,7 @@ and raises naming the rank and what it waited for."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import time
 import warnings
@@ -29,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..logging_utils import logger, warn_once
-from ..module_forward import ReplacedForward
+from ..module_forward import ReplacedForward, SwappedClasses, named_as
 
 CAPTURED_SIGNATURES = 8
 EAGER_CALLS = 2  # per signature before its capture: a warm-up, then a watch for host synchronisation
@@ -62,6 +69,9 @@ class GraphUse:
 
     replays: int = 0
     other_calls: int = 0
+    # where the whole forward could not be captured, the same of its blocks' calls
+    block_replays: int = 0
+    block_other_calls: int = 0
 
 
 @dataclass
@@ -92,58 +102,62 @@ def _host_syncs() -> Iterator[list[str]]:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
-def _signature(leaves: list[Any], spec: TreeSpec, device: torch.device) -> Hashable | str:
-    """A hashable key of the call, or why it cannot be captured."""
-    parts: list[Hashable] = [str(spec)]
+# argument values a signature holds as they are; an argument of any other type may hold tensors or state that a
+# graph would freeze, so a call with one runs eagerly
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout, enum.Enum)
+
+
+def _signature(leaves: list[Any], spec: TreeSpec, device: torch.device, state: Hashable) -> Hashable | str:
+    """A hashable key of the call (with `state`, the host state the forward reads besides its arguments), or why
+    it cannot be captured."""
+    parts: list[Hashable] = [str(spec), state]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if leaf.device != device:
                 return f"an argument on {leaf.device}, not {device}"
             parts.append((tuple(leaf.shape), leaf.dtype))
-        else:
-            try:
-                hash(leaf)
-            except TypeError:
-                leaf = repr(leaf)
+        elif isinstance(leaf, slice):
+            parts.append((slice, leaf.start, leaf.stop, leaf.step))
+        elif isinstance(leaf, _PLAIN):
             parts.append((type(leaf), leaf))
+        else:
+            return f"an argument of type {type(leaf).__name__}, whose contents a graph could not follow"
     return tuple(parts)
 
 
-class GraphedForward:
-    """`model.forward` captured per input signature; `remove()` restores the forward that was there."""
+class SignatureGraphs:
+    """`inner` captured per input signature and replayed (the module docstring's scheme), for a forward named
+    `name`. `state` gives the host state `inner` reads besides its arguments (part of the signature);
+    `host_decisions` names what in it decides on the host from call to call (checked before each capture), which
+    keeps it eager; `instead`, called once where `inner` synchronises the host or cannot be captured, does
+    something else about it and says what ("it runs eagerly" without it)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, cross_rank: CrossRankWork | None = None,
-                 host_decisions: Callable[[], str | None] | None = None) -> None:
-        """`host_decisions` names what in the model decides on the host from call to call (checked before each
-        capture), which keeps it eager."""
-        self.name = type(model).__name__
+    def __init__(self, name: str, inner: Callable[..., Any], device: torch.device,
+                 cross_rank: CrossRankWork | None = None, host_decisions: Callable[[], str | None] | None = None,
+                 state: Callable[[], Hashable] | None = None, instead: Callable[[], str] | None = None) -> None:
+        self.name = name
+        self.inner = inner
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.cross_rank = cross_rank
         self.host_decisions = host_decisions
+        self.state = state
+        self.instead = instead
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
         self._seen: OrderedDict[Hashable, int] = OrderedDict()  # eager calls of signatures not captured yet
         self._eager_only = False  # set when the forward synchronises the host or its capture failed
         self._in_flight: torch.cuda.Event | None = None
         self.use = GraphUse()
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return self(*args, **kwargs)
-
-        self._replaced = ReplacedForward(model, forward)
-        self._inner = self._replaced.inner
-        functools.update_wrapper(forward, self._inner)  # its signature is the model's, for layers around it
-
-    def remove(self) -> None:
-        """Restores the forward and destroys the graphs now: a graph that holds NCCL collectives and outlives
-        this (in a reference cycle, say) keeps `destroy_process_group` from returning (pytorch#115388)."""
-        self._replaced.restore()
+    def reset(self) -> None:
+        """Destroys the graphs now: a graph that holds NCCL collectives and outlives its forward (in a reference
+        cycle, say) keeps `destroy_process_group` from returning (pytorch#115388)."""
         for held in self._graphs.values():
             held.graph.reset()
         self._graphs.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return self._inner(*args, **kwargs)  # a compiler traces the model itself
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return self.inner(*args, **kwargs)  # a compiler traces the model itself; a capture holds this call
         replays = self.use.replays
         output = self._call(args, kwargs)
         if self.use.replays == replays:
@@ -152,22 +166,22 @@ class GraphedForward:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if self._eager_only:
-            return self._inner(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         if torch.is_grad_enabled():
             warn_once(f"xstage_dit: {self.name} runs eagerly under autograd; CUDA graphs replay inference "
                       "(torch.no_grad) calls only")
-            return self._inner(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
-        key = _signature(leaves, spec, self.device)
+        key = _signature(leaves, spec, self.device, self.state() if self.state is not None else None)
         if isinstance(key, str):
             warn_once(f"xstage_dit: {self.name} gets {key}; those calls run eagerly, without CUDA graphs")
-            return self._inner(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         graph = self._graphs.get(key)
         if graph is None and self._seen.get(key, 0) < EAGER_CALLS:
             return self._eager(key, args, kwargs)
         if graph is None:  # this call captures, then replays what it captured
             graph = self._capture(key, leaves, spec)
-            return self._inner(*args, **kwargs) if graph is None else self._replay(graph, leaves)
+            return self.inner(*args, **kwargs) if graph is None else self._replay(graph, leaves)
         self._graphs.move_to_end(key)
         self.use.replays += 1
         return self._replay(graph, leaves)
@@ -177,19 +191,21 @@ class GraphedForward:
         """Graphs held (one per signature)."""
         return len(self._graphs)
 
+    def _give_up(self, why: str) -> None:
+        self._eager_only = True
+        warn_once(f"xstage_dit: {self.name}'s forward {why}: {self.instead() if self.instead else 'it runs eagerly'}")
+
     def _eager(self, key: Hashable, args: tuple, kwargs: dict) -> Any:
         calls = self._seen.pop(key, 0) + 1
         self._seen[key] = calls
         if len(self._seen) > 4 * CAPTURED_SIGNATURES:
             self._seen.popitem(last=False)
         if calls < EAGER_CALLS:
-            return self._inner(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         with _host_syncs() as syncs:
-            output = self._inner(*args, **kwargs)
+            output = self.inner(*args, **kwargs)
         if syncs:
-            self._eager_only = True
-            warn_once(f"xstage_dit: {self.name}'s forward synchronises the host with the GPU (at {syncs[0]}), "
-                      "which a CUDA graph cannot hold: it runs eagerly")
+            self._give_up(f"synchronises the host with the GPU (at {syncs[0]}), which a CUDA graph cannot hold")
         return output
 
     def _capture(self, key: Hashable, leaves: list[Any], spec: TreeSpec) -> _Graph | None:
@@ -208,13 +224,11 @@ class GraphedForward:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=shared_pool(self.device).id, capture_error_mode="thread_local"):
-                output = self._inner(*args, **kwargs)
+                output = self.inner(*args, **kwargs)
         except RuntimeError as error:  # e.g. the model synchronises with the host
-            self._eager_only = True
-            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            warn_once(f"xstage_dit: {self.name}'s forward cannot be captured in a CUDA graph ({cause}); it runs "
-                      "eagerly")
             torch.cuda.synchronize(self.device)
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            self._give_up(f"cannot be captured in a CUDA graph ({cause})")
             return None
         outputs, output_spec = tree_flatten(output)
         captured = _Graph(graph=graph, inputs=[t for t in static if isinstance(t, torch.Tensor)], outputs=outputs,
@@ -249,3 +263,108 @@ class GraphedForward:
                 time.sleep(1e-4)
         if work.check is not None:
             work.check()
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks: instances of the classes diffusers names in `_repeated_blocks` (what
+    `compile_repeated_blocks` compiles) that occur more than once, outermost only."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    found: dict[str, list[nn.Module]] = {}
+    inside: set[int] = set()  # modules within a block already found
+    for module in model.modules():
+        if id(module) in inside or type(module).__name__ not in names:
+            continue
+        found.setdefault(type(module).__name__, []).append(module)
+        inside.update(id(m) for m in module.modules())
+    return [block for blocks in found.values() if len(blocks) > 1 for block in blocks]
+
+
+_BLOCK_GRAPHS = "_xstage_dit_block_graphs"
+
+
+@functools.cache
+def _graph_calling(cls: type) -> type:
+    """A subclass of `cls` whose calls (hooks, compiled code and forward alike) go through the instance's graphs."""
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.__dict__[_BLOCK_GRAPHS](*args, **kwargs)
+
+    return named_as(cls)(type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__}))
+
+
+class GraphedBlocks:
+    """Each of `blocks`' calls captured per signature (SignatureGraphs over the block's whole call), from
+    `install()` until `remove()`."""
+
+    def __init__(self, blocks: list[nn.Module], device: torch.device, cross_rank: CrossRankWork | None,
+                 host_decisions: Callable[[nn.Module], str | None] | None,
+                 state: Callable[[], Hashable] | None) -> None:
+        self.blocks, self.device, self.cross_rank, self.state = blocks, device, cross_rank, state
+        self.host_decisions = host_decisions
+        self._swaps: list[SwappedClasses] = []
+
+    @property
+    def use(self) -> tuple[int, int]:
+        """Replays and other calls, summed over the blocks."""
+        uses = [block.__dict__[_BLOCK_GRAPHS].use for block in self.blocks if _BLOCK_GRAPHS in block.__dict__]
+        return sum(use.replays for use in uses), sum(use.other_calls for use in uses)
+
+    def install(self) -> None:
+        by_class: dict[type, list[nn.Module]] = {}
+        for block in self.blocks:
+            call = functools.partial(type(block).__call__, block)
+            decisions = functools.partial(self.host_decisions, block) if self.host_decisions else None
+            block.__dict__[_BLOCK_GRAPHS] = SignatureGraphs(type(block).__name__, call, self.device, self.cross_rank,
+                                                            decisions, self.state)
+            by_class.setdefault(type(block), []).append(block)
+        self._swaps = [SwappedClasses(blocks, _graph_calling(cls)) for cls, blocks in by_class.items()]
+
+    def remove(self) -> None:
+        for swap in reversed(self._swaps):
+            swap.remove()
+        self._swaps = []
+        for block in self.blocks:
+            graphs = block.__dict__.pop(_BLOCK_GRAPHS, None)
+            if graphs is not None:
+                graphs.reset()
+
+
+class GraphedForward:
+    """`model.forward` captured per input signature; where it synchronises the host or cannot be captured,
+    `blocks` (its repeated blocks) are captured one by one instead, their calls keyed with `block_state` (the
+    host state they read besides their arguments). `remove()` restores the forward that was there."""
+
+    def __init__(self, model: nn.Module, device: torch.device, cross_rank: CrossRankWork | None = None,
+                 host_decisions: Callable[[nn.Module], str | None] | None = None,
+                 blocks: list[nn.Module] | None = None, block_state: Callable[[], Hashable] | None = None) -> None:
+        """`host_decisions(module)` names what in a module decides on the host from call to call (checked before
+        each capture of the model and of a block), which keeps it eager."""
+        self._blocks = GraphedBlocks(blocks or [], device, cross_rank, host_decisions, block_state)
+        self._replaced = ReplacedForward(model, lambda *args, **kwargs: self._graphs(*args, **kwargs))
+        self._graphs = SignatureGraphs(type(model).__name__, self._replaced.inner, device, cross_rank,
+                                       functools.partial(host_decisions, model) if host_decisions else None,
+                                       instead=self._capture_blocks)
+        functools.update_wrapper(model.forward, self._replaced.inner)  # the model's signature, for layers around it
+
+    def _capture_blocks(self) -> str:
+        blocks = self._blocks.blocks
+        if not blocks:
+            return "it runs eagerly"
+        self._blocks.install()
+        return f"it runs eagerly, and its {len(blocks)} blocks ({type(blocks[0]).__name__}, ...) replay CUDA graphs"
+
+    @property
+    def captured(self) -> int:
+        """Graphs of the whole forward held (one per signature)."""
+        return self._graphs.captured
+
+    @property
+    def use(self) -> GraphUse:
+        use = self._graphs.use
+        return GraphUse(use.replays, use.other_calls, *self._blocks.use)
+
+    def remove(self) -> None:
+        """Restores the forward and the blocks' classes, and destroys the graphs now (SignatureGraphs.reset)."""
+        self._blocks.remove()
+        self._replaced.restore()
+        self._graphs.reset()

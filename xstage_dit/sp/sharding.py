@@ -27,6 +27,11 @@ class SequenceShard:
         self.text_len = 0
         self.whole_prefix_len = 0
 
+    def split_key(self) -> tuple[int, int, int]:
+        """The split of the current forward as code inside it reads it besides its tensors' shapes (a graph
+        captured under one split replays only under the same)."""
+        return self.seq_len, self.text_len, self.whole_prefix_len
+
     @property
     def local_len(self) -> int:
         """Tokens each rank holds, padding included."""
