@@ -578,6 +578,10 @@ ZOO["tiny-qwenimage-edit-plus"] = dataclasses.replace(ZOO["tiny-qwenimage-edit"]
 # Edit-2511: the input image's tokens modulated as at timestep 0 (zero_cond_t, a per-token modulation index)
 ZOO["tiny-qwenimage-edit-2511"] = dataclasses.replace(
     ZOO["tiny-qwenimage-edit-plus"], transformer={**ZOO["tiny-qwenimage"].transformer, "zero_cond_t": True})
+# the released Edit-2511 (Qwen-Image's transformer with zero_cond_t), editing a 1024 x 1024 image
+ZOO["qwenimage-edit-2511"] = dataclasses.replace(
+    ZOO["qwenimage"], pipeline="QwenImageEditPlusPipeline", images={"image": (1024, 1024)},
+    transformer={**ZOO["qwenimage"].transformer, "zero_cond_t": True})
 # per-token timesteps: LTX image-to-video and Condition (the conditioning frame's tokens less noisy); Wan 2.2
 # TI2V-5B (its own VAE: 16x spatial, 8 latent channels here; the timestep expanded to every token)
 ZOO["tiny-ltx-i2v"] = dataclasses.replace(ZOO["tiny-ltx"], pipeline="LTXImageToVideoPipeline",
