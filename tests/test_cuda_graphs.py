@@ -16,7 +16,7 @@ import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
 from xstage_dit import logging_utils
-from xstage_dit.runtime.cuda_graphs import EAGER_CALLS, GraphedForward, repeated_blocks
+from xstage_dit.runtime.cuda_graphs import _BLOCK_GRAPHS, EAGER_CALLS, GraphedForward, repeated_blocks
 
 pytestmark = pytest.mark.gpu
 STEPS = 5  # a signature's third call is its first replay: the later steps (and the CFG branches) replay
@@ -270,7 +270,8 @@ class _SyncingModel(torch.nn.Module):
 
 def test_blocks_replay_where_the_forward_syncs_the_host(caplog):
     """Fresh inputs every call: equal to the model run eagerly bit for bit, also after the host state the blocks
-    read changes; a block call with an object argument runs eagerly; remove() restores the blocks."""
+    read changes; the blocks share their graphs' static buffers; a block call with an object argument runs
+    eagerly; remove() restores the blocks."""
     model = _SyncingModel().cuda()
     reference = copy.deepcopy(model)
     original = type(model.blocks[0])
@@ -290,6 +291,9 @@ def test_blocks_replay_where_the_forward_syncs_the_host(caplog):
         assert torch.equal(model(x, holder=object()), reference(x))
         assert graphed.use.block_replays == replays
     _HOST_STATE["scale"] = 1.0
+    # the three blocks' graphs of one signature read one set of static inputs: one tensor per scale
+    held = [block.__dict__[_BLOCK_GRAPHS]._graphs.values() for block in model.blocks]
+    assert len({id(tensor) for graphs in held for graph in graphs for tensor in graph.inputs}) == 2
     messages = caplog.text
     assert "synchronises the host" in messages and "blocks (_Block, ...) replay" in messages, messages
     assert "gets an argument of type object" in messages, messages

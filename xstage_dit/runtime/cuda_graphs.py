@@ -15,7 +15,9 @@ tensor nor a plain value (an object that may hold tensors or state) runs eagerly
 Where a model's forward synchronises the host (most do it before their blocks: a mask or an index built on the
 host) or cannot be captured, each of its repeated blocks is captured and replayed the same way instead, its
 whole call (hooks, compiled code, forward); the forward runs eagerly around them. A block's signature includes
-the host state it reads besides its arguments (the token split).
+the host state it reads besides its arguments (the token split). The blocks of one class run one after another,
+so their graphs of one signature share one set of static inputs and outputs (each graph copies its outputs into
+the shared ones and leaves its own to the pool): the memory they hold does not grow with the depth.
 
 Work that crosses ranks inside a replay (collectives, symmetric-memory barriers) is not watched by the host: a
 replay with cross-rank work waits, after launching the next replay, for the previous one within the timeout,
@@ -82,6 +84,16 @@ class _Graph:
     output_spec: TreeSpec
 
 
+@dataclass
+class SharedBuffers:
+    """The static tensors that graphs of one signature share: the tensor arguments they read and the outputs
+    they leave. Forwards that run one after another (the blocks of one class) can share them: each replay's
+    outputs are cloned out before the next replay."""
+
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+
+
 @contextlib.contextmanager
 def _host_syncs() -> Iterator[list[str]]:
     """Where the code run inside synchronises the host with the GPU (torch's sync debug mode warns there); other
@@ -134,7 +146,10 @@ class SignatureGraphs:
 
     def __init__(self, name: str, inner: Callable[..., Any], device: torch.device,
                  cross_rank: CrossRankWork | None = None, host_decisions: Callable[[], str | None] | None = None,
-                 state: Callable[[], Hashable] | None = None, instead: Callable[[], str] | None = None) -> None:
+                 state: Callable[[], Hashable] | None = None, instead: Callable[[], str] | None = None,
+                 shared: OrderedDict[Hashable, SharedBuffers] | None = None) -> None:
+        """`shared`: static buffers by signature, shared with other forwards (their graphs copy their outputs
+        into them and leave their own to the pool), instead of a set per graph."""
         self.name = name
         self.inner = inner
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
@@ -142,6 +157,7 @@ class SignatureGraphs:
         self.host_decisions = host_decisions
         self.state = state
         self.instead = instead
+        self.shared = shared
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
         self._seen: OrderedDict[Hashable, int] = OrderedDict()  # eager calls of signatures not captured yet
         self._eager_only = False  # set when the forward synchronises the host or its capture failed
@@ -178,7 +194,7 @@ class SignatureGraphs:
             return self.inner(*args, **kwargs)
         graph = self._graphs.get(key)
         if graph is None and self._seen.get(key, 0) < EAGER_CALLS:
-            return self._eager(key, args, kwargs)
+            return self._eager(key, leaves, args, kwargs)
         if graph is None:  # this call captures, then replays what it captured
             graph = self._capture(key, leaves, spec)
             return self.inner(*args, **kwargs) if graph is None else self._replay(graph, leaves)
@@ -195,7 +211,7 @@ class SignatureGraphs:
         self._eager_only = True
         warn_once(f"xstage_dit: {self.name}'s forward {why}: {self.instead() if self.instead else 'it runs eagerly'}")
 
-    def _eager(self, key: Hashable, args: tuple, kwargs: dict) -> Any:
+    def _eager(self, key: Hashable, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
         calls = self._seen.pop(key, 0) + 1
         self._seen[key] = calls
         if len(self._seen) > 4 * CAPTURED_SIGNATURES:
@@ -206,6 +222,12 @@ class SignatureGraphs:
             output = self.inner(*args, **kwargs)
         if syncs:
             self._give_up(f"synchronises the host with the GPU (at {syncs[0]}), which a CUDA graph cannot hold")
+        elif self.shared is not None and key not in self.shared:  # shaped like this call's tensors
+            self.shared[key] = SharedBuffers([leaf.clone() for leaf in leaves if isinstance(leaf, torch.Tensor)],
+                                             [torch.empty_like(t) for t in tree_flatten(output)[0]
+                                              if isinstance(t, torch.Tensor)])
+            if len(self.shared) > CAPTURED_SIGNATURES:
+                self.shared.popitem(last=False)  # graphs keep theirs
         return output
 
     def _capture(self, key: Hashable, leaves: list[Any], spec: TreeSpec) -> _Graph | None:
@@ -219,20 +241,28 @@ class SignatureGraphs:
             self._graphs.popitem(last=False)
             logger.info("xstage_dit: %s holds %d CUDA graphs; dropped the least recently used",
                         self.name, CAPTURED_SIGNATURES)
-        static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        args, kwargs = tree_unflatten(static, spec)
+        buffers = self.shared.get(key) if self.shared is not None else None
+        if buffers is not None:
+            inputs = buffers.inputs
+        else:
+            inputs = [leaf.clone() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        tensors = iter(inputs)
+        args, kwargs = tree_unflatten([next(tensors) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
+                                      spec)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=shared_pool(self.device).id, capture_error_mode="thread_local"):
-                output = self.inner(*args, **kwargs)
+                outputs, output_spec = tree_flatten(self.inner(*args, **kwargs))
+                if buffers is not None:
+                    copies = iter(buffers.outputs)
+                    outputs = [next(copies).copy_(leaf) if isinstance(leaf, torch.Tensor) else leaf
+                               for leaf in outputs]
         except RuntimeError as error:  # e.g. the model synchronises with the host
             torch.cuda.synchronize(self.device)
             cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             self._give_up(f"cannot be captured in a CUDA graph ({cause})")
             return None
-        outputs, output_spec = tree_flatten(output)
-        captured = _Graph(graph=graph, inputs=[t for t in static if isinstance(t, torch.Tensor)], outputs=outputs,
-                          output_spec=output_spec)
+        captured = _Graph(graph=graph, inputs=inputs, outputs=outputs, output_spec=output_spec)
         self._seen.pop(key, None)
         self._graphs[key] = captured
         logger.info("xstage_dit: captured %s's forward in a CUDA graph (%d held)", self.name, len(self._graphs))
@@ -294,7 +324,7 @@ def _graph_calling(cls: type) -> type:
 
 class GraphedBlocks:
     """Each of `blocks`' calls captured per signature (SignatureGraphs over the block's whole call), from
-    `install()` until `remove()`."""
+    `install()` until `remove()`; the graphs of one class and signature share their static buffers."""
 
     def __init__(self, blocks: list[nn.Module], device: torch.device, cross_rank: CrossRankWork | None,
                  host_decisions: Callable[[nn.Module], str | None] | None,
@@ -311,11 +341,13 @@ class GraphedBlocks:
 
     def install(self) -> None:
         by_class: dict[type, list[nn.Module]] = {}
+        shared: dict[type, OrderedDict[Hashable, SharedBuffers]] = {}  # the blocks of a class run one by one
         for block in self.blocks:
             call = functools.partial(type(block).__call__, block)
             decisions = functools.partial(self.host_decisions, block) if self.host_decisions else None
-            block.__dict__[_BLOCK_GRAPHS] = SignatureGraphs(type(block).__name__, call, self.device, self.cross_rank,
-                                                            decisions, self.state)
+            block.__dict__[_BLOCK_GRAPHS] = SignatureGraphs(
+                type(block).__name__, call, self.device, self.cross_rank, decisions, self.state,
+                shared=shared.setdefault(type(block), OrderedDict()))
             by_class.setdefault(type(block), []).append(block)
         self._swaps = [SwappedClasses(blocks, _graph_calling(cls)) for cls, blocks in by_class.items()]
 
