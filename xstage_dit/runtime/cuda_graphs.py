@@ -209,7 +209,8 @@ class SignatureGraphs:
 
     def _give_up(self, why: str) -> None:
         self._eager_only = True
-        warn_once(f"xstage_dit: {self.name}'s forward {why}: {self.instead() if self.instead else 'it runs eagerly'}")
+        what_now = self.instead() if self.instead is not None else "it runs eagerly"
+        warn_once(f"xstage_dit: {self.name}'s forward {why}: {what_now}")
 
     def _eager(self, key: Hashable, leaves: list[Any], args: tuple, kwargs: dict) -> Any:
         calls = self._seen.pop(key, 0) + 1
@@ -334,22 +335,23 @@ class GraphedBlocks:
         self._swaps: list[SwappedClasses] = []
 
     @property
-    def use(self) -> tuple[int, int]:
-        """Replays and other calls, summed over the blocks."""
+    def use(self) -> GraphUse:
+        """The blocks' calls, summed."""
         uses = [block.__dict__[_BLOCK_GRAPHS].use for block in self.blocks if _BLOCK_GRAPHS in block.__dict__]
-        return sum(use.replays for use in uses), sum(use.other_calls for use in uses)
+        return GraphUse(sum(use.replays for use in uses), sum(use.other_calls for use in uses))
 
     def install(self) -> None:
         by_class: dict[type, list[nn.Module]] = {}
-        shared: dict[type, OrderedDict[Hashable, SharedBuffers]] = {}  # the blocks of a class run one by one
         for block in self.blocks:
-            call = functools.partial(type(block).__call__, block)
-            decisions = functools.partial(self.host_decisions, block) if self.host_decisions else None
-            block.__dict__[_BLOCK_GRAPHS] = SignatureGraphs(
-                type(block).__name__, call, self.device, self.cross_rank, decisions, self.state,
-                shared=shared.setdefault(type(block), OrderedDict()))
             by_class.setdefault(type(block), []).append(block)
-        self._swaps = [SwappedClasses(blocks, _graph_calling(cls)) for cls, blocks in by_class.items()]
+        for cls, blocks in by_class.items():
+            shared: OrderedDict[Hashable, SharedBuffers] = OrderedDict()  # the blocks of a class run one by one
+            for block in blocks:
+                decisions = functools.partial(self.host_decisions, block) if self.host_decisions else None
+                block.__dict__[_BLOCK_GRAPHS] = SignatureGraphs(
+                    cls.__name__, functools.partial(cls.__call__, block), self.device, self.cross_rank, decisions,
+                    self.state, shared=shared)
+            self._swaps.append(SwappedClasses(blocks, _graph_calling(cls)))
 
     def remove(self) -> None:
         for swap in reversed(self._swaps):
@@ -392,8 +394,8 @@ class GraphedForward:
 
     @property
     def use(self) -> GraphUse:
-        use = self._graphs.use
-        return GraphUse(use.replays, use.other_calls, *self._blocks.use)
+        whole, blocks = self._graphs.use, self._blocks.use
+        return GraphUse(whole.replays, whole.other_calls, blocks.replays, blocks.other_calls)
 
     def remove(self) -> None:
         """Restores the forward and the blocks' classes, and destroys the graphs now (SignatureGraphs.reset)."""
