@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import xstage_dit  # noqa: F401  (registers the backends)
 from xstage_dit.kernels.attention import flash_attention
+from xstage_dit.kernels.rotary_args import JointTokens
 from xstage_dit.runtime import ensure_process_group
 from xstage_dit.runtime.distributed import local_device, ranks_share_gpus
 from xstage_dit.sp.backends import backends
@@ -71,7 +72,8 @@ def bench_shape(name: str, text: int, seq: int, heads: int, group: dist.ProcessG
     variants = {"attention_only": lambda: flash_attention(*gathered, kv_len=layout.key_len)}
     for backend in backends():
         variants[backend.name] = lambda b=backend: b.ulysses(q, k, v, layout, group, None, None)
-    variants[f"fused ({other.value})"] = lambda: fused_exchange(q, k, v, layout, fabric, None, None, other)
+    joint = [JointTokens((t,)) for t in (q, k, v)]
+    variants[f"fused ({other.value})"] = lambda: fused_exchange(*joint, layout, fabric, None, None, other)
     ms = {label: timed(fn, group, iterations) * 1e3 for label, fn in variants.items()}
     predicted = {}
     if planner:

@@ -5,6 +5,8 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
 
 - the RoPE kernel vs diffusers' apply_rotary_emb on q/k of the e2e benchmark's attention shapes, and the
   norm + RoPE kernel vs the norms, concatenation and RoPE it replaces in Flux, in CUDA graphs;
+- the fused backend's pre-all-to-all store with Flux's norms and rotation in it vs the norm + RoPE kernel and
+  then the stores (loopback, CUDA graphs);
 - host time per call (GPU kept busy) of our degree-1 attention entry and routed RoPE vs what they replace;
 - own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
   sweep of tile configurations; at the e2e benchmark's attention shapes also vs cuDNN back to back (no L2 flush);
@@ -37,10 +39,11 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from xstage_dit.kernels.all_to_all import store_heads
 from xstage_dit.kernels.attention import TileConfig, flash_attention
 from xstage_dit.kernels.attention_hopper import HopperConfig, split_tail
 from xstage_dit.kernels.rotary import norm_rotate, rotary_interleaved
-from xstage_dit.kernels.rotary_args import NormedTokens
+from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens
 from xstage_dit.sp import ops
 from xstage_dit.sp.exchange import InFlight
 from xstage_dit.sp.fabric import LoopbackFabric
@@ -63,7 +66,8 @@ LOOPBACK_SEQ = [8192, 16384, 32768, 65536]
 
 
 ROUNDS = 8
-PARTS = ("tuning", "attention", "tail", "rotary", "host", "loopback")  # the row groups (--parts runs them in its order)
+# the row groups (--parts runs them in its order)
+PARTS = ("tuning", "attention", "tail", "rotary", "stores", "host", "loopback")
 
 
 def back_to_back_ms(fn, calls: int = 10) -> float:
@@ -257,6 +261,35 @@ def bench_rotary() -> list[dict]:
     return records
 
 
+def bench_stores() -> list[dict]:
+    """One rank's pre-all-to-all store of a Flux dual-stream block's query at 2 and 4 ranks, through the fused
+    backend's store kernel over a loopback fabric (the "remote" rows land in local memory, so this times the
+    kernels, not NVLink): with the two norms, the join and the rotation applied in the stores (JointTokens) vs the
+    norm + RoPE kernel and then the plain stores; in CUDA graphs."""
+    b, h, s, d = IN_STEP_SHAPES[0]
+    text_len = 512
+    records = []
+    for n_ranks in (2, 4):
+        local = (s - text_len) // n_ranks
+        layout = UlyssesLayout(text_len, s - text_len, local, n_ranks, 0)
+        parts = [NormedTokens(torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16),
+                              torch.randn(d, device="cuda", dtype=torch.bfloat16), 1e-6) for n in (text_len, local)]
+        cos, sin = (torch.randn(text_len + local, d, device="cuda") for _ in range(2))
+        fabric = LoopbackFabric(n_ranks, "cuda")  # holds the other ranks' buffers, which the stores reach
+        buffer = fabric.rank(0).buffer("q", (b, layout.gathered_len, h // n_ranks, d), torch.bfloat16)
+        rows = layout.store_rows(text_len)
+
+        def store(tokens: JointTokens) -> None:
+            store_heads(tokens, rows, buffer.destinations, buffer.tensor, rank=0)
+
+        joint = JointTokens.normed_and_rotated(parts, cos, sin)
+        records.append(record("norm + rope in the stores (CUDA graph)", (b, text_len + local, h, d),
+                              graph_ms(lambda: store(joint)), "norm + rope kernel, then the stores (CUDA graph)",
+                              graph_ms(lambda: store(JointTokens((norm_rotate(parts, cos, sin),)))),
+                              n_ranks=n_ranks))
+    return records
+
+
 def host_ms(fn, calls: int = 40) -> float:
     """Host time per call in ms: `calls` calls issued while the GPU sleeps, so that launches only queue (the
     median of ROUNDS rounds)."""
@@ -344,10 +377,13 @@ class LoopbackRank:
 
     def fused_pre(self) -> None:
         """The fused backend's first step alone: the pre-all-to-all store kernels."""
-        next(fused_steps(*self.qkv, self.layout, self.fabric, None, None, TileOrder.ROTATED))
+        next(fused_steps(*self.joint_qkv(), self.layout, self.fabric, None, None, TileOrder.ROTATED))
 
     def fused_call(self, order: TileOrder) -> torch.Tensor:
-        return fused_exchange(*self.qkv, self.layout, self.fabric, None, None, order)
+        return fused_exchange(*self.joint_qkv(), self.layout, self.fabric, None, None, order)
+
+    def joint_qkv(self) -> list[JointTokens]:
+        return [JointTokens((t,)) for t in self.qkv]
 
     def serial_call(self) -> torch.Tensor:
         return serial_exchange(*self.qkv, self.layout, copy_now, None, None)
@@ -437,7 +473,7 @@ def main() -> None:
                    else find_calibration(card, 1, "loopback"))
     planner = Planner.from_calibration(calibration) if calibration else None
     parts = {"tuning": tune_attention, "attention": lambda: bench_attention(planner), "tail": bench_tail_split,
-             "rotary": bench_rotary,
+             "rotary": bench_rotary, "stores": bench_stores,
              "host": bench_host, "loopback": lambda: bench_loopback(args.ranks, args.heads, planner)}
     records = [row for part in args.parts for row in parts[part]()]
     env = provenance()

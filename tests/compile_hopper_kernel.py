@@ -3,8 +3,8 @@
 reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
 every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
 once), the RoPE
-kernel and the norm + RoPE kernel for bf16 at head_dim 128, whose PTX must have no fused multiply-add (they round
-as diffusers' code does),
+kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and with the norm + RoPE) for bf16 at
+head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code does),
 and the MoE expert kernel, whose matmuls must be Hopper's wgmma.
 Exits non-zero on the first failure."""
 from __future__ import annotations
@@ -72,6 +72,19 @@ def main() -> None:
     (ptx,) = Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_norm_rope_kernel.ptx")
     assert "fma.rn.f32" not in ptx.read_text(), "the norm + RoPE kernel's PTX fuses a multiply-add"
     print("compiled norm + rope, no FMA")
+
+    from xstage_dit.kernels.all_to_all import store_heads
+    from xstage_dit.kernels.attention_args import StoreRows
+    from xstage_dit.kernels.rotary_args import JointTokens
+
+    base = torch.empty(2, 150, 1, 128, dtype=torch.bfloat16)
+    joint = JointTokens.normed_and_rotated([NormedTokens(x[:, :20], weight, 1e-6), NormedTokens(x[:, 20:], weight,
+                                                                                                1e-6)], tables, tables)
+    for tokens in (joint, JointTokens((x,))):
+        store_heads(tokens, StoreRows(0, 20, 20), torch.zeros(3, dtype=torch.int64), base, rank=0, warmup=True)
+    ptx = [path.read_text() for path in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_store_heads_kernel.ptx")]
+    assert len(ptx) == 2 and not any("fma.rn.f32" in text for text in ptx), "the store kernel's PTX fuses an FMA"
+    print("compiled the store kernel, plain and with the norm + rope, no FMA")
 
     from xstage_dit.kernels import experts
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
+from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens  # noqa: E402
 from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep  # noqa: E402
 from xstage_dit.sp.fused import fused_steps  # noqa: E402
 from xstage_dit.sp.layout import UlyssesLayout  # noqa: E402
@@ -185,15 +186,29 @@ def test_hopper_kernel_compiles():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def _norm_rope_reference(x, weight, eps, cos, sin):
+    """diffusers' order: the RMSNorm module's output (in x's dtype), rotated in float32, rounded once."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    if not x.shape[1]:
+        return x
+    normed = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    return apply_rotary_emb(normed.float(), (cos, sin), sequence_dim=1).to(x.dtype)
+
+
 def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first, order,
-                    text_queries=True):
-    """`text_queries=False`: the text is keys only, the queries are the image tokens."""
+                    text_queries=True, norm_rope=False):
+    """`text_queries=False`: the text is keys only, the queries are the image tokens. `norm_rope`: q and k reach
+    the store kernels as raw text and image parts with their RMSNorm weights and RoPE tables, v as two parts (a
+    joint-attention processor's JointTokens); else each as one joined tensor."""
     local = -(-seq_len // n_ranks)
 
-    def per_rank(text, image):
+    def chunks(image):
         padded = F.pad(image, (0, 0, 0, 0, 0, n_ranks * local - seq_len))
-        parts = [padded[:, r * local : (r + 1) * local] for r in range(n_ranks)]
-        return [torch.cat([text, p] if text_first else [p, text], dim=1) for p in parts]
+        return [padded[:, r * local : (r + 1) * local] for r in range(n_ranks)]
+
+    def in_order(text, image):
+        return [text, image] if text_first else [image, text]
 
     def valid_rows(x, rank):
         rows = min(local, seq_len - rank * local)
@@ -202,22 +217,43 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
 
     text = [torch.randn(batch, text_len, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
     image = [torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
+    text[0] = text[0] if text_queries else text[0][:, :0]
     key_mask = torch.ones(batch, text_len, dtype=torch.bool, device=device)
     key_mask[-1, text_len // 2 :] = False  # a padded prompt
+    # per tensor and rank: what its store kernel reads
+    tokens = [[JointTokens((torch.cat(in_order(t, c), dim=1),)) for c in chunks(i)] for t, i in zip(text, image)]
+    full = [torch.cat([t, i], dim=1) for t, i in zip(text, image)]
+    if norm_rope:
+        angles = 10 * torch.rand(text_len + n_ranks * local, head_dim, device=device)
+        text_tables, image_tables = (angles.cos(), angles.sin()), (angles[text_len:].cos(), angles[text_len:].sin())
+        for which in (0, 1):  # q and k
+            weights = [1 + torch.randn(head_dim, device=device, dtype=dtype) / 2 for _ in range(2)]
+            eps = (1e-6, 1e-5)
+            t, i = text[which], image[which]
+            full[which] = torch.cat(
+                [_norm_rope_reference(t, weights[0], eps[0], *(table[: t.shape[1]] for table in text_tables)),
+                 _norm_rope_reference(i, weights[1], eps[1], *(table[:seq_len] for table in image_tables))], dim=1)
+            for rank, chunk in enumerate(chunks(i)):
+                rows = slice(rank * local, (rank + 1) * local)
+                parts = [NormedTokens(t, weights[0], eps[0]), NormedTokens(chunk, weights[1], eps[1])]
+                tables = [torch.cat(in_order(text_table[:t.shape[1]], image_table[rows]))
+                          for text_table, image_table in zip(text_tables, image_tables)]
+                tokens[which][rank] = JointTokens.normed_and_rotated(
+                    [p for p in in_order(*parts) if p.tokens.shape[1]], *tables)
+        tokens[2] = [JointTokens(tuple(in_order(text[2], c))) for c in chunks(image[2])]
+
     fabric = LoopbackFabric(n_ranks, device, initialise=lambda t: t.fill_(float("nan")))
-    query_text = text[0] if text_queries else text[0][:, :0]
-    joint = [per_rank(t, i) for t, i in zip((query_text, *text[1:]), image)]
     layouts = [UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first, text_queries)
                for rank in range(n_ranks)]
     outs = run_in_lockstep(
-        [fused_steps(*(j[rank] for j in joint), layouts[rank], fabric.rank(rank), None, key_mask[:, None, None, :],
+        [fused_steps(*(t[rank] for t in tokens), layouts[rank], fabric.rank(rank), None, key_mask[:, None, None, :],
                      order) for rank in range(n_ranks)],
         fabric.rank(0).barrier)
 
-    full = [torch.cat([t, i], dim=1) for t, i in zip((query_text, *text[1:]), image)]
     keep = torch.cat([key_mask, torch.ones(batch, seq_len, dtype=torch.bool, device=device)], dim=1)
     ref, _ = _reference(*full, text_len + seq_len, keep)
-    expected = per_rank(ref[:, : query_text.shape[1]], ref[:, query_text.shape[1] :])
+    query_text_len = text[0].shape[1]
+    expected = [torch.cat(in_order(ref[:, :query_text_len], c), dim=1) for c in chunks(ref[:, query_text_len:])]
     for rank in range(n_ranks):
         out = valid_rows(outs[rank], rank)
         assert not out.isnan().any(), f"rank {rank}: unwritten output rows"
@@ -238,13 +274,23 @@ def test_fused_loopback_with_keys_only_text_interpreted(n_ranks, seq_len, text_f
                     text_queries=False)
 
 
+@pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19)])
+@pytest.mark.parametrize("text_first", [True, False])
+@pytest.mark.parametrize("text_queries", [True, False])
+def test_fused_loopback_with_norm_rope_in_the_stores_interpreted(n_ranks, seq_len, text_first, text_queries):
+    _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, TileOrder.ROTATED,
+                    text_queries, norm_rope=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_ranks", [2, 4, 8])
 @pytest.mark.parametrize("text_first", [True, False])
 @pytest.mark.parametrize("order", list(TileOrder))
 @pytest.mark.parametrize("text_queries", [True, False])
-def test_fused_loopback_on_gpu(n_ranks, text_first, order, text_queries):
-    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, order, text_queries)
+@pytest.mark.parametrize("norm_rope", [False, True])
+def test_fused_loopback_on_gpu(n_ranks, text_first, order, text_queries, norm_rope):
+    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, order, text_queries,
+                    norm_rope)
 
 
 def _check_rotary(device, dtype, shape, sequence_dim, strided, tolerance):

@@ -1,50 +1,96 @@
-"""The Ulysses pre-attention all-to-all as a store kernel: a rank writes its image tokens of a (B, L, H, D)
-tensor straight into every destination rank's head-sharded buffer, (B, T + N*L, H/N, D), at the rows of its
-own tokens: head chunk j goes to rank j, the transpose folded into the stores. Destinations are a table of element
-offsets from this rank's own buffer `base` (kernels/tables.py: symmetric-memory peers, or local buffers in
-loopback), all with the strides of `base`."""
+"""The Ulysses pre-attention all-to-all as a store kernel: a rank writes its q, k or v, (B, T + L, H, D), straight
+into every destination rank's head-sharded buffer, (B, T + N*L, H/N, D): its L sequence rows of head chunk j go to
+rank j at the rows of its own tokens (the transpose folded into the stores), and its T replicated text rows of its
+own head chunk go to its own buffer's first rows. Destinations are a table of element offsets from this rank's own
+buffer `base` (kernels/tables.py: symmetric-memory peers, or local buffers in loopback), all with the strides of
+`base`.
+
+The tokens are read as the caller holds them (`JointTokens`): up to two parts joined on the way, and, where the
+caller asks for it, each head vector normalised by its part's RMSNorm and rotated (rotary.norm_rotate's
+arithmetic), so that a joint-attention prologue costs no pass of its own."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from .attention_args import StoreRows
+from .rotary import rms_normed, rotated
+from .rotary_args import JointTokens, NormRope
 from .tables import ALIGN_ELEMENTS
+
+# rows of one head per program: plain copies move 16 KiB of bf16 per program; with the norm and rotation the
+# float32 tile and its (cos, sin) rows are held too, in half as many rows
+PLAIN_BLOCK = 64
+NORM_ROPE_BLOCK = 32
+# Triton's CPU interpreter runs one program at a time: few large programs
+INTERPRETED_BLOCK = 256
 
 
 @triton.jit
-def _scatter_heads_kernel(
-    Src, Offsets, Base, rows, heads, heads_per_rank, row0,
-    stride_sb, stride_ss, stride_sh,
-    stride_db, stride_ds, stride_dh,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+def _store_heads_kernel(
+    First, Second, FirstWeight, SecondWeight, Cos, Sin, Offsets, Base,
+    first_rows, rows, heads, heads_per_rank, rank, text_start, text_rows, sequence_row0, first_eps, second_eps,
+    stride_fb, stride_fs, stride_fh, stride_sb, stride_ss, stride_sh,
+    stride_db, stride_ds, stride_dh, stride_cs,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, NORM_ROPE: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
+    # one program: BLOCK joined rows of one (batch, head)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // heads).to(tl.int64)
     head = pid_bh % heads
-    offs_s = pid_s * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = offs_s[:, None] < rows
-    x = tl.load(Src + batch * stride_sb + head * stride_sh + offs_s[:, None] * stride_ss + offs_d[None, :], mask=ok)
-    to_rank = tl.multiple_of(tl.load(Offsets + head // heads_per_rank), ALIGN)
-    tl.store(Base + to_rank + batch * stride_db + (head % heads_per_rank) * stride_dh + (row0 + offs_s[:, None]) * stride_ds
-             + offs_d[None, :], x, mask=ok)
+    owner = head // heads_per_rank
+    row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    is_text = (row >= text_start) & (row < text_start + text_rows)
+    # every rank holds the text: it keeps the rows of its own heads
+    ok = ((row < rows) & (~is_text | (owner == rank)))[:, None]
+    in_first = (row < first_rows)[:, None]
+    row = row.to(tl.int64)
+    first_at = First + batch * stride_fb + head * stride_fh + row[:, None] * stride_fs + d
+    second_at = Second + batch * stride_sb + head * stride_sh + (row - first_rows)[:, None] * stride_ss + d
+    x = tl.load(tl.where(in_first, first_at, second_at), mask=ok, other=0.0)
+    if NORM_ROPE:
+        # the weights read as whole (rows, head_dim) tiles (cached), so that everything shares one layout
+        weight = tl.load(tl.where(in_first, FirstWeight + d, SecondWeight + d), mask=ok, other=0.0)
+        eps = tl.where(row < first_rows, first_eps, second_eps)
+        normed = rms_normed(x.to(tl.float32), weight, eps, HEAD_DIM).to(x.dtype).to(tl.float32)
+        x = rotated(normed, Cos, Sin, row, ok, stride_cs, BLOCK, HEAD_DIM).to(x.dtype)
+    sequence_row = tl.where(row < text_start, row, row - text_rows)
+    to_row = tl.where(is_text, row - text_start, sequence_row0 + sequence_row)
+    to_rank = tl.multiple_of(tl.load(Offsets + owner), ALIGN)  # text rows: owner is this rank
+    tl.store(Base + to_rank + batch * stride_db + (head % heads_per_rank) * stride_dh + to_row[:, None] * stride_ds
+             + d, x, mask=ok)
 
 
-def scatter_heads(src: torch.Tensor, offsets: torch.Tensor, base: torch.Tensor, row0: int) -> None:
-    """Store `src` (B, L, H, D) into destination j's (B, rows, H/N, D) buffer at rows [row0, row0 + L), heads
-    [j*H/N, (j+1)*H/N) of `src` going to rank j. Destination j sits `offsets[j]` elements from `base` (this
-    rank's own buffer, which gives the strides)."""
-    batch, rows, heads, head_dim = src.shape
+def store_heads(tokens: JointTokens, rows: StoreRows, offsets: torch.Tensor, base: torch.Tensor, rank: int,
+                warmup: bool = False) -> None:
+    """Store the joined `tokens` (B, T + L, H, D) as `rows` says: head chunk j of the sequence rows to rank j's
+    buffer, `offsets[j]` elements from `base` (this rank's own buffer, (B, rows, H/N, D), which gives the strides);
+    the text rows of this rank's own chunk to `base`. `warmup` only compiles the kernel for the active driver's
+    target."""
+    first, second = tokens.parts[0], tokens.parts[-1]
+    batch, joined, heads, head_dim = tokens.joined_shape
     n_dest = offsets.numel()
-    if heads % n_dest or src.stride(-1) != 1:
-        raise ValueError(f"scatter_heads: {heads} heads over {n_dest} ranks, head_dim axis must be contiguous")
-    block = 16 if src.device.type == "cpu" else 64
-    grid = (triton.cdiv(rows, block), batch * heads)
-    _scatter_heads_kernel[grid](
-        src, offsets, base, rows, heads, heads // n_dest, row0,
-        src.stride(0), src.stride(1), src.stride(2),
-        base.stride(0), base.stride(1), base.stride(2),
-        HEAD_DIM=head_dim, BLOCK=block, ALIGN=ALIGN_ELEMENTS,
-    )
+    if heads % n_dest or any(part.stride(-1) != 1 for part in tokens.parts) or len(tokens.parts) > 2:
+        raise ValueError(f"store_heads: {heads} heads over {n_dest} ranks, {len(tokens.parts)} parts (at most "
+                         "2), head_dim axis must be contiguous")
+    norm_rope = tokens.norm_rope
+    if norm_rope is None:  # the prologue's arguments go unread
+        norm_rope = NormRope((first,), (0.0,), first, first)
+        block = PLAIN_BLOCK
+    else:
+        block = NORM_ROPE_BLOCK
+    block = block if base.is_cuda or warmup else INTERPRETED_BLOCK
+    weights, eps = norm_rope.weights, norm_rope.eps
+    grid = (triton.cdiv(joined, block), batch * heads)
+    args = (first, second, weights[0], weights[-1], norm_rope.cos, norm_rope.sin, offsets, base,
+            first.shape[1], joined, heads, heads // n_dest, rank, rows.text_start, rows.text_rows, rows.sequence_row0,
+            eps[0], eps[-1], *first.stride()[:3], *second.stride()[:3], *base.stride()[:3], norm_rope.cos.stride(0))
+    # no FMA contraction in the rotation, as rotary.norm_rotate computes it
+    switches = dict(HEAD_DIM=head_dim, BLOCK=block, ALIGN=ALIGN_ELEMENTS, NORM_ROPE=tokens.norm_rope is not None,
+                    num_warps=4, enable_fp_fusion=False)
+    if warmup:
+        _store_heads_kernel.warmup(*args, grid=grid, **switches)
+    else:
+        _store_heads_kernel[grid](*args, **switches)

@@ -1,5 +1,6 @@
-"""The records an attention call hands its kernels: named on the host, and named inside the kernels too (Triton
-passes a NamedTuple argument as a tuple whose fields the kernel reads by name)."""
+"""The records an attention call hands its kernels (the attention kernel, and the store kernel before it): named on
+the host, and named inside the kernels too (Triton passes a NamedTuple argument as a tuple whose fields the kernel
+reads by name)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,3 +94,14 @@ class AttentionCall:
     @property
     def key_mask_stride(self) -> int:
         return self.key_mask.stride(0) if self.key_mask is not None else 0
+
+
+@dataclass(frozen=True)
+class StoreRows:
+    """Where the joined rows of a rank's q, k or v go: rows [text_start, text_start + text_rows) are replicated
+    text, stored into this rank's own buffer at rows [0, text_rows); the others are this rank's sequence rows,
+    stored in order from row `sequence_row0` of the head chunk's owner."""
+
+    text_start: int
+    text_rows: int
+    sequence_row0: int

@@ -38,16 +38,32 @@ def _token_rows(rows, seq, heads, BLOCK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def rotated(x, Cos, Sin, table_rows, ok, stride_cs, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The float32 (BLOCK_ROWS, HEAD_DIM) rows x rotated by the (cos, sin) table rows `table_rows` (int64). The
+    caller launches without FMA contraction, so that x cos and rotated sin are rounded to float32 before the sum,
+    as in diffusers' code."""
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    cos = tl.load(Cos + (table_rows * stride_cs)[:, None] + d, mask=ok, other=0.0)
+    sin = tl.load(Sin + (table_rows * stride_cs)[:, None] + d, mask=ok, other=0.0)
+    even, odd = tl.split(tl.reshape(x, [BLOCK_ROWS, HEAD_DIM // 2, 2]))
+    turned = tl.reshape(tl.join(-odd, even), [BLOCK_ROWS, HEAD_DIM])  # the pair (x0, x1) turned to (-x1, x0)
+    return x * cos + turned * sin
+
+
+@triton.jit
+def rms_normed(x, weight, eps, HEAD_DIM: tl.constexpr):
+    """The float32 rows x (BLOCK_ROWS, HEAD_DIM) normalised by their RMS and scaled by `weight` (a tile of x's
+    shape), `eps` per row; float32 (the caller rounds it to the tokens' dtype, as the norm module's output is)."""
+    inverse_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+    return x * inverse_rms[:, None] * weight.to(tl.float32)
+
+
+@triton.jit
 def _rotate_into(x, Cos, Sin, Out, ok, b, s, h, stride_ob, stride_os, stride_oh, stride_cs,
                  BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Stores the float32 rows x rotated by their tokens' (cos, sin) rows. The caller launches without FMA
-    contraction, so that x cos and rotated sin are rounded to float32 before the sum, as in diffusers' code."""
+    """Stores the float32 rows x rotated by their tokens' (cos, sin) rows."""
     d = tl.arange(0, HEAD_DIM)[None, :]
-    cos = tl.load(Cos + (s * stride_cs)[:, None] + d, mask=ok, other=0.0)
-    sin = tl.load(Sin + (s * stride_cs)[:, None] + d, mask=ok, other=0.0)
-    even, odd = tl.split(tl.reshape(x, [BLOCK_ROWS, HEAD_DIM // 2, 2]))
-    rotated = tl.reshape(tl.join(-odd, even), [BLOCK_ROWS, HEAD_DIM])  # the pair (x0, x1) turned to (-x1, x0)
-    out = x * cos + rotated * sin
+    out = rotated(x, Cos, Sin, s, ok, stride_cs, BLOCK_ROWS, HEAD_DIM)
     tl.store(Out + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + d, out.to(Out.dtype.element_ty),
              mask=ok)
 
@@ -80,10 +96,8 @@ def _norm_rope_kernel(First, FirstWeight, Second, SecondWeight, Cos, Sin, Out, r
     second_at = Second + (b * stride_sb + (s - first_len) * stride_ss + h * stride_sh)[:, None] + d
     x = tl.load(tl.where(in_first, first_at, second_at), mask=ok, other=0.0).to(tl.float32)
     weight = tl.load(tl.where(in_first, FirstWeight + d, SecondWeight + d), mask=ok, other=0.0)
-    eps = tl.where(s < first_len, first_eps, second_eps)
-    inverse_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
-    # rounded to the tokens' dtype, as the norm module's output is, before the rotation
-    normed = (x * inverse_rms[:, None] * weight.to(tl.float32)).to(Out.dtype.element_ty).to(tl.float32)
+    normed = rms_normed(x, weight, tl.where(s < first_len, first_eps, second_eps), HEAD_DIM)
+    normed = normed.to(Out.dtype.element_ty).to(tl.float32)  # rounded as the norm module's output, then rotated
     _rotate_into(normed, Cos, Sin, Out, ok, b, s, h, stride_ob, stride_os, stride_oh, stride_cs, BLOCK_ROWS,
                  HEAD_DIM)
 

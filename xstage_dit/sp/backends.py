@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 import torch.distributed as dist
 
+from ..kernels.rotary_args import JointTokens
 from ..logging_utils import warn_once
 from ..xstage.planner import Cost
 from .layout import UlyssesLayout
@@ -36,6 +37,22 @@ class UlyssesBackend(Protocol):
         scale: float | None,
         text_mask: torch.Tensor | None,
         attend: "LocalAttention",
+    ) -> torch.Tensor: ...
+
+
+class JointUlyssesBackend(Protocol):
+    """A backend that takes q, k, v as the caller holds them (JointTokens: parts to join, with a norm and rotation
+    to apply on the way), and does that joining inside its own kernels."""
+
+    def __call__(
+        self,
+        query: JointTokens,
+        key: JointTokens,
+        value: JointTokens,
+        layout: UlyssesLayout,
+        group: dist.ProcessGroup,
+        scale: float | None,
+        text_mask: torch.Tensor | None,
     ) -> torch.Tensor: ...
 
 
@@ -60,6 +77,8 @@ class Backend:
     accepts: Callable[[torch.Tensor], bool] | None = None
     # runs its own attention kernel, not the `attend` it is given (the user's choice cannot apply)
     own_attention: bool = False
+    # its entry for q, k, v as JointTokens (others get them joined first)
+    joint: JointUlyssesBackend | None = None
 
     def takes(self, query: torch.Tensor, fabric_ready: bool) -> bool:
         """Whether this backend runs these inputs here; `fabric_ready`: the group has its fabric (or there is no
@@ -97,10 +116,11 @@ _CHOICES: dict[str, BackendChoice] = {}
 
 def register_backend(name: str, local: LocalAttention, cost: Cost, needs_cuda: bool = False,
                      symmetric: bool = False, accepts: Callable[[torch.Tensor], bool] | None = None,
-                     own_attention: bool = False) -> Callable[[UlyssesBackend], UlyssesBackend]:
+                     own_attention: bool = False,
+                     joint: JointUlyssesBackend | None = None) -> Callable[[UlyssesBackend], UlyssesBackend]:
     def decorator(fn: UlyssesBackend) -> UlyssesBackend:
         _CHOICES[name] = Backend(name=name, ulysses=fn, local=local, cost=cost, needs_cuda=needs_cuda,
-                                 symmetric=symmetric, accepts=accepts, own_attention=own_attention)
+                                 symmetric=symmetric, accepts=accepts, own_attention=own_attention, joint=joint)
         return fn
 
     return decorator
@@ -146,7 +166,16 @@ def resolve_backend(name: str, device: torch.device) -> BackendChoice:
     return choice
 
 
+def _runs_on(backend: Backend, device: torch.device) -> bool:
+    return device.type == "cuda" or not backend.needs_cuda
+
+
 def needs_fabric(choice: BackendChoice, device: torch.device) -> bool:
     """Whether `enable` must open the group's symmetric-memory fabric for `choice` on `device`: some backend it
     may pick there runs on one."""
-    return any(b.symmetric and (device.type == "cuda" or not b.needs_cuda) for b in choice.candidates())
+    return any(b.symmetric and _runs_on(b, device) for b in choice.candidates())
+
+
+def may_take_joint_tokens(choice: BackendChoice, device: torch.device) -> bool:
+    """Whether some backend `choice` may pick on `device` takes q, k, v as JointTokens (`Backend.joint`)."""
+    return any(b.joint is not None and _runs_on(b, device) for b in choice.candidates())

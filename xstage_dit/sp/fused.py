@@ -2,7 +2,9 @@
 (sp/fabric.py) issued from the kernels themselves.
 
 1. pre-all-to-all: one store kernel per q, k, v writes this rank's image tokens of every head chunk straight into
-   the owning rank's head-sharded buffer (text heads are copied locally: text is replicated);
+   the owning rank's head-sharded buffer, and its own chunk of the replicated text into its own; a caller that
+   holds q and k as parts still to be normalised, joined and rotated (JointTokens) hands them over as they are,
+   and the store kernel does that on the way (`fused_joint_ulysses`);
 2. barrier: every rank's rows have landed;
 3. attention with the scatter epilogue: each output tile's owner stores it into the buffer of the rank that owns
    those tokens, in that rank's (B, T + L, H, D) layout, and moves on to its next tile; the tile order is the
@@ -22,9 +24,10 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from ..kernels.all_to_all import scatter_heads
+from ..kernels.all_to_all import store_heads
 from ..kernels.attention import accepts, flash_attention
 from ..kernels.attention_hopper import HopperConfig
+from ..kernels.rotary_args import JointTokens
 from ..xstage.planner import AttentionShape, Planner, TileOrder
 from .backends import LocalAttention, register_backend
 from .fabric import Fabric, Steps, fabric_of, run_in_lockstep
@@ -55,32 +58,28 @@ def tile_order(planner: Planner | None, shape: AttentionShape) -> TileOrder:
     return TileOrder.ROTATED if planner is None else planner.tile_order(shape, TILE_ROWS)
 
 
-def fused_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+def fused_steps(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
                 fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
                 order: TileOrder) -> Steps[torch.Tensor]:
     """One rank's fused Ulysses attention over `fabric`, yielding before each barrier what it waits for."""
-    batch, _, heads, head_dim = query.shape
+    batch, query_rows, heads, head_dim = query.joined_shape
+    dtype = query.parts[0].dtype
     share = heads // layout.degree
-    own_heads = slice(layout.rank * share, (layout.rank + 1) * share)
-    rows = {"q": layout.query_gathered_len, "k": layout.gathered_len, "v": layout.gathered_len}
-    buffers = [fabric.buffer(name, (batch, rows[name], share, head_dim), query.dtype) for name in rows]
-    out = fabric.buffer("out", query.shape, query.dtype)
-
-    for buffer, tensor in zip(buffers, (query, key, value)):
-        text, image = layout.split(tensor)
-        text_rows = text.shape[1]
-        scatter_heads(image, buffer.destinations, buffer.tensor, row0=layout.image_row0(text_rows))
-        if text_rows:
-            buffer.tensor[:, :text_rows] = text[:, :, own_heads]
+    text_rows = {"q": layout.query_text_len, "k": layout.text_len, "v": layout.text_len}
+    buffers = {name: fabric.buffer(name, (batch, rows + layout.padded_len, share, head_dim), dtype)
+               for name, rows in text_rows.items()}
+    for (name, buffer), tokens in zip(buffers.items(), (query, key, value)):
+        store_heads(tokens, layout.store_rows(text_rows[name]), buffer.destinations, buffer.tensor, layout.rank)
+    q, k, v = (buffer.tensor for buffer in buffers.values())
+    out = fabric.buffer("out", (batch, query_rows, heads, head_dim), dtype)
     yield "fused attention (pre-all-to-all)"
-    q, k, v = (b.tensor for b in buffers)
     flash_attention(q, k, v, scale=scale, kv_len=layout.key_len, key_mask=keep_keys(text_mask), out=out.tensor,
                     scatter=layout.output_scatter(out.destinations, share, order))
     yield "fused attention (post-all-to-all)"
     return out.tensor
 
 
-def fused_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+def fused_exchange(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
                    fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
                    order: TileOrder) -> torch.Tensor:
     """One rank's fused Ulysses attention over `fabric`; returns the fabric's output buffer."""
@@ -93,8 +92,17 @@ def predicted_seconds(planner: Planner, shape: AttentionShape) -> float:
     return planner.fused_call(shape, TILE_ROWS)
 
 
+def fused_joint_ulysses(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
+                        group: dist.ProcessGroup, scale: float | None,
+                        text_mask: torch.Tensor | None) -> torch.Tensor:
+    """The fused backend for q, k, v held as parts (their norm and rotation, where asked, in the stores)."""
+    first = query.parts[0]
+    order = tile_order(planner_for(first.device, layout.degree), attention_shape(first, layout))
+    return fused_exchange(query, key, value, layout, fabric_of(group.group_name), scale, text_mask, order)
+
+
 @register_backend("fused", local=flash_attention_bshd, cost=predicted_seconds, needs_cuda=True, symmetric=True,
-                  accepts=kernels_accept, own_attention=True)
+                  accepts=kernels_accept, own_attention=True, joint=fused_joint_ulysses)
 def fused_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -105,5 +113,5 @@ def fused_ulysses(
     text_mask: torch.Tensor | None,
     attend: LocalAttention | None = None,  # unused: the fused backend attends with its own kernel
 ) -> torch.Tensor:
-    order = tile_order(planner_for(query.device, layout.degree), attention_shape(query, layout))
-    return fused_exchange(query, key, value, layout, fabric_of(group.group_name), scale, text_mask, order)
+    return fused_joint_ulysses(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout, group,
+                               scale, text_mask)

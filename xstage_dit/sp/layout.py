@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.attention_args import Scatter
+from ..kernels.attention_args import Scatter, StoreRows
 from ..xstage.planner import TileOrder
 
 
@@ -28,6 +28,11 @@ class UlyssesLayout:
     rank: int
     text_first: bool = True
     text_queries: bool = True
+
+    def fields(self) -> tuple[int, int, int, int, int, bool, bool]:
+        """The fields in declaration order, as the custom ops take a layout (their arguments are scalars)."""
+        return (self.text_len, self.seq_len, self.local_len, self.degree, self.rank, self.text_first,
+                self.text_queries)
 
     @property
     def query_text_len(self) -> int:
@@ -54,6 +59,12 @@ class UlyssesLayout:
     def image_row0(self, text_rows: int) -> int:
         """This rank's first image row in a head-sharded tensor that starts with `text_rows` text rows."""
         return text_rows + self.rank * self.local_len
+
+    def store_rows(self, text_rows: int) -> StoreRows:
+        """Where the pre-all-to-all stores put the rows of a joint tensor with `text_rows` text rows (the keys'
+        text_len, or the queries' query_text_len)."""
+        return StoreRows(text_start=0 if self.text_first else self.local_len, text_rows=text_rows,
+                         sequence_row0=self.image_row0(text_rows))
 
     def split(self, joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(text, image) parts of a (B, T + L, ...) tensor, or of queries without text rows."""
