@@ -21,7 +21,7 @@ from diffusers.models.transformers import transformer_flux
 from torch import nn
 
 from ..cfg_plan import PAIRS, CfgPlan
-from ..kernels.rotary_args import NormedTokens
+from ..kernels.rotary_args import JointTokens, NormedTokens
 from ..sp import ops, routing
 from ..sp.plan import JointText, PlanContext, SequenceParallelPlan
 from . import cfg_rules
@@ -77,15 +77,26 @@ class NormRopeProcessor(StandInProcessor):
         query, key, value, text_query, text_key, text_value = (
             None if t is None else t.unflatten(-1, (-1, attn.head_dim)) for t in projections)
         query_parts, key_parts = [_normed(query, attn.norm_q)], [_normed(key, attn.norm_k)]
+        value_parts = [value]
         if attn.added_kv_proj_dim is not None:  # text leads the joint sequence
             query_parts.insert(0, _normed(text_query, attn.norm_added_q))
             key_parts.insert(0, _normed(text_key, attn.norm_added_k))
-            value = torch.cat([text_value, value], dim=1)
-        query, key = _norm_rope(query_parts, image_rotary_emb), _norm_rope(key_parts, image_rotary_emb)
-        hidden_states = transformer_flux.dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        ).flatten(2, 3).to(query.dtype)
+            value_parts.insert(0, text_value)
+        hidden_states = None
+        if image_rotary_emb is not None:
+            # a Ulysses backend that stores q, k, v into the all-to-all applies the norms, concatenation and
+            # rotation on the way
+            hidden_states = routing.joint_attention(
+                JointTokens.normed_and_rotated(query_parts, *image_rotary_emb),
+                JointTokens.normed_and_rotated(key_parts, *image_rotary_emb), JointTokens(tuple(value_parts)),
+                attention_mask, self._attention_backend)
+        if hidden_states is None:
+            query, key = _norm_rope(query_parts, image_rotary_emb), _norm_rope(key_parts, image_rotary_emb)
+            hidden_states = transformer_flux.dispatch_attention_fn(
+                query, key, torch.cat(value_parts, dim=1) if len(value_parts) > 1 else value,
+                attn_mask=attention_mask, backend=self._attention_backend, parallel_config=self._parallel_config,
+            )
+        hidden_states = hidden_states.flatten(2, 3).to(value.dtype)
         if encoder_hidden_states is None:
             return hidden_states
         text_len = encoder_hidden_states.shape[1]

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from .backends import FALLBACK, BackendChoice
+from ..kernels.rotary_args import JointTokens
+from .backends import FALLBACK, BackendChoice, may_take_joint_tokens
 from .layout import UlyssesLayout
 from .local_attention import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
-from .ops import gathered_keys_attention, local_attention, local_attention_op, say_pair_bias_fallback, ulysses_attention
+from .ops import (gathered_keys_attention, local_attention, local_attention_op, norm_rope_kernel_runs,
+                  say_pair_bias_fallback, ulysses_attention)
 from .sharding import SequenceShard
 
 
@@ -44,8 +46,7 @@ class UlyssesAttention:
         then attends in place of our choice's degree-1 kernel, and of the gathered heads' SDPA at higher degrees."""
         if dropout_p or is_causal:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
-        if attn_mask is not None and attn_mask.dim() == 2:  # a key-padding mask given as (B, keys)
-            attn_mask = attn_mask[:, None, None, :]
+        attn_mask = _four_dims(attn_mask)
         pair_bias = attn_mask is not None and self.query_key_masks is QueryKeyMasks.PAIR_BIAS
         shard = self.shard
         choice = self.choice.name
@@ -60,22 +61,48 @@ class UlyssesAttention:
             # a compiled graph keeps the choice and our kernels opaque; eager calls skip the op's dispatch
             run = local_attention_op if torch.compiler.is_compiling() else local_attention
             return run(query, key, value, attn_mask, choice, scale)
+        layout = self._layout(query.shape[1], key.shape[1])
+        return ulysses_attention([query], [key], [value], [], [], None, None, text_key_mask(attn_mask, layout),
+                                 *layout.fields(), choice, shard.group.group_name, scale, attention_backend,
+                                 pair_bias)
+
+    def joint(self, query: JointTokens, key: JointTokens, value: JointTokens, attn_mask: torch.Tensor | None = None,
+              scale: float | None = None, attention_backend: str | None = None) -> torch.Tensor | None:
+        """Attention of q, k, v held as JointTokens (q and k with a norm + RoPE, v without), where this call can
+        take them: a Ulysses degree above 1, no masks over query-key pairs, a backend of the choice that takes
+        them (sp/backends.py `Backend.joint`) and, for the others, the norm + RoPE kernel that joins them. None
+        otherwise: the caller joins them and calls as usual."""
+        if (self.shard.degree == 1 or self.query_key_masks is not None
+                or not may_take_joint_tokens(self.choice, query.parts[0].device)
+                or not all(norm_rope_kernel_runs(t.normed_parts(), t.norm_rope.cos, t.norm_rope.sin)
+                           for t in (query, key))):
+            return None
+        norms = (query.norm_rope, key.norm_rope)
+        layout = self._layout(query.rows, key.rows)
+        return ulysses_attention(
+            list(query.parts), list(key.parts), list(value.parts), [w for n in norms for w in n.weights],
+            [e for n in norms for e in n.eps], query.norm_rope.cos, query.norm_rope.sin,
+            text_key_mask(_four_dims(attn_mask), layout), *layout.fields(), self.choice.name,
+            self.shard.group.group_name, scale, attention_backend)
+
+    def _layout(self, query_rows: int, key_rows: int) -> UlyssesLayout:
+        shard = self.shard
         # split text tokens lead each rank's chunk and count as sequence tokens; whole text stays `text_len`
         local_len = shard.local_text_len + shard.local_len
-        layout = UlyssesLayout(
-            text_len=key.shape[1] - local_len,
+        return UlyssesLayout(
+            text_len=key_rows - local_len,
             seq_len=shard.text_len + shard.seq_len,
             local_len=local_len,
             degree=shard.degree,
             rank=shard.rank,
             text_first=self.text_first,
-            text_queries=query.shape[1] == key.shape[1],
+            text_queries=query_rows == key_rows,
         )
-        return ulysses_attention(
-            query, key, value, text_key_mask(attn_mask, layout), layout.text_len, layout.seq_len,
-            layout.local_len, layout.degree, layout.rank, layout.text_first, layout.text_queries, choice,
-            shard.group.group_name, scale, attention_backend, pair_bias,
-        )
+
+
+def _four_dims(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A key-padding mask given as (B, keys) as (B, 1, 1, keys); others as they are."""
+    return attn_mask[:, None, None, :] if attn_mask is not None and attn_mask.dim() == 2 else attn_mask
 
 
 class GatheredKeysAttention:

@@ -2,7 +2,9 @@
 compiles (e.g. diffusers' `compile_repeated_blocks`) with each as one opaque node: no graph break, and the
 compiler never traces collectives, symmetric-memory kernels or our Triton kernels.
 
-- xstage::ulysses_attention: Ulysses attention and its communication;
+- xstage::ulysses_attention: Ulysses attention and its communication (q, k, v as parts, with a joint-attention
+  processor's query and key norms and rotation still to apply where it has them: the fused backend applies them
+  in its stores);
 - xstage::gathered_keys_attention: replicated queries over every rank's keys (all-gathered);
 - xstage::expert_choice: an expert-choice MoE layer's routed experts, in the mode chosen per shape on the host;
 - xstage::local_attention: degree 1, the backend choice's own kernel (what a compiled graph records; eager calls
@@ -19,7 +21,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..kernels import triton_runs_on
-from ..kernels.rotary_args import NormedTokens
+from ..kernels.rotary_args import JointTokens, NormedTokens, NormRope
 from ..logging_utils import warn_once
 from ..runtime.distributed import waiting_for
 from ..xstage.planner import ExpertMode, ExpertSchedule
@@ -36,9 +38,13 @@ from .sharding import SequenceShard
 
 @torch.library.custom_op("xstage::ulysses_attention", mutates_args=())
 def ulysses_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    query_parts: list[torch.Tensor],
+    key_parts: list[torch.Tensor],
+    value_parts: list[torch.Tensor],
+    norm_weights: list[torch.Tensor],
+    norm_eps: list[float],
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     text_mask: torch.Tensor | None,
     text_len: int,
     seq_len: int,
@@ -53,27 +59,50 @@ def ulysses_attention(
     attention_backend: str | None,
     pair_bias: bool = False,
 ) -> torch.Tensor:
-    """The layout travels as its fields (a custom op's arguments are tensors and scalars); `backend` names the
-    choice (sp/backends.py) that picks the backend for this call; `attention_backend`, the diffusers attention
-    backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor of a pair
-    bias (masks.QueryKeyMasks.PAIR_BIAS), which only the reference backend attends with."""
+    """q, k and v each come as the parts (1 or 2 tensors (B, rows, H, D)) their joint tokens join; where `cos` is
+    given, q's and k's parts are also normalised part by part (the weights and epsilons of q's parts, then of k's)
+    and the joined tokens rotated by (cos, sin): a joint-attention processor's prologue (JointTokens), which a
+    backend with a joint entry (the fused one) applies in its stores and any other gets applied first (the norm +
+    RoPE kernel, a concatenation). The layout travels as its fields (a custom op's arguments are tensors and
+    scalars); `backend` names the choice (sp/backends.py) that picks the backend for this call;
+    `attention_backend`, the diffusers attention backend the user chose for the model, if any; `pair_bias`:
+    `text_mask` is the text tokens' factor of a pair bias (masks.QueryKeyMasks.PAIR_BIAS), which only the
+    reference backend attends with."""
     layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first, text_queries)
-    chosen = get_choice(backend).pick(query, layout, fabric_ready=fabric_of(group_name) is not None)
+    split = len(query_parts)
+    query, key = (JointTokens(tuple(parts), None if cos is None else NormRope(tuple(weights), tuple(eps), cos, sin))
+                  for parts, weights, eps in ((query_parts, norm_weights[:split], norm_eps[:split]),
+                                              (key_parts, norm_weights[split:], norm_eps[split:])))
+    value = JointTokens(tuple(value_parts))
+    chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
+    group = _resolve_process_group(group_name)
     if pair_bias:
         say_pair_bias_fallback(chosen.name)
-        return serial_exchange(query, key, value, layout, all_to_all(_resolve_process_group(group_name)), scale,
+        return serial_exchange(_joined(query), _joined(key), _joined(value), layout, all_to_all(group), scale,
                                text_mask, gathered_attention(get_backend(FALLBACK), attention_backend),
                                text_factor=True)
-    out = chosen.ulysses(query, key, value, layout, _resolve_process_group(group_name), scale, text_mask,
-                         gathered_attention(chosen, attention_backend))
+    if chosen.joint is not None:
+        out = chosen.joint(query, key, value, layout, group, scale, text_mask)
+    else:
+        out = chosen.ulysses(_joined(query), _joined(key), _joined(value), layout, group, scale, text_mask,
+                             gathered_attention(chosen, attention_backend))
     # a custom op owns its output: a symmetric backend's is a reused fabric buffer
     return out.clone() if chosen.symmetric else out
 
 
 @ulysses_attention.register_fake
-def _(query, key, value, text_mask, text_len, seq_len, local_len, degree, rank, text_first, text_queries, backend,
-      group_name, scale, attention_backend, pair_bias=False):
-    return torch.empty_like(query)
+def _(query_parts, key_parts, value_parts, norm_weights, norm_eps, cos, sin, text_mask, text_len, seq_len,
+      local_len, degree, rank, text_first, text_queries, backend, group_name, scale, attention_backend,
+      pair_bias=False):
+    batch, _, heads, head_dim = query_parts[0].shape
+    return query_parts[0].new_empty(batch, sum(part.shape[1] for part in query_parts), heads, head_dim)
+
+
+def _joined(tokens: JointTokens) -> torch.Tensor:
+    """The one tensor JointTokens stand for (their norm + rotation by the norm + RoPE kernel)."""
+    if tokens.norm_rope is not None:
+        return _rotary.norm_rotate(tokens.normed_parts(), tokens.norm_rope.cos, tokens.norm_rope.sin)
+    return tokens.parts[0] if len(tokens.parts) == 1 else torch.cat(tokens.parts, dim=1)
 
 
 @torch.library.custom_op("xstage::gathered_keys_attention", mutates_args=())

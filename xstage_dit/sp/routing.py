@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..kernels.rotary_args import JointTokens
 from ..module_forward import ReboundName, ReplacedForward
 from . import ops
 from .attention import GatheredKeysAttention, UlyssesAttention
@@ -34,12 +35,26 @@ def _dispatch_router(original: Callable[..., Any]) -> Callable[..., Any]:
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         if _active is not None and _active.routes(key.shape[1]):  # (B, S, H, D)
-            chosen = None if backend is None else getattr(backend, "value", backend)  # the enum's name
-            return _active(query, key, value, attn_mask, dropout_p, is_causal, scale, chosen)
+            return _active(query, key, value, attn_mask, dropout_p, is_causal, scale, _backend_name(backend))
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
                         backend=backend, parallel_config=parallel_config)
 
     return dispatch_attention_fn
+
+
+def _backend_name(backend: Any) -> str | None:
+    """A diffusers attention backend (its enum, or its name) by name."""
+    return None if backend is None else getattr(backend, "value", backend)
+
+
+def joint_attention(query: JointTokens, key: JointTokens, value: JointTokens, attn_mask: torch.Tensor | None = None,
+                    backend: Any = None) -> torch.Tensor | None:
+    """A routed `dispatch_attention_fn` call for q, k, v held as JointTokens (a processor that would otherwise
+    normalise, join and rotate them first): the active Ulysses attention's, where it takes them; None where it
+    does not (or no attention of ours is active), and the caller joins them and dispatches as usual."""
+    if not isinstance(_active, UlyssesAttention) or not _active.routes(key.rows):
+        return None
+    return _active.joint(query, key, value, attn_mask, None, _backend_name(backend))
 
 
 def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
