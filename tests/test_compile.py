@@ -135,10 +135,10 @@ def _one_gpu_ranks_worker(backend: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["overlap", "fused", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "overlap", "fused", "auto"])
 def test_real_depth_compiles_as_often_as_stock_on_two_ranks_of_one_gpu(backend):
-    """The GPU backends under compile_repeated_blocks (the fused one with Flux's q/k norms and rotation in its
-    stores), two ranks sharing the GPU."""
+    """Every backend on a GPU under compile_repeated_blocks (the fused one with Flux's q/k norms and rotation in
+    its stores), two ranks sharing the GPU."""
     run_on_ranks(2, _one_gpu_ranks_worker, backend, deadline_s=300)
 
 
