@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .attention_args import StoreRows
-from .rotary import rms_normed, rotated
+from .rotary import joined_rows, part_normed, rotated
 from .rotary_args import JointTokens, NormRope
 from .tables import ALIGN_ELEMENTS
 
@@ -45,16 +45,11 @@ def _store_heads_kernel(
     is_text = (row >= text_start) & (row < text_start + text_rows)
     # every rank holds the text: it keeps the rows of its own heads
     ok = ((row < rows) & (~is_text | (owner == rank)))[:, None]
-    in_first = (row < first_rows)[:, None]
     row = row.to(tl.int64)
-    first_at = First + batch * stride_fb + head * stride_fh + row[:, None] * stride_fs + d
-    second_at = Second + batch * stride_sb + head * stride_sh + (row - first_rows)[:, None] * stride_ss + d
-    x = tl.load(tl.where(in_first, first_at, second_at), mask=ok, other=0.0)
+    x = joined_rows(First, Second, first_rows, batch, row, head, ok, stride_fb, stride_fs, stride_fh, stride_sb,
+                    stride_ss, stride_sh, HEAD_DIM)
     if NORM_ROPE:
-        # the weights read as whole (rows, head_dim) tiles (cached), so that everything shares one layout
-        weight = tl.load(tl.where(in_first, FirstWeight + d, SecondWeight + d), mask=ok, other=0.0)
-        eps = tl.where(row < first_rows, first_eps, second_eps)
-        normed = rms_normed(x.to(tl.float32), weight, eps, HEAD_DIM).to(x.dtype).to(tl.float32)
+        normed = part_normed(x, FirstWeight, SecondWeight, first_eps, second_eps, row, first_rows, ok, HEAD_DIM)
         x = rotated(normed, Cos, Sin, row, ok, stride_cs, BLOCK, HEAD_DIM).to(x.dtype)
     sequence_row = tl.where(row < text_start, row, row - text_rows)
     to_row = tl.where(is_text, row - text_start, sequence_row0 + sequence_row)

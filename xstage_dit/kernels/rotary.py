@@ -51,11 +51,27 @@ def rotated(x, Cos, Sin, table_rows, ok, stride_cs, BLOCK_ROWS: tl.constexpr, HE
 
 
 @triton.jit
-def rms_normed(x, weight, eps, HEAD_DIM: tl.constexpr):
-    """The float32 rows x (BLOCK_ROWS, HEAD_DIM) normalised by their RMS and scaled by `weight` (a tile of x's
-    shape), `eps` per row; float32 (the caller rounds it to the tokens' dtype, as the norm module's output is)."""
-    inverse_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
-    return x * inverse_rms[:, None] * weight.to(tl.float32)
+def joined_rows(First, Second, first_rows, b, s, h, ok, stride_fb, stride_fs, stride_fh, stride_sb, stride_ss,
+                stride_sh, HEAD_DIM: tl.constexpr):
+    """The (rows, HEAD_DIM) tile of rows (batch b, token s, head h) of the parts First and Second joined along
+    the tokens (token s < first_rows is First's): one load per element, from whichever part holds its token."""
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    first_at = First + (b * stride_fb + s * stride_fs + h * stride_fh)[:, None] + d
+    second_at = Second + (b * stride_sb + (s - first_rows) * stride_ss + h * stride_sh)[:, None] + d
+    return tl.load(tl.where((s < first_rows)[:, None], first_at, second_at), mask=ok, other=0.0)
+
+
+@triton.jit
+def part_normed(x, FirstWeight, SecondWeight, first_eps, second_eps, s, first_rows, ok, HEAD_DIM: tl.constexpr):
+    """The rows of `joined_rows` normalised by the RMSNorm of their part (weight (HEAD_DIM,), eps), rounded to
+    x's dtype as the norm module's output is; float32 for what follows."""
+    in_first = s < first_rows
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    # the weights read as whole (rows, HEAD_DIM) tiles (cached), so that everything shares one register layout
+    weight = tl.load(tl.where(in_first[:, None], FirstWeight + d, SecondWeight + d), mask=ok, other=0.0)
+    x32 = x.to(tl.float32)
+    inverse_rms = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) / HEAD_DIM + tl.where(in_first, first_eps, second_eps))
+    return (x32 * inverse_rms[:, None] * weight.to(tl.float32)).to(x.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -88,16 +104,9 @@ def _norm_rope_kernel(First, FirstWeight, Second, SecondWeight, Cos, Sin, Out, r
     # rows over the output's tokens: the first `first_len` come from First (normalised with FirstWeight), the
     # rest from Second
     ok, b, s, h = _token_rows(rows, seq, heads, BLOCK_ROWS)
-    in_first = (s < first_len)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    # one load per element from whichever part holds its token; the weights are read as whole (rows, head_dim)
-    # tiles too (cached), so that everything shares one register layout
-    first_at = First + (b * stride_fb + s * stride_fs + h * stride_fh)[:, None] + d
-    second_at = Second + (b * stride_sb + (s - first_len) * stride_ss + h * stride_sh)[:, None] + d
-    x = tl.load(tl.where(in_first, first_at, second_at), mask=ok, other=0.0).to(tl.float32)
-    weight = tl.load(tl.where(in_first, FirstWeight + d, SecondWeight + d), mask=ok, other=0.0)
-    normed = rms_normed(x, weight, tl.where(s < first_len, first_eps, second_eps), HEAD_DIM)
-    normed = normed.to(Out.dtype.element_ty).to(tl.float32)  # rounded as the norm module's output, then rotated
+    x = joined_rows(First, Second, first_len, b, s, h, ok, stride_fb, stride_fs, stride_fh, stride_sb, stride_ss,
+                    stride_sh, HEAD_DIM)
+    normed = part_normed(x, FirstWeight, SecondWeight, first_eps, second_eps, s, first_len, ok, HEAD_DIM)
     _rotate_into(normed, Cos, Sin, Out, ok, b, s, h, stride_ob, stride_os, stride_oh, stride_cs, BLOCK_ROWS,
                  HEAD_DIM)
 
