@@ -282,6 +282,40 @@ def test_fused_loopback_with_norm_rope_in_the_stores_interpreted(n_ranks, seq_le
                     text_queries, norm_rope=True)
 
 
+def test_fused_loopback_with_split_text_parts_interpreted():
+    """Flux's text split between the ranks (patches/flux.py JointText): each rank's sequence rows are its text
+    chunk and its image chunk, two parts with their own norms, neither of them replicated text."""
+    n_ranks, batch, local, text_rows, heads, head_dim = 2, 2, 10, 3, 4, 64
+    fabric = LoopbackFabric(n_ranks, "cpu", initialise=lambda t: t.fill_(float("nan")))
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=torch.float32)
+
+    weights, eps = [1 + randn(head_dim) / 2 for _ in range(2)], (1e-6, 1e-5)
+    tokens, full = [[], [], []], [[], [], []]
+    for rank in range(n_ranks):
+        angles = 10 * torch.rand(local, head_dim)
+        cos, sin = angles.cos(), angles.sin()
+        for which in range(3):
+            parts = (randn(batch, text_rows, heads, head_dim), randn(batch, local - text_rows, heads, head_dim))
+            if which == 2:  # v: joined only
+                tokens[which].append(JointTokens(parts))
+                full[which] += parts
+                continue
+            tokens[which].append(JointTokens.normed_and_rotated(
+                [NormedTokens(part, weight, e) for part, weight, e in zip(parts, weights, eps)], cos, sin))
+            full[which] += [_norm_rope_reference(parts[0], weights[0], eps[0], cos[:text_rows], sin[:text_rows]),
+                            _norm_rope_reference(parts[1], weights[1], eps[1], cos[text_rows:], sin[text_rows:])]
+    outs = run_in_lockstep(
+        [fused_steps(*(t[rank] for t in tokens), UlyssesLayout(0, n_ranks * local, local, n_ranks, rank),
+                     fabric.rank(rank), None, None, TileOrder.ROTATED) for rank in range(n_ranks)],
+        fabric.rank(0).barrier)
+    ref, _ = _reference(*(torch.cat(f, dim=1) for f in full), n_ranks * local)
+    for rank in range(n_ranks):
+        expected = ref[:, rank * local : (rank + 1) * local]
+        assert _relative_error(outs[rank], expected) < TOLERANCE[torch.float32], f"rank {rank}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_ranks", [2, 4, 8])
 @pytest.mark.parametrize("text_first", [True, False])
