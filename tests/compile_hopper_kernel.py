@@ -75,16 +75,18 @@ def main() -> None:
 
     from xstage_dit.kernels.all_to_all import store_heads
     from xstage_dit.kernels.attention_args import StoreRows
-    from xstage_dit.kernels.rotary_args import JointTokens
+    from xstage_dit.kernels.rotary_args import JointTokens, NormRope
 
     base = torch.empty(2, 150, 1, 128, dtype=torch.bfloat16)
     joint = JointTokens.normed_and_rotated([NormedTokens(x[:, :20], weight, 1e-6), NormedTokens(x[:, 20:], weight,
                                                                                                 1e-6)], tables, tables)
-    for tokens in (joint, JointTokens((x,))):
+    across = JointTokens((x,), NormRope((torch.empty(3 * 128, dtype=torch.bfloat16),), (1e-6,), tables, tables,
+                                        across_heads=True))
+    for tokens in (joint, JointTokens((x,)), across):
         store_heads(tokens, StoreRows(0, 20, 20), torch.zeros(3, dtype=torch.int64), base, rank=0, warmup=True)
-    ptx = [path.read_text() for path in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_store_heads_kernel.ptx")]
-    assert len(ptx) == 2 and not any("fma.rn.f32" in text for text in ptx), "the store kernel's PTX fuses an FMA"
-    print("compiled the store kernel, plain and with the norm + rope, no FMA")
+    ptx = [path.read_text() for path in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_store_*_kernel.ptx")]
+    assert len(ptx) == 3 and not any("fma.rn.f32" in text for text in ptx), "the store kernels' PTX fuses an FMA"
+    print("compiled the store kernels, plain and with the norm + rope (per head, across heads), no FMA")
 
     from xstage_dit.kernels import experts
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
-from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens  # noqa: E402
+from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens, NormRope  # noqa: E402
 from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep  # noqa: E402
 from xstage_dit.sp.fused import fused_steps  # noqa: E402
 from xstage_dit.sp.layout import UlyssesLayout  # noqa: E402
@@ -314,6 +314,51 @@ def test_fused_loopback_with_split_text_parts_interpreted():
     for rank in range(n_ranks):
         expected = ref[:, rank * local : (rank + 1) * local]
         assert _relative_error(outs[rank], expected) < TOLERANCE[torch.float32], f"rank {rank}"
+
+
+def _check_loopback_norm_across_heads(device, dtype, n_ranks, seq_len, heads, head_dim):
+    """Wan's q and k: one part each, normalised over a token's whole vector (every head) and rotated in the
+    stores, against the model's order of operations (RMSNorm module, then the rotation) in float32."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    batch, local = 2, -(-seq_len // n_ranks)
+    fabric = LoopbackFabric(n_ranks, device, initialise=lambda t: t.fill_(float("nan")))
+    full = [torch.randn(batch, seq_len, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
+    weights = [1 + torch.randn(heads * head_dim, device=device, dtype=dtype) / 2 for _ in range(2)]
+    angles = 10 * torch.rand(n_ranks * local, head_dim, device=device)
+    cos, sin = angles.cos(), angles.sin()
+
+    def chunk(x, rank):
+        return F.pad(x, (0, 0, 0, 0, 0, n_ranks * local - x.shape[1]))[:, rank * local : (rank + 1) * local]
+
+    tokens = [[JointTokens((chunk(t, rank),), NormRope((w,), (1e-6,), chunk(cos[None, :, None], rank)[0, :, 0],
+                                                         chunk(sin[None, :, None], rank)[0, :, 0], across_heads=True))
+               for rank in range(n_ranks)] for t, w in zip(full, weights)]
+    tokens.append([JointTokens((chunk(full[2], rank),)) for rank in range(n_ranks)])
+    outs = run_in_lockstep(
+        [fused_steps(*(t[rank] for t in tokens), UlyssesLayout(0, seq_len, local, n_ranks, rank), fabric.rank(rank),
+                     None, None, TileOrder.ROTATED) for rank in range(n_ranks)],
+        fabric.rank(0).barrier)
+    for which, weight in enumerate(weights):
+        normed = F.rms_norm(full[which].flatten(2), weight.shape, weight, 1e-6).unflatten(2, (heads, head_dim))
+        full[which] = apply_rotary_emb(normed.float(), (cos[:seq_len], sin[:seq_len]), sequence_dim=1).to(dtype)
+    ref, _ = _reference(*full, seq_len)
+    for rank in range(n_ranks):
+        rows = min(local, seq_len - rank * local)
+        out = outs[rank][:, :rows]
+        assert not out.isnan().any(), f"rank {rank}: unwritten output rows"
+        assert _relative_error(out, ref[:, rank * local : rank * local + rows]) < TOLERANCE[dtype], f"rank {rank}"
+
+
+@pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19)])
+def test_fused_loopback_with_a_norm_across_heads_interpreted(n_ranks, seq_len):
+    _check_loopback_norm_across_heads("cpu", torch.float32, n_ranks, seq_len, 2 * n_ranks, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_ranks, seq_len, heads", [(2, 32760, 12), (4, 4093, 12), (8, 4093, 40)])
+def test_fused_loopback_with_a_norm_across_heads_on_gpu(n_ranks, seq_len, heads):
+    _check_loopback_norm_across_heads("cuda", torch.bfloat16, n_ranks, seq_len, heads, 128)
 
 
 @pytest.mark.gpu

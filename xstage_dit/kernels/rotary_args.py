@@ -20,13 +20,16 @@ class NormedTokens:
 @dataclass(frozen=True)
 class NormRope:
     """What a kernel applies to the head vectors of joined parts before storing them: each part's RMSNorm (its
-    weight (D,) and eps, by part), then the rotation by the (cos, sin) rows of the joined tokens, as
-    `rotary.norm_rotate` computes it."""
+    weight and eps, by part), then the rotation by the (cos, sin) rows of the joined tokens, as
+    `rotary.norm_rotate` computes it. The norm spans one head vector (weight (D,)), or with `across_heads` a
+    token's whole vector, every head (weight (H*D,); one part), as Wan normalises q and k before splitting the
+    heads."""
 
     weights: tuple[torch.Tensor, ...]
     eps: tuple[float, ...]
     cos: torch.Tensor
     sin: torch.Tensor
+    across_heads: bool = False
 
 
 @dataclass(frozen=True)
