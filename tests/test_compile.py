@@ -25,6 +25,7 @@ DEEP = {
     # head_dim 64: what the fused backend's kernels take (GPU)
     "flux-d64": (diffusers.FluxTransformer2DModel, {**zoo.ZOO["tiny-flux-d64"].transformer, "num_layers": 6,
                                                      "num_single_layers": 10}),
+    "wan-d64": (diffusers.WanTransformer3DModel, {**zoo.ZOO["tiny-wan-d64"].transformer, "num_layers": 10}),
 }
 # (device, dtype, compiled vs eager, parallel vs one process): float32 on CPU; bf16 on a GPU, where the parallel
 # run's attention kernels differ from stock's
@@ -129,17 +130,19 @@ def test_real_depth_compiles_as_often_as_stock_on_several_ranks(family, mode, wo
     run_on_ranks(world_size, _ranks_worker, family, mode, extra, deadline_s=300)
 
 
-def _one_gpu_ranks_worker(backend: str) -> None:
+def _one_gpu_ranks_worker(family: str, backend: str) -> None:
     share_one_gpu()
-    _compile_and_compare("flux-d64", "blocks", 0, backend, "cuda")
+    # Wan's token-splitting pre-hook sits on its first block, which compile_repeated_blocks compiles
+    _compile_and_compare(family, "blocks", 1 if family.startswith("wan") else 0, backend, "cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["reference", "overlap", "fused", "auto"])
-def test_real_depth_compiles_as_often_as_stock_on_two_ranks_of_one_gpu(backend):
-    """Every backend on a GPU under compile_repeated_blocks (the fused one with Flux's q/k norms and rotation in
-    its stores), two ranks sharing the GPU."""
-    run_on_ranks(2, _one_gpu_ranks_worker, backend, deadline_s=300)
+@pytest.mark.parametrize("family, backend", [("flux-d64", name) for name in ("reference", "overlap", "fused", "auto")]
+                         + [("wan-d64", "fused")])
+def test_real_depth_compiles_as_often_as_stock_on_two_ranks_of_one_gpu(family, backend):
+    """Every backend on a GPU under compile_repeated_blocks (the fused one with Flux's and Wan's q/k norms and
+    rotation in its stores), two ranks sharing the GPU."""
+    run_on_ranks(2, _one_gpu_ranks_worker, family, backend, deadline_s=300)
 
 
 def _pipeline(name: str, steps: int, dtype: torch.dtype = torch.float32):

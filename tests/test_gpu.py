@@ -238,38 +238,48 @@ def test_fused_real_size_layer_on_one_gpu(shape, world_size):
     run_on_ranks(world_size, _fused_layer_worker, *shape, deadline_s=200)
 
 
-def _joint_op_worker(backend: str) -> None:
-    """Flux's real-size layer with q and k handed over as raw text and image parts plus their norms and rotation
-    (xstage::ulysses_attention with tables), against the same op on the tensors the norm + RoPE kernel joins: the
-    reference backend joins them that way itself (bit-equal), the fused one in its stores (within bf16
-    rounding of the norm)."""
+def _joint_op_worker(backend: str, family: str) -> None:
+    """A real-size layer with q and k handed over before their prologue (xstage::ulysses_attention with tables),
+    against the same op on the tensors joined first: Flux's (text and image parts, a norm per head vector) and
+    Wan's (one part, a norm over every head). The reference backend joins them that way itself (bit-equal), the
+    fused one in its stores (within bf16 rounding of the norm)."""
     share_one_gpu()
     dist.init_process_group("gloo")
-    from xstage_dit.kernels.rotary import norm_rotate
+    from xstage_dit.kernels.rotary import norm_rotate, rotary_interleaved
     from xstage_dit.kernels.rotary_args import NormedTokens
     from xstage_dit.sp import ops
     from xstage_dit.sp.fabric import open_fabric
     from xstage_dit.sp.layout import UlyssesLayout
 
     rank, n_ranks = dist.get_rank(), dist.get_world_size()
-    text_len, local, heads, head_dim = 512, 2048, 24, 128
+    flux = family == "flux"
+    text_len, local, heads, head_dim = (512, 2048, 24, 128) if flux else (0, 16380, 12, 128)
     generator = torch.Generator(device="cuda").manual_seed(21 + rank)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=generator)
 
-    q_parts, k_parts, v_parts = ([randn(1, n, heads, head_dim) for n in (text_len, local)] for _ in range(3))
-    weights = [1 + randn(head_dim) / 2 for _ in range(4)]
-    eps = [1e-6, 1e-6, 1e-5, 1e-5]
+    rows = (text_len, local) if flux else (local,)
+    q_parts, k_parts, v_parts = ([randn(1, n, heads, head_dim) for n in rows] for _ in range(3))
+    width = head_dim if flux else heads * head_dim
+    weights = [1 + randn(width) / 2 for _ in range(2 * len(rows))]
+    eps = [1e-6] * len(rows) + [1e-5] * len(rows)
     angles = 10 * torch.rand(text_len + local, head_dim, device="cuda", generator=generator)
     cos, sin = angles.cos(), angles.sin()
     layout = UlyssesLayout(text_len, local * n_ranks, local, n_ranks, rank)
     open_fabric(dist.group.WORLD, torch.device("cuda"), timeout_s=60)
     common = (None, *layout.fields(), backend, dist.group.WORLD.group_name, None, None)
-    out = ops.ulysses_attention(q_parts, k_parts, v_parts, weights, eps, cos, sin, *common)
-    q, k = (norm_rotate([NormedTokens(t, w, e) for t, w, e in zip(parts, weights[i:], eps[i:])], cos, sin)
-            for parts, i in ((q_parts, 0), (k_parts, 2)))
-    expected = ops.ulysses_attention([q], [k], [torch.cat(v_parts, dim=1)], [], [], None, None, *common)
+    out = ops.ulysses_attention(q_parts, k_parts, v_parts, weights, eps, cos, sin, not flux, *common)
+
+    def joined(parts, first):
+        if flux:
+            return norm_rotate([NormedTokens(t, w, e) for t, w, e in zip(parts, weights[first:], eps[first:])],
+                               cos, sin)
+        normed = torch.nn.functional.rms_norm(parts[0].flatten(2), (width,), weights[first], eps[first])
+        return rotary_interleaved(normed.unflatten(2, (heads, head_dim)), cos, sin, 1)
+
+    q, k = joined(q_parts, 0), joined(k_parts, len(rows))
+    expected = ops.ulysses_attention([q], [k], [torch.cat(v_parts, dim=1)], [], [], None, None, False, *common)
     if backend == "reference":
         assert torch.equal(out, expected), f"rank {rank}: differs from the joined tensors' call"
     else:
@@ -278,8 +288,9 @@ def _joint_op_worker(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["reference", "fused"])
-def test_joint_attention_op_on_one_gpu(backend):
-    run_on_ranks(2, _joint_op_worker, backend, deadline_s=200)
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_joint_attention_op_on_one_gpu(backend, family):
+    run_on_ranks(2, _joint_op_worker, backend, family, deadline_s=200)
 
 
 def _graph_replay_worker(text_len: int, seq_len: int, heads: int) -> None:

@@ -26,7 +26,7 @@ from ..sp import ops, routing
 from ..sp.plan import JointText, PlanContext, SequenceParallelPlan
 from . import cfg_rules
 from .flux_mlp import split_projection_blocks
-from .processors import ReplacedProcessors, StandInProcessor
+from .processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
 
 
 def attention_of_both_streams(model: nn.Module) -> list[nn.Module]:
@@ -50,8 +50,7 @@ def refuse_controlnet_and_ip_adapter(family: str) -> Callable[[dict[str, Any]], 
 
 
 def _normed(tokens: torch.Tensor, norm: nn.RMSNorm) -> NormedTokens:
-    # torch's RMSNorm without an eps uses float32's, the type it computes in
-    return NormedTokens(tokens, norm.weight, torch.finfo(torch.float32).eps if norm.eps is None else norm.eps)
+    return NormedTokens(tokens, norm.weight, rms_norm_eps(norm))
 
 
 def _norm_rope(parts: list[NormedTokens], rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 
@@ -28,3 +29,8 @@ class ReplacedProcessors:
     def remove(self) -> None:
         for module, processor in self._replaced:
             module.processor = processor
+
+
+def rms_norm_eps(norm: nn.RMSNorm) -> float:
+    """The eps an RMSNorm module adds: torch's RMSNorm without one uses float32's, the type it computes in."""
+    return torch.finfo(torch.float32).eps if norm.eps is None else norm.eps

@@ -8,7 +8,7 @@ from .backends import FALLBACK, BackendChoice, may_take_joint_tokens
 from .layout import UlyssesLayout
 from .local_attention import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
-from .ops import (gathered_keys_attention, local_attention, local_attention_op, norm_rope_kernel_runs,
+from .ops import (gathered_keys_attention, local_attention, local_attention_op, prologue_kernels_run,
                   say_pair_bias_fallback, ulysses_attention)
 from .sharding import SequenceShard
 
@@ -62,28 +62,30 @@ class UlyssesAttention:
             run = local_attention_op if torch.compiler.is_compiling() else local_attention
             return run(query, key, value, attn_mask, choice, scale)
         layout = self._layout(query.shape[1], key.shape[1])
-        return ulysses_attention([query], [key], [value], [], [], None, None, text_key_mask(attn_mask, layout),
+        return ulysses_attention([query], [key], [value], [], [], None, None, False, text_key_mask(attn_mask, layout),
                                  *layout.fields(), choice, shard.group.group_name, scale, attention_backend,
                                  pair_bias)
 
     def joint(self, query: JointTokens, key: JointTokens, value: JointTokens, attn_mask: torch.Tensor | None = None,
               scale: float | None = None, attention_backend: str | None = None) -> torch.Tensor | None:
         """Attention of q, k, v held as JointTokens (q and k with a norm + RoPE, v without), where this call can
-        take them: a Ulysses degree above 1, no masks over query-key pairs, a backend of the choice that takes
-        them (sp/backends.py `Backend.joint`) and, for the others, the norm + RoPE kernel that joins them. None
+        take them (`takes_joint_tokens`, and our kernels take their norm + rotation: ops.prologue_kernels_run). None
         otherwise: the caller joins them and calls as usual."""
-        if (self.shard.degree == 1 or self.query_key_masks is not None
-                or not may_take_joint_tokens(self.choice, query.parts[0].device)
-                or not all(norm_rope_kernel_runs(t.normed_parts(), t.norm_rope.cos, t.norm_rope.sin)
-                           for t in (query, key))):
+        if not self.takes_joint_tokens(query.parts[0].device) or not all(map(prologue_kernels_run, (query, key))):
             return None
         norms = (query.norm_rope, key.norm_rope)
         layout = self._layout(query.rows, key.rows)
         return ulysses_attention(
             list(query.parts), list(key.parts), list(value.parts), [w for n in norms for w in n.weights],
-            [e for n in norms for e in n.eps], query.norm_rope.cos, query.norm_rope.sin,
+            [e for n in norms for e in n.eps], norms[0].cos, norms[0].sin, norms[0].across_heads,
             text_key_mask(_four_dims(attn_mask), layout), *layout.fields(), self.choice.name,
             self.shard.group.group_name, scale, attention_backend)
+
+    def takes_joint_tokens(self, device: torch.device) -> bool:
+        """What `joint` asks before it looks at the tensors: a Ulysses degree above 1, no masks over query-key
+        pairs, and a backend of the choice that takes JointTokens on `device`."""
+        return (self.shard.degree > 1 and self.query_key_masks is None
+                and may_take_joint_tokens(self.choice, device))
 
     def _layout(self, query_rows: int, key_rows: int) -> UlyssesLayout:
         shard = self.shard

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..kernels import triton_runs_on
@@ -45,6 +46,7 @@ def ulysses_attention(
     norm_eps: list[float],
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
+    norm_across_heads: bool,
     text_mask: torch.Tensor | None,
     text_len: int,
     seq_len: int,
@@ -60,8 +62,9 @@ def ulysses_attention(
     pair_bias: bool = False,
 ) -> torch.Tensor:
     """q, k and v each come as the parts (1 or 2 tensors (B, rows, H, D)) their joint tokens join; where `cos` is
-    given, q's and k's parts are also normalised part by part (the weights and epsilons of q's parts, then of k's)
-    and the joined tokens rotated by (cos, sin): a joint-attention processor's prologue (JointTokens), which a
+    given, q's and k's parts are also normalised part by part (the weights and epsilons of q's parts, then of k's;
+    per head vector, or `norm_across_heads` over a token's whole vector) and the joined tokens rotated by
+    (cos, sin): a processor's prologue (JointTokens, NormRope), which a
     backend with a joint entry (the fused one) applies in its stores and any other gets applied first (the norm +
     RoPE kernel, a concatenation). The layout travels as its fields (a custom op's arguments are tensors and
     scalars); `backend` names the choice (sp/backends.py) that picks the backend for this call;
@@ -70,7 +73,8 @@ def ulysses_attention(
     reference backend attends with."""
     layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first, text_queries)
     split = len(query_parts)
-    query, key = (JointTokens(tuple(parts), None if cos is None else NormRope(tuple(weights), tuple(eps), cos, sin))
+    query, key = (JointTokens(tuple(parts), None if cos is None else NormRope(tuple(weights), tuple(eps), cos, sin,
+                                                                               norm_across_heads))
                   for parts, weights, eps in ((query_parts, norm_weights[:split], norm_eps[:split]),
                                               (key_parts, norm_weights[split:], norm_eps[split:])))
     value = JointTokens(tuple(value_parts))
@@ -91,18 +95,35 @@ def ulysses_attention(
 
 
 @ulysses_attention.register_fake
-def _(query_parts, key_parts, value_parts, norm_weights, norm_eps, cos, sin, text_mask, text_len, seq_len,
-      local_len, degree, rank, text_first, text_queries, backend, group_name, scale, attention_backend,
+def _(query_parts, key_parts, value_parts, norm_weights, norm_eps, cos, sin, norm_across_heads, text_mask, text_len,
+      seq_len, local_len, degree, rank, text_first, text_queries, backend, group_name, scale, attention_backend,
       pair_bias=False):
     batch, _, heads, head_dim = query_parts[0].shape
     return query_parts[0].new_empty(batch, sum(part.shape[1] for part in query_parts), heads, head_dim)
 
 
 def _joined(tokens: JointTokens) -> torch.Tensor:
-    """The one tensor JointTokens stand for (their norm + rotation by the norm + RoPE kernel)."""
-    if tokens.norm_rope is not None:
-        return _rotary.norm_rotate(tokens.normed_parts(), tokens.norm_rope.cos, tokens.norm_rope.sin)
-    return tokens.parts[0] if len(tokens.parts) == 1 else torch.cat(tokens.parts, dim=1)
+    """The one tensor JointTokens stand for: their norm + rotation by the norm + RoPE kernel, or a norm across
+    heads as the model's RMSNorm module computes it and then the RoPE kernel."""
+    norm_rope = tokens.norm_rope
+    if norm_rope is None:
+        return tokens.parts[0] if len(tokens.parts) == 1 else torch.cat(tokens.parts, dim=1)
+    if not norm_rope.across_heads:
+        return _rotary.norm_rotate(tokens.normed_parts(), norm_rope.cos, norm_rope.sin)
+    (x,) = tokens.parts
+    normed = F.rms_norm(x.flatten(2), norm_rope.weights[0].shape, norm_rope.weights[0], norm_rope.eps[0])
+    return _rotary.rotate(normed.unflatten(2, x.shape[2:]), norm_rope.cos, norm_rope.sin, 1)
+
+
+def prologue_kernels_run(tokens: JointTokens) -> bool:
+    """Whether our kernels take the norm + rotation of `tokens` (q or k with a NormRope): to apply them in the
+    fused stores, or to join them first for another backend."""
+    norm_rope = tokens.norm_rope
+    if not norm_rope.across_heads:
+        return norm_rope_kernel_runs(tokens.normed_parts(), norm_rope.cos, norm_rope.sin)
+    x, weight = tokens.parts[0], norm_rope.weights[0]
+    return (len(tokens.parts) == 1 and weight.shape == (x.shape[2] * x.shape[3],) and weight.stride(-1) == 1
+            and weight.device == x.device and rotary_kernel_runs(x, norm_rope.cos, norm_rope.sin, 1))
 
 
 @torch.library.custom_op("xstage::gathered_keys_attention", mutates_args=())

@@ -53,9 +53,15 @@ def joint_attention(query: JointTokens, key: JointTokens, value: JointTokens, at
     """A routed `dispatch_attention_fn` call for q, k, v held as JointTokens (a processor that would otherwise
     normalise, join and rotate them first): the active Ulysses attention's, where it takes them; None where it
     does not (or no attention of ours is active), and the caller joins them and dispatches as usual."""
-    if not isinstance(_active, UlyssesAttention) or not _active.routes(key.rows):
+    if not joint_attention_offered(key.rows, key.parts[0].device):
         return None
     return _active.joint(query, key, value, attn_mask, None, _backend_name(backend))
+
+
+def joint_attention_offered(keys: int, device: torch.device) -> bool:
+    """Whether `joint_attention` over `keys` keys on `device` may take JointTokens now, the tensors' own checks
+    aside (asked by a processor that would otherwise leave the whole call to diffusers' code)."""
+    return isinstance(_active, UlyssesAttention) and _active.routes(keys) and _active.takes_joint_tokens(device)
 
 
 def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
