@@ -356,7 +356,8 @@ def test_fused_loopback_with_a_norm_across_heads_interpreted(n_ranks, seq_len):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_ranks, seq_len, heads", [(2, 32760, 12), (4, 4093, 12), (8, 4093, 40)])
+# the float64 reference holds every score: sequences of a few thousand tokens (the real sizes run in test_gpu.py)
+@pytest.mark.parametrize("n_ranks, seq_len, heads", [(2, 4093, 12), (4, 4093, 12), (8, 4093, 40)])
 def test_fused_loopback_with_a_norm_across_heads_on_gpu(n_ranks, seq_len, heads):
     _check_loopback_norm_across_heads("cuda", torch.bfloat16, n_ranks, seq_len, heads, 128)
 
