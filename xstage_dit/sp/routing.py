@@ -53,7 +53,7 @@ def joint_attention(query: JointTokens, key: JointTokens, value: JointTokens, at
     """A routed `dispatch_attention_fn` call for q, k, v held as JointTokens (a processor that would otherwise
     normalise, join and rotate them first): the active Ulysses attention's, where it takes them; None where it
     does not (or no attention of ours is active), and the caller joins them and dispatches as usual."""
-    if not joint_attention_offered(key.rows, key.parts[0].device):
+    if not isinstance(_active, UlyssesAttention) or not _active.routes(key.rows):
         return None
     return _active.joint(query, key, value, attn_mask, None, _backend_name(backend))
 
