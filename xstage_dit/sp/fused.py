@@ -65,11 +65,13 @@ def fused_steps(query: JointTokens, key: JointTokens, value: JointTokens, layout
     batch, query_rows, heads, head_dim = query.joined_shape
     dtype = query.parts[0].dtype
     share = heads // layout.degree
-    text_rows = {"q": layout.query_text_len, "k": layout.text_len, "v": layout.text_len}
-    buffers = {name: fabric.buffer(name, (batch, rows + layout.padded_len, share, head_dim), dtype)
-               for name, rows in text_rows.items()}
+    # per tensor: (its text rows, its rows once gathered)
+    rows = {"q": (layout.query_text_len, layout.query_gathered_len), "k": (layout.text_len, layout.gathered_len),
+            "v": (layout.text_len, layout.gathered_len)}
+    buffers = {name: fabric.buffer(name, (batch, gathered, share, head_dim), dtype)
+               for name, (_, gathered) in rows.items()}
     for (name, buffer), tokens in zip(buffers.items(), (query, key, value)):
-        store_heads(tokens, layout.store_rows(text_rows[name]), buffer.destinations, buffer.tensor, layout.rank)
+        store_heads(tokens, layout.store_rows(rows[name][0]), buffer.destinations, buffer.tensor, layout.rank)
     q, k, v = (buffer.tensor for buffer in buffers.values())
     out = fabric.buffer("out", (batch, query_rows, heads, head_dim), dtype)
     yield "fused attention (pre-all-to-all)"
