@@ -6,6 +6,10 @@ error; the eager compile backend keeps the tests fast on CPU. Compiled output eq
 after a compile restores the model."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from typing import Iterator
+
 import pytest
 import torch
 import diffusers
@@ -175,79 +179,114 @@ def test_compiled_pipeline_equals_stock(name, backend):
     run_on_ranks(2, _pipeline_worker, name, backend)
 
 
-def _pipeline_graphs(name: str, enabled: bool) -> int:
-    """Graphs Dynamo compiles for one call of the pipeline whose transformer compile_repeated_blocks compiled."""
-    pipe, generate = _pipeline(name, steps=1)
-    if enabled:
-        xstage_dit.enable(pipe, backend="reference")
-    torch._dynamo.reset()
-    counters.clear()
-    pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
-    with torch.no_grad():
-        generate()
-    if enabled:
-        xstage_dit.disable(pipe)  # the routing of diffusers' names is process-wide
-    return counters["stats"]["unique_graphs"]
-
-
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx",
-                                  "tiny-flux2", "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-hunyuan-video15",
-                                  "tiny-ltx2", "tiny-qwenimage21"])
-def test_every_family_with_repeated_blocks_compiles_as_often_as_stock(name):
-    """The families whose diffusers model names its repeated blocks (SD3, CogVideoX and HiDream do not), four
-    blocks deep, one process."""
-    import dataclasses
-
+@contextlib.contextmanager
+def _at_depth(name: str, depth: int) -> Iterator[str]:
+    """The zoo entry `name` with `depth` blocks of each kind, registered under a name of its own meanwhile."""
     entry = zoo.ZOO[name]
-    deep = {key: 4 for key in ("num_layers", "num_single_layers", "n_layers") if key in entry.transformer}
-    zoo.ZOO[f"{name}-deep"] = dataclasses.replace(entry, transformer={**entry.transformer, **deep})
+    layers = {key: depth for key in ("num_layers", "num_single_layers", "n_layers") if key in entry.transformer}
+    deep = f"{name}-depth-{depth}"
+    zoo.ZOO[deep] = dataclasses.replace(entry, transformer={**entry.transformer, **layers})
     try:
-        assert _pipeline_graphs(f"{name}-deep", True) == _pipeline_graphs(f"{name}-deep", False)
+        yield deep
     finally:
-        del zoo.ZOO[f"{name}-deep"]
+        del zoo.ZOO[deep]
 
 
-def _whole_model_compiled(name: str, enabled: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """One pipeline call eager and one with the transformer compiled whole (fullgraph), and the graphs compiled."""
-    pipe = zoo.build_pipeline(name, dtype=dtype)
-    pipe.set_progress_bar_config(disable=True)
-    entry = zoo.ZOO[name]
-    kwargs = zoo.call_kwargs(name, height=entry.height, width=entry.width, num_frames=entry.num_frames, steps=2,
-                             guidance=3.0)
+@dataclasses.dataclass
+class CompiledRun:
+    eager: torch.Tensor  # the latents of an eager pipeline call
+    compiled: torch.Tensor  # the same call's with the transformers compiled
+    graphs: int  # graphs Dynamo compiled for it
 
-    def generate() -> torch.Tensor:
-        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0, dtype=dtype), output_type="latent",
-                    generator=torch.Generator().manual_seed(0), return_dict=False)[0]
 
+def _compiled_pipeline(name: str, mode: str, enabled: bool, dtype: torch.dtype = torch.float32) -> CompiledRun:
+    """One pipeline call eager, then one with its transformers compiled (fullgraph, Dynamo's eager backend):
+    their blocks by compile_repeated_blocks (`mode` "blocks") or each transformer whole ("whole")."""
+    pipe, generate = _pipeline(name, steps=2, dtype=dtype)
+    transformers = [model for model in (pipe.transformer, getattr(pipe, "transformer_2", None)) if model is not None]
     if enabled:
-        xstage_dit.enable(pipe, backend="reference")
+        xstage_dit.enable(pipe, backend="reference", timeout_s=120)
     eager = generate()
     torch._dynamo.reset()
     counters.clear()
-    pipe.transformer.compile(fullgraph=True, backend="eager")
+    for model in transformers:
+        if mode == "blocks":
+            model.compile_repeated_blocks(fullgraph=True, backend="eager")
+        else:
+            model.compile(fullgraph=True, backend="eager")
     try:
         compiled = generate()
     finally:
-        pipe.transformer._compiled_call_impl = None
+        for model in transformers:
+            for module in model.modules():
+                module._compiled_call_impl = None
         if enabled:
             xstage_dit.disable(pipe)  # the routing of diffusers' names is process-wide
-    return eager, compiled, counters["stats"]["unique_graphs"]
+    return CompiledRun(eager, compiled, counters["stats"]["unique_graphs"])
+
+
+# the families whose diffusers model names its repeated blocks (SD3, CogVideoX and HiDream do not)
+WITH_REPEATED_BLOCKS = ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-ltx", "tiny-flux2",
+                        "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-hunyuan-video15", "tiny-ltx2",
+                        "tiny-qwenimage21", "tiny-qwenimage-edit-2511", "tiny-wan2.2"]
+# the families whose stock forward compiles whole with fullgraph (HunyuanVideo 1.5 and Qwen-Image 2.1 read values
+# back to the host before their blocks; stock HiDream's experts read counts back from the device)
+COMPILING_WHOLE = [name for name in WITH_REPEATED_BLOCKS if name not in ("tiny-hunyuan-video15", "tiny-qwenimage21")
+                   ] + ["tiny-sd3.5", "tiny-cogvideox"]
+
+
+@pytest.mark.parametrize("name", WITH_REPEATED_BLOCKS)
+def test_every_family_with_repeated_blocks_compiles_as_often_as_stock(name):
+    """Four blocks deep, one process: as many graphs as stock diffusers, compiled equal to eager."""
+    with _at_depth(name, 4) as deep:
+        stock = _compiled_pipeline(deep, "blocks", False)
+        ours = _compiled_pipeline(deep, "blocks", True)
+    assert ours.graphs == stock.graphs
+    torch.testing.assert_close(ours.compiled, ours.eager, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["tiny-sd3.5", "tiny-cogvideox"])
 def test_families_without_repeated_blocks_compile_whole_as_often_as_stock(name):
     """SD3 and CogVideoX name no repeated blocks: torch.compile of the whole transformer, one process."""
-    *_, stock_graphs = _whole_model_compiled(name, False, torch.float32)
-    eager, compiled, graphs = _whole_model_compiled(name, True, torch.float32)
-    assert graphs == stock_graphs
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    stock = _compiled_pipeline(name, "whole", False)
+    ours = _compiled_pipeline(name, "whole", True)
+    assert ours.graphs == stock.graphs
+    torch.testing.assert_close(ours.compiled, ours.eager, rtol=0, atol=0)
+
+
+def _depth_independent_worker(mode: str, names: list[str]) -> None:
+    for name in names:
+        graphs = {}
+        for depth in (2, 3):
+            with _at_depth(name, depth) as deep:
+                run = _compiled_pipeline(deep, mode, True)
+            graphs[depth] = run.graphs
+            error = ((run.compiled - run.eager).norm() / run.eager.norm()).item()
+            assert error < 1e-5, f"compiled {name} ({mode}) at depth {depth} differs from eager: {error:.2e}"
+        assert graphs[3] == graphs[2], (f"{name} ({mode}): {graphs[3]} graphs at depth 3, {graphs[2]} at depth 2: "
+                                        "a block instance compiled anew")
+
+
+DEGREES = (2, 3, 4)
+
+
+@pytest.mark.parametrize("mode", ["blocks", "whole"])
+@pytest.mark.parametrize("world_size", DEGREES)
+def test_every_family_compiles_each_block_class_once_on_several_ranks(mode, world_size):
+    """Every family on several ranks (reference backend), in each mode at one of the degrees 2, 3 and 4 in turn
+    (each family at every degree would take minutes of CI): one block instance more compiles nothing more (as
+    many graphs at three blocks of each kind as at two; the graphs of the split's hooks come once), no graph
+    break (fullgraph), compiled equal to eager."""
+    names, turn = (WITH_REPEATED_BLOCKS, 0) if mode == "blocks" else (COMPILING_WHOLE, 1)
+    first = (DEGREES.index(world_size) + turn) % len(DEGREES)
+    run_on_ranks(world_size, _depth_independent_worker, mode, names[first::len(DEGREES)], deadline_s=600)
 
 
 def test_hidream_compiles_whole_without_a_graph_break():
     """Stock HiDream cannot compile fullgraph (its experts loop over counts read back from the device); with
     xstage_dit its grouped experts (moe.py) trace. bf16: torch._grouped_mm's fake kernel takes bf16 only."""
-    eager, compiled, _ = _whole_model_compiled("tiny-hidream", True, torch.bfloat16)
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    run = _compiled_pipeline("tiny-hidream", "whole", True, torch.bfloat16)
+    torch.testing.assert_close(run.compiled, run.eager, rtol=0, atol=0)
 
 
 def _nucleus_blocks_worker(expert_parallel: bool) -> None:
