@@ -4,7 +4,10 @@ Every rank runs the stock pipeline first (its own single-process reference), the
 xstage_dit enabled, for batch 1 and 2 and for token counts that do and do not divide by the degree."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+from typing import Iterator
 
 import pytest
 import torch
@@ -331,12 +334,43 @@ def test_hunyuan_video15_transformer_matches_single_process(world_size: int) -> 
     run_on_ranks(world_size, _hunyuan_video15_worker)
 
 
+@contextlib.contextmanager
+def _xstage_warnings() -> Iterator[list[str]]:
+    """The warnings xstage_dit logs meanwhile (in a rank's process, where pytest's caplog does not reach)."""
+    found: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: found.append(record.getMessage())
+    logger = logging.getLogger("xstage_dit")
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+
+
+def _no_guidance_worker() -> None:
+    name = "tiny-wan"
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    xstage_dit.enable(pipe, cfg_degree=2, timeout_s=120)
+    kwargs = zoo.call_kwargs(name, **SIZES[name]["even"], steps=1, guidance=1.0)
+    with _xstage_warnings() as warnings:
+        for _ in range(2):
+            pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=3), output_type="latent", return_dict=False)
+    said = [w for w in warnings if "turn classifier-free guidance off" in w]
+    assert len(said) == 1 and "WanPipeline" in said[0], warnings
+
+
+def test_cfg_degree_2_says_once_that_calls_without_guidance_run_on_every_group() -> None:
+    """A pipeline calling its transformer once per branch, called with guidance off: both CFG groups compute
+    every call (equal to one process: test_cfg_parallel_matches_single_process), said once."""
+    run_on_ranks(2, _no_guidance_worker)
+
+
 def _from_pipe_worker() -> None:
     """A pipeline made by from_pipe shares the enabled transformer: called as it is, it warns once that the CFG
     split is off (and still equals one process); enabled with the same arguments it splits the branches;
     other arguments are refused."""
-    import logging
-
     import diffusers
 
     name = "tiny-wan"
@@ -356,12 +390,8 @@ def _from_pipe_worker() -> None:
     xstage_dit.enable(pipe, cfg_degree=2, timeout_s=120)
     other = diffusers.WanPipeline.from_pipe(pipe)
     other.set_progress_bar_config(disable=True)
-    warnings: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("xstage_dit").addHandler(handler)
-
-    out, calls = generate(other)
+    with _xstage_warnings() as warnings:
+        out, calls = generate(other)
     assert _relative_error(out, stock) < TOLERANCE and calls == stock_calls
     assert any("outside the pipeline that enable wrapped" in w for w in warnings), warnings
     with pytest.raises(RuntimeError, match="enable it with the same arguments"):

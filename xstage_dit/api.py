@@ -333,7 +333,12 @@ def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, p
         def around(arguments: dict[str, Any]) -> Iterator[None]:
             if check:
                 check_agreement(call_fingerprint(arguments), what, group)
-            with pairs.pipeline_call(cfg.pipeline_uses_cfg(arguments)) if paired else contextlib.nullcontext():
+            uses_cfg = paired and cfg.pipeline_uses_cfg(arguments)
+            if paired and not uses_cfg:
+                warn_once(f"xstage_dit: a {type(pipe).__name__} call whose arguments turn classifier-free guidance "
+                          f"off: with cfg_degree={config.cfg_degree} every CFG group computes every transformer "
+                          "call; enable with cfg_degree=1 to split such calls' tokens over every rank")
+            with pairs.pipeline_call(uses_cfg) if paired else contextlib.nullcontext():
                 yield
 
         wrap_pipeline_call(pipe, around)
