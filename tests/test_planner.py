@@ -180,6 +180,14 @@ def test_plan_command_prints_predictions_and_the_choice(tmp_path, capsys):
     assert "measured 2 rank(s); the predictions for 8 extrapolate" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans for this machine's GPU")
+def test_plan_command_without_a_gpu_names_the_shipped_calibrations():
+    from xstage_dit.cli import main
+
+    with pytest.raises(SystemExit, match="calibration-h200-nvlink-n2.json"):
+        main(["plan", "--tokens", "4096", "--heads", "24", "--ranks", "2"])
+
+
 def test_version(capsys):
     from xstage_dit.cli import main
 

@@ -13,7 +13,7 @@ import torch
 
 from .probing.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
 from .sp.backends import available_backends, backends, costs_of
-from .xstage.calibration import Calibration, calibration_dir, find_calibration
+from .xstage.calibration import SHIPPED, Calibration, calibration_dir, find_calibration
 from .xstage.planner import SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Planner
 
 
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _this_machine(ranks: int) -> Calibration:
     if not torch.cuda.is_available():
-        raise SystemExit("xstage-dit plan: no GPU here; pass --calibration FILE")
+        shipped = ", ".join(str(path) for path in sorted(SHIPPED.glob("*.json")))
+        raise SystemExit(f"xstage-dit plan: no GPU here; pass --calibration FILE (shipped: {shipped})")
     found = find_calibration(torch.cuda.get_device_name(), ranks)
     if found is None:
         raise SystemExit(f"xstage-dit plan: no calibration for {torch.cuda.get_device_name()} in "
