@@ -201,14 +201,14 @@ class CompiledRun:
 
 
 def _compiled_pipeline(name: str, mode: str, enabled: bool, dtype: torch.dtype = torch.float32,
-                       call_after_disable: bool = False) -> CompiledRun:
+                       call_after_disable: bool = False, expert_parallel: bool = False) -> CompiledRun:
     """One pipeline call eager, then one with its transformers compiled (fullgraph, Dynamo's eager backend):
     their blocks by compile_repeated_blocks (`mode` "blocks") or each transformer whole ("whole"); where asked,
     one more after `disable`."""
     pipe, generate = _pipeline(name, steps=2, dtype=dtype)
     transformers = [model for model in (pipe.transformer, getattr(pipe, "transformer_2", None)) if model is not None]
     if enabled:
-        xstage_dit.enable(pipe, backend="reference", timeout_s=120)
+        xstage_dit.enable(pipe, backend="reference", timeout_s=120, expert_parallel=expert_parallel)
     eager = generate()
     torch._dynamo.reset()
     counters.clear()
@@ -301,17 +301,10 @@ def test_hidream_compiles_whole_without_a_graph_break():
 
 
 def _nucleus_blocks_worker(expert_parallel: bool) -> None:
-    name = "tiny-nucleusmoe"
-    pipe, generate = _pipeline(name, steps=2, dtype=torch.bfloat16)
-    xstage_dit.enable(pipe, backend="reference", timeout_s=120, expert_parallel=expert_parallel)
-    eager = generate()
-    torch._dynamo.reset()
-    counters.clear()
-    pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
-    compiled = generate()
+    run = _compiled_pipeline("tiny-nucleusmoe", "blocks", True, torch.bfloat16, expert_parallel=expert_parallel)
     # one graph per kind of block: dense, and MoE at each capacity factor (a float the block's code reads)
-    assert counters["stats"]["unique_graphs"] == 3, counters["stats"]["unique_graphs"]
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert run.graphs == 3, run.graphs
+    torch.testing.assert_close(run.compiled, run.eager, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
