@@ -7,13 +7,15 @@ are spawned (importing those libraries initialises CUDA, which a forked process 
 caller's environment as it is at the call, as a spawned process would."""
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
+import logging
 import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,20 @@ def _worker(rank: int, world_size: int, port: int, deadline: float, environment:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def xstage_warnings() -> Iterator[list[str]]:
+    """The warnings xstage_dit logs meanwhile (in a rank's process, where pytest's caplog does not reach)."""
+    found: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: found.append(record.getMessage())
+    logger = logging.getLogger("xstage_dit")
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
 
 
 def share_one_gpu() -> None:

@@ -4,17 +4,14 @@ Every rank runs the stock pipeline first (its own single-process reference), the
 xstage_dit enabled, for batch 1 and 2 and for token counts that do and do not divide by the degree."""
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
-from typing import Iterator
 
 import pytest
 import torch
 
 import xstage_dit
 import zoo
-from dist_harness import run_on_ranks
+from dist_harness import run_on_ranks, xstage_warnings
 from xstage_dit import patches
 
 # token counts: "even" divides by 2, 3 and 4; "uneven" (35 = 5 x 7) by none of them, except where a model's
@@ -334,27 +331,13 @@ def test_hunyuan_video15_transformer_matches_single_process(world_size: int) -> 
     run_on_ranks(world_size, _hunyuan_video15_worker)
 
 
-@contextlib.contextmanager
-def _xstage_warnings() -> Iterator[list[str]]:
-    """The warnings xstage_dit logs meanwhile (in a rank's process, where pytest's caplog does not reach)."""
-    found: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: found.append(record.getMessage())
-    logger = logging.getLogger("xstage_dit")
-    logger.addHandler(handler)
-    try:
-        yield found
-    finally:
-        logger.removeHandler(handler)
-
-
 def _no_guidance_worker() -> None:
     name = "tiny-wan"
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     xstage_dit.enable(pipe, cfg_degree=2, timeout_s=120)
     kwargs = zoo.call_kwargs(name, **SIZES[name]["even"], steps=1, guidance=1.0)
-    with _xstage_warnings() as warnings:
+    with xstage_warnings() as warnings:
         for _ in range(2):
             pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=3), output_type="latent", return_dict=False)
     said = [w for w in warnings if "turn classifier-free guidance off" in w]
@@ -390,7 +373,7 @@ def _from_pipe_worker() -> None:
     xstage_dit.enable(pipe, cfg_degree=2, timeout_s=120)
     other = diffusers.WanPipeline.from_pipe(pipe)
     other.set_progress_bar_config(disable=True)
-    with _xstage_warnings() as warnings:
+    with xstage_warnings() as warnings:
         out, calls = generate(other)
     assert _relative_error(out, stock) < TOLERANCE and calls == stock_calls
     assert any("outside the pipeline that enable wrapped" in w for w in warnings), warnings

@@ -4,7 +4,6 @@ take run whole with one warning."""
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.distributed as dist
 
 import xstage_dit
 import zoo
-from dist_harness import run_on_ranks, share_one_gpu
+from dist_harness import run_on_ranks, share_one_gpu, xstage_warnings
 from xstage_dit.patches.vaes import vae_rule_for
 from xstage_dit.vae.decode import ParallelDecode
 
@@ -82,51 +81,39 @@ def test_row_split_decode_on_gpu_matches_one_process() -> None:
     run_on_ranks(2, _decode_worker, TINY, [2], "cuda", torch.bfloat16)
 
 
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _pipeline_worker() -> None:
-    from xstage_dit.logging_utils import logger
+    with xstage_warnings() as warnings:
+        for name, size in (("tiny-flux", {"height": 20, "width": 28, "num_frames": 1}),
+                           ("tiny-wan", {"height": 16, "width": 112, "num_frames": 17})):
+            pipe = zoo.build_pipeline(name)
+            pipe.set_progress_bar_config(disable=True)
 
-    logged = _Messages()
-    logger.addHandler(logged)
-    for name, size in (("tiny-flux", {"height": 20, "width": 28, "num_frames": 1}),
-                       ("tiny-wan", {"height": 16, "width": 112, "num_frames": 17})):
-        pipe = zoo.build_pipeline(name)
-        pipe.set_progress_bar_config(disable=True)
+            def generate() -> torch.Tensor:
+                kwargs = zoo.call_kwargs(name, **size, steps=1, guidance=1.0)
+                return pipe(**kwargs, **zoo.text_embeddings(name, 2, seed=2), output_type="pt",
+                            generator=torch.Generator().manual_seed(7), return_dict=False)[0]
 
-        def generate() -> torch.Tensor:
-            kwargs = zoo.call_kwargs(name, **size, steps=1, guidance=1.0)
-            return pipe(**kwargs, **zoo.text_embeddings(name, 2, seed=2), output_type="pt",
-                        generator=torch.Generator().manual_seed(7), return_dict=False)[0]
+            seen = _rows_seen(pipe.vae)
+            stock = generate()
+            stock_rows = max(seen)
+            xstage_dit.enable(pipe, backend="reference", timeout_s=120)
+            seen.clear()
+            out = generate()
+            share = stock_rows // 2 + (dist.get_rank() < stock_rows % 2)
+            assert set(seen) == {share}, f"{name}: the decoder saw {seen} of {stock_rows} latent rows"
+            error = _relative_error(out, stock)
+            assert error < TOLERANCE, f"{name}: relative error {error:.2e}"
 
-        seen = _rows_seen(pipe.vae)
-        stock = generate()
-        stock_rows = max(seen)
-        xstage_dit.enable(pipe, backend="reference", timeout_s=120)
-        seen.clear()
-        out = generate()
-        share = stock_rows // 2 + (dist.get_rank() < stock_rows % 2)
-        assert set(seen) == {share}, f"{name}: the decoder saw {seen} of {stock_rows} latent rows"
-        error = _relative_error(out, stock)
-        assert error < TOLERANCE, f"{name}: relative error {error:.2e}"
+            pipe.vae.enable_tiling()  # tiles are chosen on the whole latent: the decode runs whole, saying so once
+            seen.clear()
+            tiled = generate()
+            pipe.vae.disable_tiling()
+            assert max(seen) == stock_rows and _relative_error(tiled, stock) < TOLERANCE
+            vae_class = type(pipe.vae).__name__
+            assert sum(f"{vae_class} decode" in m and "tiling is on" in m for m in warnings) == 1, warnings
 
-        pipe.vae.enable_tiling()  # tiles are chosen on the whole latent: the decode runs whole, saying so once
-        seen.clear()
-        tiled = generate()
-        pipe.vae.disable_tiling()
-        assert max(seen) == stock_rows and _relative_error(tiled, stock) < TOLERANCE
-        vae_class = type(pipe.vae).__name__
-        assert sum(f"{vae_class} decode" in m and "tiling is on" in m for m in logged.messages) == 1, logged.messages
-
-        xstage_dit.disable(pipe)
-        assert torch.equal(generate(), stock), f"{name}: disable did not restore the pipeline"
+            xstage_dit.disable(pipe)
+            assert torch.equal(generate(), stock), f"{name}: disable did not restore the pipeline"
 
 
 def test_enabled_pipeline_decodes_split_and_equal() -> None:
