@@ -25,12 +25,12 @@ from xstage_dit.kernels.attention import flash_attention
 from xstage_dit.kernels.rotary_args import JointTokens
 from xstage_dit.runtime import ensure_process_group
 from xstage_dit.runtime.distributed import local_device, ranks_share_gpus
-from xstage_dit.sp.backends import backends
+from xstage_dit.sp.attention.backends import backends
 from xstage_dit.sp.fabric import SymmetricFabric, open_fabric
-from xstage_dit.sp.fused import fused_exchange, tile_order
-from xstage_dit.sp.layout import UlyssesLayout
-from xstage_dit.xstage import AttentionShape, Planner, find_calibration
-from xstage_dit.xstage.planner import TileOrder
+from xstage_dit.sp.attention.fused import fused_exchange, tile_order
+from xstage_dit.sp.attention.layout import UlyssesLayout
+from xstage_dit.burst_gap import AttentionShape, Planner, find_calibration
+from xstage_dit.burst_gap.planner import TileOrder
 
 from bench_kernels import back_to_back_ms
 from provenance import provenance

@@ -44,15 +44,15 @@ from xstage_dit.kernels.attention import TileConfig, flash_attention
 from xstage_dit.kernels.attention_hopper import HopperConfig, split_tail
 from xstage_dit.kernels.rotary import norm_rotate, rotary_interleaved
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens
-from xstage_dit.sp import ops
-from xstage_dit.sp.exchange import InFlight
+from xstage_dit.sp.attention import ops
+from xstage_dit.sp.attention.exchange import InFlight
 from xstage_dit.sp.fabric import LoopbackFabric
-from xstage_dit.sp.fused import TILE_ROWS, flash_attention_bshd, fused_exchange, fused_steps
-from xstage_dit.sp.layout import UlyssesLayout
-from xstage_dit.sp.overlap import MAX_CHUNKS, chunked_exchange
-from xstage_dit.sp.reference import serial_exchange
-from xstage_dit.xstage import AttentionShape, Calibration, Planner, find_calibration
-from xstage_dit.xstage.planner import TileOrder
+from xstage_dit.sp.attention.fused import TILE_ROWS, flash_attention_bshd, fused_exchange, fused_steps
+from xstage_dit.sp.attention.layout import UlyssesLayout
+from xstage_dit.sp.attention.overlap import MAX_CHUNKS, chunked_exchange
+from xstage_dit.sp.attention.reference import serial_exchange
+from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_calibration
+from xstage_dit.burst_gap.planner import TileOrder
 
 from provenance import provenance
 

@@ -1,7 +1,7 @@
 """One NucleusMoE-Image MoE layer at the released size (dim 2048, 64 experts of width 1344, expert choice at a
 capacity factor of 4 or 2, shared expert), timed per call: diffusers' own layer on one GPU (grouped matmuls, and
 its default loop over experts), and xstage_dit's exact expert choice, each rank holding S/N tokens, in each mode
-(sp/expert_modes.py): every expert on every rank (replicated), or E/N per rank with the rows travelling over
+(sp/moe/modes.py): every expert on every rank (replicated), or E/N per rank with the rows travelling over
 collectives or stored from the kernels (X-Stage) in several schedules; beside each, the Burst-Gap planner's
 prediction, and which mode and schedule it picks.
 
@@ -31,12 +31,12 @@ import zoo
 from provenance import provenance, write_records
 from xstage_dit.patches.nucleusmoe import ExactExpertChoice
 from xstage_dit.runtime import ensure_process_group
-from xstage_dit.sp.expert_modes import ExpertModes
+from xstage_dit.sp.moe.modes import ExpertModes
 from xstage_dit.sp.fabric import open_fabric
 from xstage_dit.sp.plan import PlanContext
-from xstage_dit.sp.planning import planner_for
+from xstage_dit.sp.planner import planner_for
 from xstage_dit.sp.sharding import SequenceShard
-from xstage_dit.xstage.planner import ExpertMode, ExpertSchedule, ExpertShape
+from xstage_dit.burst_gap.planner import ExpertMode, ExpertSchedule, ExpertShape
 
 DIM, EXPERTS, EXPERT_DIM = 2048, 64, 1344
 TOKENS = {"1024²": 4096, "2048²": 16384}

@@ -11,10 +11,10 @@ from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
 import zoo
-from xstage_dit.module_forward import ReplacedForward
+from xstage_dit.hooks.module_forward import ReplacedForward
 from xstage_dit.patches.flux import NormRopeProcessor
 from xstage_dit.runtime.cuda_graphs import GraphUse
-from xstage_dit.sp import ops, routing
+from xstage_dit.sp.attention import ops, routing
 from xstage_dit.sp.sharding import SequenceShard
 
 
@@ -418,7 +418,7 @@ def test_the_package_works_without_triton():
         "import sys; sys.modules['triton'] = None\n"
         f"sys.path.insert(0, {str(examples)!r})\n"
         "import torch, xstage_dit, zoo\n"
-        "from xstage_dit.sp.backends import available_backends\n"
+        "from xstage_dit.sp.attention.backends import available_backends\n"
         "assert 'fused' not in available_backends(), available_backends()\n"
         "pipe = zoo.build_pipeline('tiny-flux')\n"
         "pipe.set_progress_bar_config(disable=True)\n"

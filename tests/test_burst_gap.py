@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from xstage_dit.xstage import BurstGapModel
+from xstage_dit.burst_gap import BurstGapModel
 
 MiB = 2**20
 # the order of magnitude of the paper's system: t0 ~0.76 us, R ~717 GB/s, Q ~4.25 MiB

@@ -47,8 +47,8 @@ def test_producers_that_cannot_all_run_time_out_with_a_message(probe, monkeypatc
 
 def test_calibrate_writes_fits_and_info_lists_them(tmp_path, monkeypatch, capsys):
     from xstage_dit.cli import main
-    from xstage_dit.sp.backends import backends, costs_of
-    from xstage_dit.xstage import AttentionShape, Calibration, Planner
+    from xstage_dit.sp.attention.backends import backends, costs_of
+    from xstage_dit.burst_gap import AttentionShape, Calibration, Planner
 
     monkeypatch.setenv("XSTAGE_CALIBRATION_DIR", str(tmp_path))
     main(["calibrate", "--quick"])
@@ -66,7 +66,7 @@ def test_calibrate_writes_fits_and_info_lists_them(tmp_path, monkeypatch, capsys
 
 def test_kernels_only_remeasures_costs_and_keeps_the_fit(tmp_path):
     from xstage_dit.cli import main
-    from xstage_dit.xstage import BurstGapModel, Calibration, KernelCosts
+    from xstage_dit.burst_gap import BurstGapModel, Calibration, KernelCosts
 
     model = BurstGapModel(issue_latency=1e-6, producer_rate=10e9, max_issue_rate=1e12, drain_rate=300e9,
                           capacity=2 * MiB)

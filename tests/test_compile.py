@@ -295,7 +295,7 @@ def test_every_family_compiles_each_block_class_once_on_several_ranks(mode, worl
 
 def test_hidream_compiles_whole_without_a_graph_break():
     """Stock HiDream cannot compile fullgraph (its experts loop over counts read back from the device); with
-    xstage_dit its grouped experts (moe.py) trace. bf16: torch._grouped_mm's fake kernel takes bf16 only."""
+    xstage_dit its grouped experts (sp/moe/grouped.py) trace. bf16: torch._grouped_mm's fake kernel takes bf16 only."""
     run = _compiled_pipeline("tiny-hidream", "whole", True, torch.bfloat16)
     torch.testing.assert_close(run.compiled, run.eager, rtol=0, atol=0)
 
@@ -355,7 +355,7 @@ def test_compiled_code_follows_swapped_classes(monkeypatch):
     """A module switched to another class (module_forward.SwappedClasses: the GELU epilogue, split projections)
     and back is run by the code compiled for its current class, also where dynamo skips re-checking modules whose
     instance dict did not change (recursive dict tags, on by default in some torch releases)."""
-    from xstage_dit.module_forward import SwappedClasses
+    from xstage_dit.hooks.module_forward import SwappedClasses
 
     monkeypatch.setattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", True)
     block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())

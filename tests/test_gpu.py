@@ -13,7 +13,7 @@ import torch.distributed as dist
 import xstage_dit
 import zoo
 from dist_harness import run_on_ranks, share_one_gpu
-from xstage_dit.sp.local_attention import sdpa_bshd
+from xstage_dit.sp.attention.local import sdpa_bshd
 
 pytestmark = pytest.mark.gpu
 ATTENTION_TOLERANCE = 1e-2
@@ -97,7 +97,7 @@ def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
 
 def _count_expert_stores() -> list[int]:
     """One entry per MoE layer call that ran the X-Stage stores."""
-    from xstage_dit.sp import expert_layer
+    from xstage_dit.sp.moe import layer as expert_layer
 
     calls: list[int] = []
     original = expert_layer.expert_exchange
@@ -156,7 +156,7 @@ def test_expert_stores_on_one_gpu_match_single_process(world_size):
 def test_auto_follows_the_planner_on_one_gpu(tmp_path, monkeypatch):
     """A same-GPU calibration (synthetic costs: for tiny layers the fused path's few launches win) makes auto
     choose fused for every layer, and the result still equals the single process."""
-    from xstage_dit.xstage import BurstGapModel, Calibration, KernelCosts
+    from xstage_dit.burst_gap import BurstGapModel, Calibration, KernelCosts
 
     rates = {64: [(4096, 300.0)], 128: [(4096, 500.0)]}
     costs = KernelCosts(rates, rates, copy_rate=2e12, alltoall_rate=2e12, launch=5e-6, sms=132)
@@ -212,8 +212,8 @@ def _fused_layer_worker(batch: int, text_len: int, seq_len: int, heads: int, hea
     share_one_gpu()
     dist.init_process_group("gloo")
     from xstage_dit.sp.fabric import open_fabric
-    from xstage_dit.sp.fused import fused_ulysses
-    from xstage_dit.sp.layout import UlyssesLayout
+    from xstage_dit.sp.attention.fused import fused_ulysses
+    from xstage_dit.sp.attention.layout import UlyssesLayout
 
     rank, n_ranks = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator(device="cuda").manual_seed(11)
@@ -247,9 +247,9 @@ def _joint_op_worker(backend: str, family: str) -> None:
     dist.init_process_group("gloo")
     from xstage_dit.kernels.rotary import norm_rotate, rotary_interleaved
     from xstage_dit.kernels.rotary_args import NormedTokens
-    from xstage_dit.sp import ops
+    from xstage_dit.sp.attention import ops
     from xstage_dit.sp.fabric import open_fabric
-    from xstage_dit.sp.layout import UlyssesLayout
+    from xstage_dit.sp.attention.layout import UlyssesLayout
 
     rank, n_ranks = dist.get_rank(), dist.get_world_size()
     flux = family == "flux"
@@ -300,8 +300,8 @@ def _graph_replay_worker(text_len: int, seq_len: int, heads: int) -> None:
     share_one_gpu()
     dist.init_process_group("gloo")
     from xstage_dit.sp.fabric import open_fabric
-    from xstage_dit.sp.fused import fused_ulysses
-    from xstage_dit.sp.layout import UlyssesLayout
+    from xstage_dit.sp.attention.fused import fused_ulysses
+    from xstage_dit.sp.attention.layout import UlyssesLayout
 
     rank, n_ranks = dist.get_rank(), dist.get_world_size()
     local = -(-seq_len // n_ranks)

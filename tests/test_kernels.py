@@ -15,9 +15,9 @@ from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E4
 from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens, NormRope  # noqa: E402
 from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep  # noqa: E402
-from xstage_dit.sp.fused import fused_steps  # noqa: E402
-from xstage_dit.sp.layout import UlyssesLayout  # noqa: E402
-from xstage_dit.xstage.planner import TileOrder  # noqa: E402
+from xstage_dit.sp.attention.fused import fused_steps  # noqa: E402
+from xstage_dit.sp.attention.layout import UlyssesLayout  # noqa: E402
+from xstage_dit.burst_gap.planner import TileOrder  # noqa: E402
 
 # bf16 operands against a float64 reference land between 1e-3 and 1e-2 relative
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}

@@ -7,12 +7,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "xstage_dit"
 FLOORS = {
-    "config": 0, "cfg_plan": 0, "logging_utils": 0, "module_forward": 0, "pipeline_call": 0,
-    "runtime": 1, "xstage": 1, "kernels": 1, "moe": 1, "fused_gelu": 1,
-    "sp": 2, "vae": 2,
-    "patches": 3, "cfg_parallel": 3, "probing": 3,
-    "api": 4,
-    "cli": 5,
+    "config": 0, "logging_utils": 0, "hooks": 0,
+    "runtime": 1, "burst_gap": 1, "kernels": 1, "fusions": 1,
+    "cfg": 2, "vae": 2,
+    "sp": 3,
+    "patches": 4, "probing": 4,
+    "api": 5,
+    "cli": 6,
 }
 
 

@@ -8,14 +8,14 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
 
-from xstage_dit.moe import GroupedSwiGLUExperts, dispatch
-from xstage_dit.sp.expert_choice import select
-from xstage_dit.sp.expert_layer import ExpertChoiceCall, add_contributions, run_expert_choice
-from xstage_dit.sp.expert_modes import ExpertModes
-from xstage_dit.sp.expert_exchange import expert_steps, route_slots
+from xstage_dit.sp.moe.grouped import GroupedSwiGLUExperts, dispatch
+from xstage_dit.sp.moe.choice import select
+from xstage_dit.sp.moe.layer import ExpertChoiceCall, add_contributions, run_expert_choice
+from xstage_dit.sp.moe.modes import ExpertModes
+from xstage_dit.sp.moe.exchange import expert_steps, route_slots
 from xstage_dit.sp.fabric import LoopbackFabric, gather_steps, run_in_lockstep
 from xstage_dit.sp.sharding import SequenceShard
-from xstage_dit.xstage.planner import ExpertSchedule
+from xstage_dit.burst_gap.planner import ExpertSchedule
 
 
 def _layer(device: str = "cpu", dtype: torch.dtype = torch.float32) -> MOEFeedForwardSwiGLU:

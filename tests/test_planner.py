@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from xstage_dit.sp.backends import backends, costs_of
-from xstage_dit.xstage import AttentionShape, BurstGapModel, Calibration, KernelCosts, Planner, find_calibration
-from xstage_dit.sp.expert_modes import ExpertModes
-from xstage_dit.xstage.planner import ExpertMode, ExpertSchedule, ExpertShape, TileOrder
+from xstage_dit.sp.attention.backends import backends, costs_of
+from xstage_dit.burst_gap import AttentionShape, BurstGapModel, Calibration, KernelCosts, Planner, find_calibration
+from xstage_dit.sp.moe.modes import ExpertModes
+from xstage_dit.burst_gap.planner import ExpertMode, ExpertSchedule, ExpertShape, TileOrder
 
 MiB = 2**20
 NVLINK_LIKE = BurstGapModel(issue_latency=0.8e-6, producer_rate=12e9, max_issue_rate=1.4e12, drain_rate=400e9,
@@ -107,8 +107,8 @@ def test_shipped_calibrations_plan_out_of_the_box_and_the_machines_own_win(tmp_p
 
 
 def test_auto_without_calibration_runs_the_reference_on_cpu():
-    from xstage_dit.sp.backends import get_choice
-    from xstage_dit.sp.layout import UlyssesLayout
+    from xstage_dit.sp.attention.backends import get_choice
+    from xstage_dit.sp.attention.layout import UlyssesLayout
 
     query = torch.randn(1, 8, 4, 16)
     auto = get_choice("auto")
@@ -117,7 +117,7 @@ def test_auto_without_calibration_runs_the_reference_on_cpu():
 
 
 def test_auto_picks_the_fastest_predicted_backend_it_can_run():
-    from xstage_dit.sp.auto import decide
+    from xstage_dit.sp.attention.auto import decide
 
     planner = Planner(NVLINK_LIKE, COSTS)
     shape = AttentionShape(1, 65536, 0, 24, 128, 8)

@@ -5,7 +5,7 @@
 from .api import cuda_graph_use, disable, enable, is_main_process
 from .config import XStageConfig
 from .runtime.distributed import local_device
-from .sp.backends import available_backends
+from .sp.attention.backends import available_backends
 
 __all__ = ["enable", "disable", "is_main_process", "cuda_graph_use", "local_device", "available_backends",
            "XStageConfig"]

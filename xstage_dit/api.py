@@ -15,26 +15,26 @@ from torch import nn
 
 from . import patches
 from .patches.vaes import supported_vaes, vae_rule_for
-from .cfg_parallel import CfgSplit, PairedCalls
-from .cfg_plan import PAIRS
+from .cfg.split import CfgSplit, PairedCalls
+from .cfg.plan import PAIRS
 from .config import XStageConfig
-from .fused_gelu import epilogue_gelus
+from .fusions.gelu import epilogue_gelus
 from .logging_utils import logger, warn_once
-from .pipeline_call import is_wrapped, unwrap_pipeline_call, wrap_pipeline_call
+from .hooks.pipeline_call import is_wrapped, unwrap_pipeline_call, wrap_pipeline_call
 from .runtime import ParallelGroups, build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, call_fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import CrossRankWork, GraphedForward, GraphUse, repeated_blocks
 from .runtime.distributed import local_device, world_group
-from .sp import auto, overlap, reference  # noqa: F401  (register the backends)
+from .sp.attention import auto, overlap, reference  # noqa: F401  (register the backends)
 
 try:
-    from .sp import fused  # noqa: F401  (registers the fused backend; needs Triton)
+    from .sp.attention import fused  # noqa: F401  (registers the fused backend; needs Triton)
 except ImportError:  # without Triton the other backends still work
     pass
-from .sp.attention import UlyssesAttention
-from .sp.backends import available_backends, needs_fabric, resolve_backend
+from .sp.attention.ulysses import UlyssesAttention
+from .sp.attention.backends import available_backends, needs_fabric, resolve_backend
 from .sp.cache_hooks import stateful_hooks
-from .sp.expert_modes import ExpertModes
+from .sp.moe.modes import ExpertModes
 from .sp.plan import AppliedPlan
 from .sp.sharding import SequenceShard
 from .vae.decode import ParallelDecode
@@ -134,7 +134,7 @@ def _parallel_vae(asked: bool | None, vae: nn.Module | None) -> bool:
 def _expert_parallel(asked: bool | None, models: list[nn.Module], degree: int) -> bool | None:
     """Experts sharded over the Ulysses group where asked for: the models must have MoE layers whose plan can
     shard them, with an expert count the degree divides. None leaves the choice per layer call to the planner
-    (sp/expert_modes.py), with every expert kept on every rank."""
+    (sp/moe/modes.py), with every expert kept on every rank."""
     if not asked:
         return asked
     if degree == 1:
@@ -230,7 +230,7 @@ def enable(
     `expert_parallel=True` shards a mixture of experts over the Ulysses group (each rank keeps E/N experts on its
     device and the others on the host until `disable`); `False` keeps every expert on every rank, each running
     the experts on its own tokens; the default (None) keeps every expert on every rank and runs each MoE layer
-    call in the mode the Burst-Gap planner predicts fastest (sp/expert_modes.py).
+    call in the mode the Burst-Gap planner predicts fastest (sp/moe/modes.py).
 
     A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
     arguments: its calls then take part in the CFG split too; other arguments are refused."""

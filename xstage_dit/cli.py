@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from .probing.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
-from .sp.backends import available_backends, backends, costs_of
-from .xstage.calibration import SHIPPED, Calibration, calibration_dir, find_calibration
-from .xstage.planner import SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Planner
+from .sp.attention.backends import available_backends, backends, costs_of
+from .burst_gap.calibration import SHIPPED, Calibration, calibration_dir, find_calibration
+from .burst_gap.planner import SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Planner
 
 
 def _version(package: str) -> str:
@@ -54,7 +54,7 @@ def info() -> str:
 
 def plan(calibration: Calibration, shape: AttentionShape) -> str:
     """Each registered backend's predicted time for `shape`, what auto runs, and the fused kernel's tile order."""
-    from .sp.auto import decide
+    from .sp.attention.auto import decide
 
     planner = Planner.from_calibration(calibration)
     candidates = tuple(backends())
@@ -63,7 +63,7 @@ def plan(calibration: Calibration, shape: AttentionShape) -> str:
     lines += [f"  {name:>9}: {seconds * 1e3:.3f} ms predicted" for name, seconds in predicted.items()]
     lines.append(f"  auto runs {decide(planner, shape, candidates).name}")
     if "fused" in predicted:
-        from .sp.fused import tile_order
+        from .sp.attention.fused import tile_order
 
         lines[-1] += f"; the fused kernel's tile order: {tile_order(planner, shape).value}"
     return "\n".join(lines)

@@ -10,11 +10,11 @@ class XStageConfig:
 
     ulysses_degree: ranks that split one sequence (Ulysses sequence parallelism).
     cfg_degree: groups of ranks that split the classifier-free-guidance branches.
-    backend: how Ulysses moves data; see `xstage_dit.sp.backends.available_backends()`.
+    backend: how Ulysses moves data; see `xstage_dit.sp.attention.backends.available_backends()`.
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
     fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU); in
         Flux and Chroma the q/k RMSNorms before it run in the same pass (patches/flux.py NormRopeProcessor).
-    fuse_mlp: the feed-forwards' tanh-GELU runs in its GEMM's epilogue (fused_gelu.py, on CUDA) and FLUX.1's and
+    fuse_mlp: the feed-forwards' tanh-GELU runs in its GEMM's epilogue (fusions/gelu.py, on CUDA) and FLUX.1's and
         Chroma's single-stream blocks project their attention and MLP outputs without joining them
         (patches/flux_mlp.py).
         Like fuse_rope, it changes rounding slightly; False keeps diffusers' layer code.

@@ -12,7 +12,7 @@ Destinations are element offsets from the kernel's own buffer (kernels/tables.py
 The expert kernel runs a list of tiles of two kinds: SwiGLU tiles (x @ gate_up, then silu(gate) * up, stored
 locally) of some experts and down-projection tiles (the combine stores) of others. Interleaving the two kinds in
 one launch puts compute between the store bursts of the down projection (the paper's interleaved MegaMoE
-schedule); the host code in sp/expert_exchange.py decides which experts each launch takes."""
+schedule); the host code in sp/moe/exchange.py decides which experts each launch takes."""
 from __future__ import annotations
 
 from dataclasses import dataclass

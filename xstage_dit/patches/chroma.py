@@ -18,11 +18,11 @@ from diffusers import ChromaTransformer2DModel
 from diffusers.models.transformers import transformer_chroma
 from torch import nn
 
-from ..cfg_plan import PAIRS, CfgPlan
-from ..module_forward import SwappedClasses
-from ..sp import routing
-from ..sp.masks import QueryKeyMasks
-from ..sp.plan import JointTokens, PlanContext, SequenceParallelPlan
+from ..cfg.plan import PAIRS, CfgPlan
+from ..hooks.module_forward import SwappedClasses
+from ..sp.attention import routing
+from ..sp.attention.masks import QueryKeyMasks
+from ..sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
 from . import cfg_rules
 from .flux import attention_of_both_streams, install_flux_blocks, refuse_controlnet_and_ip_adapter
 
@@ -57,7 +57,7 @@ PLANS = {
         rotary_site=_FLUX,
         attention_modules=attention_of_both_streams,
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.token_output_shape, pipeline_uses_cfg=cfg_rules.guidance_above_one),
-        shard_inputs={"": {"hidden_states": -2, "img_ids": -2, "attention_mask": JointTokens(-1)}},
+        shard_inputs={"": {"hidden_states": -2, "img_ids": -2, "attention_mask": TextAndImage(-1)}},
         gather_outputs={"proj_out": -2},
         check_inputs=refuse_controlnet_and_ip_adapter("Chroma"),
         query_key_masks=QueryKeyMasks.PAIR_BIAS,

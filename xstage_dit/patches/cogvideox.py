@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from diffusers import CogVideoXTransformer3DModel
 
-from ..cfg_plan import BATCH, CfgPlan
-from ..sp import routing
+from ..cfg.plan import BATCH, CfgPlan
+from ..sp.attention import routing
 from ..sp.plan import SequenceParallelPlan
 
 PLANS = {

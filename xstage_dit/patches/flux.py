@@ -20,9 +20,9 @@ from diffusers import FluxTransformer2DModel
 from diffusers.models.transformers import transformer_flux
 from torch import nn
 
-from ..cfg_plan import PAIRS, CfgPlan
+from ..cfg.plan import PAIRS, CfgPlan
 from ..kernels.rotary_args import JointTokens, NormedTokens
-from ..sp import ops, routing
+from ..sp.attention import ops, routing
 from ..sp.plan import JointText, PlanContext, SequenceParallelPlan
 from . import cfg_rules
 from .flux_mlp import split_projection_blocks

@@ -1,7 +1,7 @@
 """FLUX.1-style single-stream blocks (FLUX.1's and Chroma's) without writing the concatenation of their attention
 output and MLP branch (15360 columns per token at FLUX.1-dev's size): the output projection runs as two GEMMs,
 the second accumulating into the first's output, and the MLP's tanh-GELU runs in its GEMM's epilogue
-(fused_gelu.gelu_linear).
+(fusions/gelu.py, `gelu_linear`).
 
 The blocks get a subclass of the same name (so that `compile_repeated_blocks`, which finds blocks by class name,
 still compiles them) until `remove`. Its forward is diffusers' with those two changes; its result differs from
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from diffusers.models.transformers import transformer_chroma, transformer_flux
 from torch import nn
 
-from ..fused_gelu import gelu_linear
-from ..module_forward import SwappedClasses, named_as
+from ..fusions.gelu import gelu_linear
+from ..hooks.module_forward import SwappedClasses, named_as
 
 
 def project_joined(first: torch.Tensor, second: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

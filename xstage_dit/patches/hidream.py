@@ -4,7 +4,7 @@ F.scaled_dot_product_attention directly.
 
 The model patchifies its latents inside forward; we do that first (same function), so that image tokens,
 their position ids and HiDream's own padding mask are split on entry like Flux's, and `img_sizes` become
-Python ints (no host sync in unpatchify). The MoE runs sync-free and grouped (xstage_dit.moe), with every
+Python ints (no host sync in unpatchify). The MoE runs sync-free and grouped (xstage_dit.sp.moe.grouped), with every
 expert on every rank or, with `expert_parallel=True`, E/N per rank, the token copies travelling over collectives
 (an all-gather of the group's tokens, a reduce-scatter of their sums)."""
 from __future__ import annotations
@@ -17,10 +17,10 @@ from diffusers import HiDreamImageTransformer2DModel
 from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 from torch import nn
 
-from ..cfg_plan import BATCH, CfgPlan
-from ..moe import GroupedSwiGLUExperts, dispatch
-from ..sp.expert_choice import gather_tokens, reduce_tokens
-from ..sp import routing
+from ..cfg.plan import BATCH, CfgPlan
+from ..sp.moe.grouped import GroupedSwiGLUExperts, dispatch
+from ..sp.moe.choice import gather_tokens, reduce_tokens
+from ..sp.attention import routing
 from ..sp.plan import PlanContext, SequenceParallelPlan
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from diffusers import HunyuanVideoTransformer3DModel
 from torch import nn
 
-from ..cfg_plan import PAIRS, CfgPlan
-from ..sp import routing
+from ..cfg.plan import PAIRS, CfgPlan
+from ..sp.attention import routing
 from ..sp.plan import SequenceParallelPlan
 from . import cfg_rules
 from .flux import attention_of_both_streams

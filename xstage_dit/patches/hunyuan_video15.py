@@ -19,9 +19,9 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers import transformer_hunyuan_video15
 from torch import nn
 
-from ..cfg_plan import PAIRS, CfgPlan
-from ..sp import routing
-from ..sp.masks import QueryKeyMasks
+from ..cfg.plan import PAIRS, CfgPlan
+from ..sp.attention import routing
+from ..sp.attention.masks import QueryKeyMasks
 from ..sp.plan import PlanContext, SequenceParallelPlan
 from . import cfg_rules
 from .processors import ReplacedProcessors, StandInProcessor

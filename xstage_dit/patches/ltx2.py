@@ -14,8 +14,8 @@ from typing import Any
 
 from diffusers import LTX2VideoTransformer3DModel
 
-from ..cfg_plan import BATCH, CfgPlan
-from ..sp import routing
+from ..cfg.plan import BATCH, CfgPlan
+from ..sp.attention import routing
 from ..sp.plan import PerToken, SequenceParallelPlan
 
 

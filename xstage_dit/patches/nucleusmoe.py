@@ -4,9 +4,9 @@ with expert-choice routing.
 
 Image tokens are split on entry with the image rows of the rotary table; the text stays whole on every rank. The
 model builds its key mask from the local token count. Each MoE layer runs exact expert choice: every rank takes
-the selections one process would make over the whole sequence (sp/expert_choice.py) and runs the routed experts
+the selections one process would make over the whole sequence (sp/moe/choice.py) and runs the routed experts
 on the selected tokens it holds, as one grouped matmul per projection, without host synchronisation; or, with
-`expert_parallel`, on every selection of the experts it owns (sp/expert_choice.py). The model's rotary tables
+`expert_parallel`, on every selection of the experts it owns (sp/moe/choice.py). The model's rotary tables
 and prompt lengths are computed without host-to-device copies, so that its forward can be captured in a CUDA
 graph."""
 from __future__ import annotations
@@ -21,17 +21,18 @@ from diffusers.models.transformers import transformer_nucleusmoe_image
 from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
 from torch import nn
 
-from ..cfg_plan import PAIRS, CfgPlan
-from ..sp import ops, routing
-from ..sp.expert_modes import ExpertModes
+from ..cfg.plan import PAIRS, CfgPlan
+from ..sp.attention import routing
+from ..sp.moe.modes import ExpertModes
+from ..sp.moe.ops import expert_choice
 from ..sp.plan import PlanContext, SequenceParallelPlan
-from ..xstage.planner import ExpertSchedule
+from ..burst_gap.planner import ExpertSchedule
 from . import cfg_rules
 
 
 class ExactExpertChoice:
     """Replaces one MoE layer's forward with whole-sequence expert choice over the plan's split, in the mode the
-    context allows and the planner picks per call (sp/expert_modes.py). Where the experts are sharded, the other
+    context allows and the planner picks per call (sp/moe/modes.py). Where the experts are sharded, the other
     ranks' expert weights move to the host, so the GPU holds only this rank's; `remove()` gives the layer its
     forward and weights back. `schedule` fixes the stores mode's schedule (default: the planner's)."""
 
@@ -69,7 +70,7 @@ class ExactExpertChoice:
         logits = layer.gate(router_input)
         activation = torch.sigmoid if layer.use_sigmoid else lambda x: F.softmax(x, dim=-1)
         scores = activation(logits.float()).to(logits.dtype)
-        return ops.expert_choice(
+        return expert_choice(
             hidden_states, layer.shared_expert(hidden_states), scores, layer.experts.gate_up_proj,
             layer.experts.down_proj, layer.capacity_factor, layer.route_scale, shard.seq_len, shard.degree, shard.rank,
             self._group_name, self._modes, self.own.start, self.own.stop, self.schedule.waves,

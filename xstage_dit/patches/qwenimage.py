@@ -15,9 +15,9 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from torch import nn
 
-from ..cfg_plan import PAIRS, CfgPlan
-from ..module_forward import ReboundName
-from ..sp import routing
+from ..cfg.plan import PAIRS, CfgPlan
+from ..hooks.module_forward import ReboundName
+from ..sp.attention import routing
 from ..sp.plan import PerToken, PlanContext, SequenceParallelPlan
 from . import cfg_rules
 

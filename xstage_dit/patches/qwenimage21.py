@@ -20,9 +20,9 @@ from diffusers import QwenImage21Transformer2DModel
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 from torch import nn
 
-from ..cfg_plan import PAIRS, CfgPlan
-from ..sp import routing
-from ..sp.plan import JointTokens, PlanContext, SequenceParallelPlan
+from ..cfg.plan import PAIRS, CfgPlan
+from ..sp.attention import routing
+from ..sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
 from ..sp.sharding import SequenceShard
 from . import cfg_rules
 
@@ -68,8 +68,8 @@ def _install(model: nn.Module, context: PlanContext) -> list[Any]:
 
 
 # the per-token inputs every block takes over the joint sequence (the prefix's entries first)
-_PER_TOKEN = {"rotary_emb": JointTokens(0), "target_token_mask": JointTokens(0), "key_valid": JointTokens(1),
-              "attention_mask": JointTokens(3)}
+_PER_TOKEN = {"rotary_emb": TextAndImage(0), "target_token_mask": TextAndImage(0), "key_valid": TextAndImage(1),
+              "attention_mask": TextAndImage(3)}
 
 PLANS = {
     QwenImage21Transformer2DModel: SequenceParallelPlan(
@@ -78,9 +78,9 @@ PLANS = {
         attention_modules=lambda model: [block.attn for block in model.transformer_blocks],
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.prefixed_token_output_shape,
                     pipeline_uses_cfg=cfg_rules.true_cfg),
-        shard_inputs={"transformer_blocks.0": {"hidden_states": JointTokens(1)}, "transformer_blocks.*": _PER_TOKEN,
-                      "norm_out": {"target_token_mask": JointTokens(0)}},
-        gather_outputs={"proj_out": JointTokens(1)},
+        shard_inputs={"transformer_blocks.0": {"hidden_states": TextAndImage(1)}, "transformer_blocks.*": _PER_TOKEN,
+                      "norm_out": {"target_token_mask": TextAndImage(0)}},
+        gather_outputs={"proj_out": TextAndImage(1)},
         check_model=_check_model,
         install=_install,
     )

@@ -9,8 +9,8 @@ from typing import Any
 from diffusers import SD3Transformer2DModel
 from torch import nn
 
-from ..cfg_plan import BATCH, CfgPlan
-from ..sp import routing
+from ..cfg.plan import BATCH, CfgPlan
+from ..sp.attention import routing
 from ..sp.plan import SequenceParallelPlan
 
 

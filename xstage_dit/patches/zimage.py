@@ -15,8 +15,8 @@ import torch
 from diffusers import ZImageTransformer2DModel
 from torch import nn
 
-from ..cfg_plan import BATCH, CfgPlan
-from ..sp import routing
+from ..cfg.plan import BATCH, CfgPlan
+from ..sp.attention import routing
 from ..sp.plan import PlanContext, SequenceParallelPlan
 from ..sp.sharding import SequenceShard
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ..runtime.distributed import free_port
-from ..xstage.calibration import Calibration, KernelCosts
-from ..xstage.model import BurstGapModel
+from ..burst_gap.calibration import Calibration, KernelCosts
+from ..burst_gap.model import BurstGapModel
 from .probes import BurstProbe, round_volume
 
 KiB, MiB = 1024, 1024 * 1024
@@ -121,8 +121,8 @@ def measure_expert_rates(device: torch.device) -> dict[str, list[tuple[int, floa
     """SwiGLU-expert throughput (both projections, bf16) by rows per expert: our expert kernel in one wave, its
     combine rows stored locally ("own"), and torch's grouped matmuls ("vendor")."""
     from ..kernels.experts import ExpertOperands, run_experts
-    from ..moe import packed_swiglu_experts
-    from ..xstage.planner import ExpertSchedule
+    from ..sp.moe.grouped import packed_swiglu_experts
+    from ..burst_gap.planner import ExpertSchedule
 
     options = {"device": device, "dtype": torch.bfloat16}
     gate_up = torch.randn(EXPERTS, EXPERT_DIM, 2 * EXPERT_WIDTH, **options) * EXPERT_DIM ** -0.5

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..logging_utils import logger, warn_once
-from ..module_forward import ReplacedForward, SwappedClasses, named_as
+from ..hooks.module_forward import ReplacedForward, SwappedClasses, named_as
 
 CAPTURED_SIGNATURES = 8
 EAGER_CALLS = 2  # per signature before its capture: a warm-up, then a watch for host synchronisation

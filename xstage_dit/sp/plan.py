@@ -10,11 +10,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..cfg_plan import CfgPlan
-from . import cache_hooks, routing
-from .attention import GatheredKeysAttention, UlyssesAttention
-from .expert_modes import ExpertModes
-from .masks import QueryKeyMasks
+from ..cfg.plan import CfgPlan
+from . import cache_hooks
+from .attention import routing
+from .attention.ulysses import GatheredKeysAttention, UlyssesAttention
+from .moe.modes import ExpertModes
+from .attention.masks import QueryKeyMasks
 from .sharding import SequenceShard
 
 
@@ -40,7 +41,7 @@ class JointText:
 
 
 @dataclass(frozen=True)
-class JointTokens:
+class TextAndImage:
     """A forward argument indexed by [text, image] tokens along `dim` (e.g. a padding mask over both): its text
     entries stay whole, its image entries (the last ones) are split. List it after the image tokens' argument."""
 
@@ -63,10 +64,10 @@ class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
 
     shard_inputs: module path ("" is the model; "blocks.*" every child of `blocks`) -> {forward argument name:
-        sequence dim, PerToken(dim), JointText(dim) or JointTokens(dim)} to split on entry.
+        sequence dim, PerToken(dim), JointText(dim) or TextAndImage(dim)} to split on entry.
     shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables); a module
         returning one tensor uses index 0.
-    gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence, or JointTokens(dim)
+    gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence, or TextAndImage(dim)
         for an output over [text, image] tokens whose text entries every rank holds.
     attention_modules: the attention modules whose attention must see the whole sequence.
     gathered_key_modules: attention modules whose queries every rank holds whole (a stream that is not split)
@@ -93,9 +94,9 @@ class SequenceParallelPlan:
     cfg: CfgPlan
     num_heads: Callable[[nn.Module], int] = lambda model: model.config.num_attention_heads
     gathered_key_modules: Callable[[nn.Module], list[nn.Module]] | None = None
-    shard_inputs: dict[str, dict[str, int | PerToken | JointText | JointTokens]] = field(default_factory=dict)
+    shard_inputs: dict[str, dict[str, int | PerToken | JointText | TextAndImage]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
-    gather_outputs: dict[str, int | JointTokens] = field(default_factory=dict)
+    gather_outputs: dict[str, int | TextAndImage] = field(default_factory=dict)
     rotary_site: str | None = None
     text_first: bool = True
     query_key_masks: QueryKeyMasks | None = None
@@ -117,7 +118,7 @@ def _argument_positions(module: nn.Module) -> dict[str, int]:
 
 
 def _shard_inputs_hook(module: nn.Module, shard: SequenceShard,
-                       dims: dict[str, int | PerToken | JointText | JointTokens]):
+                       dims: dict[str, int | PerToken | JointText | TextAndImage]):
     positions = _argument_positions(module)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -133,13 +134,13 @@ def _shard_inputs_hook(module: nn.Module, shard: SequenceShard,
     return hook
 
 
-def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken | JointText | JointTokens) -> Any:
+def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken | JointText | TextAndImage) -> Any:
     """A tensor, or a tuple of tensors (rotary tables), split along `dim`."""
     if isinstance(value, (tuple, list)):
         return type(value)(_shard_value(shard, item, dim) for item in value)
     if isinstance(dim, JointText):
         return shard.shard_text(value, dim.dim)
-    if isinstance(dim, JointTokens):
+    if isinstance(dim, TextAndImage):
         return shard.shard_after_text(value, dim.dim)
     if isinstance(dim, PerToken):
         return shard.shard(value, dim.dim) if dim.applies_to(value) else value
@@ -167,9 +168,9 @@ def _shard_outputs_hook(shard: SequenceShard, dims: dict[int, int]):
     return hook
 
 
-def _gather_output_hook(shard: SequenceShard, dim: int | JointTokens):
+def _gather_output_hook(shard: SequenceShard, dim: int | TextAndImage):
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        if isinstance(dim, JointTokens):
+        if isinstance(dim, TextAndImage):
             return shard.gather_after_text(output, dim.dim)
         return shard.gather(output, dim)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..logging_utils import warn_once
-from ..module_forward import ReplacedForward
+from ..hooks.module_forward import ReplacedForward
 from .layers import HaloConv, SplitGroupNorm, SplitQueries, WholeRows, kernel_rows, splitting
 from .rows import ROWS, RowSplit
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..module_forward import ReplacedForward
+from ..hooks.module_forward import ReplacedForward
 from .rows import ROWS, RowSplit
 
 _active: RowSplit | None = None

@@ -1,4 +1,4 @@
-"""Which way each mixture-of-experts layer call runs across the Ulysses group (xstage/planner.py's ExpertMode):
+"""Which way each mixture-of-experts layer call runs across the Ulysses group (burst_gap/planner.py's ExpertMode):
 the modes `enable(expert_parallel=...)` allows, and per call shape the one the Burst-Gap planner predicts fastest.
 
 - False, or degree 1: replicated.
@@ -14,9 +14,9 @@ from functools import lru_cache
 
 import torch
 
-from ..logging_utils import logger, warn_once
-from ..xstage.planner import ExpertMode, ExpertSchedule, ExpertShape, Planner
-from .planning import planner_for
+from ...logging_utils import logger, warn_once
+from ...burst_gap.planner import ExpertMode, ExpertSchedule, ExpertShape, Planner
+from ..planner import planner_for
 
 
 @dataclass(frozen=True)

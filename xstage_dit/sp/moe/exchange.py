@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..xstage.planner import ExpertSchedule
-from .expert_choice import slot_table
-from .fabric import Fabric, Steps, run_in_lockstep
+from ...burst_gap.planner import ExpertSchedule
+from .choice import slot_table
+from ..fabric import Fabric, Steps, run_in_lockstep
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def expert_steps(tokens: torch.Tensor, shared: torch.Tensor, routes: SlotRoutes,
     """One rank's expert-parallel MoE over `fabric`: `tokens` and `shared` (B * L, D) this rank's tokens and their
     shared-expert output; `scale` (E * B * C,) each slot's gate weight; `gate_up` (E_r, D, 2F) and `down`
     (E_r, F, D) this rank's experts, E_r = E / N. Returns the (B * L, D) output."""
-    from ..kernels.experts import ExpertOperands, run_experts, store_rows, sum_contributions  # Triton: used here
+    from ...kernels.experts import ExpertOperands, run_experts, store_rows, sum_contributions  # Triton: used here
 
     dim, width = tokens.shape[1], down.shape[1]
     slots = routes.owner.numel()

@@ -11,9 +11,9 @@ import torch
 
 from ..logging_utils import logger
 from ..runtime.distributed import ranks_share_gpus
-from ..xstage.calibration import find_calibration
-from ..xstage.planner import AttentionShape, Planner
-from .layout import UlyssesLayout
+from ..burst_gap.calibration import find_calibration
+from ..burst_gap.planner import AttentionShape, Planner
+from .attention.layout import UlyssesLayout
 
 
 @lru_cache(maxsize=None)

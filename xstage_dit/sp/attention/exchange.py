@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from ..runtime.distributed import waiting_for
+from ...runtime.distributed import waiting_for
 from .layout import UlyssesLayout
 
 

@@ -9,7 +9,7 @@ import torch
 from diffusers.models.activations import GELU
 from torch import nn
 
-from .module_forward import SwappedClasses, named_as
+from ..hooks.module_forward import SwappedClasses, named_as
 
 
 def gelu_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:

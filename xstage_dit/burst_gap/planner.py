@@ -7,7 +7,7 @@ the bytes of one of this rank's q, k, v or output tensors (B * L * H * D element
 - reference: vendor attention of H/N heads over T + S tokens, plus four exchanges (q, k, v, out), each a pack
   copy, the all-to-all of the send buffer and an unpack copy (a third copy joins the text rows back in);
 - overlap: the same work in head chunks on two streams (compute: copies and attention; communication: the
-  all-to-alls), simulated in the order sp/overlap.py issues it;
+  all-to-alls), simulated in the order sp/attention/overlap.py issues it;
 - fused: the pre-all-to-all store kernel (remote bytes V (N-1)/N per tensor, delivered at the model's rate),
   a barrier, our attention kernel whose epilogue stores each finished tile remotely, a barrier, one copy out.
   The epilogue costs what the Burst-Gap model says a train of bursts costs beyond its backpressure-free issue:
@@ -20,7 +20,7 @@ destination at the same moment, so that destination's ingress, R, is shared by t
 each); rotated, rank r starts at rank r + 1's rows and each destination hears one sender at a time (R each). The
 planner predicts both and picks the faster (rotated on ties).
 
-The backends register which of these predictions is theirs (sp/backends.py); `predict` takes that mapping of
+The backends register which of these predictions is theirs (sp/attention/backends.py); `predict` takes that mapping of
 names to cost functions.
 
 Mixture-of-experts layers (expert choice: each of E experts takes C tokens per sample, B * C rows), per rank:
@@ -251,7 +251,7 @@ class Planner:
         return self.pre_all_to_all(shape) + 2 * self.costs.launch + kernel + self.copy(out_bytes)
 
     def overlap_call(self, shape: AttentionShape, max_chunks: int = 4) -> float:
-        """Two streams, in sp/overlap.py's issue order: the compute stream packs, unpacks and attends, the
+        """Two streams, in sp/attention/overlap.py's issue order: the compute stream packs, unpacks and attends, the
         communication stream runs the all-to-alls, each waiting for what it consumes."""
         if shape.degree == 1:
             return self.attention(shape, own=False)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.attention_args import Scatter, StoreRows
-from ..xstage.planner import TileOrder
+from ...kernels.attention_args import Scatter, StoreRows
+from ...burst_gap.planner import TileOrder
 
 
 @dataclass(frozen=True)

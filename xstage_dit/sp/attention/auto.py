@@ -7,11 +7,11 @@ from functools import lru_cache
 
 import torch
 
-from ..logging_utils import logger, warn_once
-from ..xstage.planner import AttentionShape, Planner
+from ...logging_utils import logger, warn_once
+from ...burst_gap.planner import AttentionShape, Planner
 from .backends import FALLBACK, Backend, backends, costs_of, get_backend, register_choice
 from .layout import UlyssesLayout
-from .planning import attention_shape, planner_for
+from ..planner import attention_shape, planner_for
 
 
 class Auto:

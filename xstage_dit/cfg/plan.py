@@ -1,5 +1,5 @@
 """How a model family's pipelines run classifier-free guidance: the declarative record a patch fills in and
-cfg_parallel.py carries out. It sits below sp/ and cfg_parallel.py, which both read it."""
+cfg/split.py carries out. It sits below sp/ and cfg/split.py, which both read it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .backends import LocalAttention, register_backend
 from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
-from .local_attention import sdpa_bshd
+from .local import sdpa_bshd
 from .reference import attend_gathered
 
 # chunks per rank's head share: more hides more transfer behind compute, but shrinks each attention launch

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime.distributed import all_gather_into, waiting_for
-from .fabric import fabric_of, gather_steps, run_in_lockstep
-from .sharding import SequenceShard
+from ...runtime.distributed import all_gather_into, waiting_for
+from ..fabric import fabric_of, gather_steps, run_in_lockstep
+from ..sharding import SequenceShard
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ compiler never traces collectives, symmetric-memory kernels or our Triton kernel
   processor's query and key norms and rotation still to apply where it has them: the fused backend applies them
   in its stores);
 - xstage::gathered_keys_attention: replicated queries over every rank's keys (all-gathered);
-- xstage::expert_choice: an expert-choice MoE layer's routed experts, in the mode chosen per shape on the host;
 - xstage::local_attention: degree 1, the backend choice's own kernel (what a compiled graph records; eager calls
   run `local_attention` directly);
 - xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY), what a
@@ -21,20 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..kernels import triton_runs_on
-from ..kernels.rotary_args import JointTokens, NormedTokens, NormRope
-from ..logging_utils import warn_once
-from ..runtime.distributed import waiting_for
-from ..xstage.planner import ExpertMode, ExpertSchedule
+from ...kernels import triton_runs_on
+from ...kernels.rotary_args import JointTokens, NormedTokens, NormRope
+from ...logging_utils import warn_once
+from ...runtime.distributed import waiting_for
 from .backends import FALLBACK, Backend, LocalAttention, get_backend, get_choice
 from .exchange import all_to_all
-from .expert_layer import ExpertChoiceCall, run_expert_choice
-from .expert_modes import ExpertModes
-from .fabric import fabric_of
+from ..fabric import fabric_of
 from .layout import UlyssesLayout
-from .local_attention import diffusers_attention, sdpa_bshd
+from .local import diffusers_attention, sdpa_bshd
 from .reference import serial_exchange
-from .sharding import SequenceShard
+from ..sharding import SequenceShard
 
 
 @torch.library.custom_op("xstage::ulysses_attention", mutates_args=())
@@ -67,7 +63,7 @@ def ulysses_attention(
     (cos, sin): a processor's prologue (JointTokens, NormRope), which a
     backend with a joint entry (the fused one) applies in its stores and any other gets applied first (the norm +
     RoPE kernel, a concatenation). The layout travels as its fields (a custom op's arguments are tensors and
-    scalars); `backend` names the choice (sp/backends.py) that picks the backend for this call;
+    scalars); `backend` names the choice (sp/attention/backends.py) that picks the backend for this call;
     `attention_backend`, the diffusers attention backend the user chose for the model, if any; `pair_bias`:
     `text_mask` is the text tokens' factor of a pair bias (masks.QueryKeyMasks.PAIR_BIAS), which only the
     reference backend attends with."""
@@ -146,27 +142,6 @@ def _(query, key, value, seq_len, degree, rank, group_name, scale, attention_bac
     return torch.empty_like(query)
 
 
-@torch.library.custom_op("xstage::expert_choice", mutates_args=())
-def expert_choice(hidden: torch.Tensor, shared: torch.Tensor, scores: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, capacity_factor: float, route_scale: float, seq_len: int, degree: int, rank: int,
-                  group_name: str, modes: str, own_start: int, own_stop: int, waves: int,
-                  interleaved: bool) -> torch.Tensor:
-    """An expert-choice MoE layer's call (sp/expert_layer.py); the modes it may run travel as their values joined
-    by commas, the stores mode's fixed schedule as its fields (`waves` 0: the planner's), the split as its
-    fields."""
-    shard = SequenceShard(degree, rank, _resolve_process_group(group_name) if degree > 1 else None)
-    shard.seq_len = seq_len
-    call = ExpertChoiceCall(capacity_factor, route_scale, ExpertModes(tuple(ExpertMode(m) for m in modes.split(","))),
-                            slice(own_start, own_stop), ExpertSchedule(waves, interleaved) if waves else None)
-    return run_expert_choice(hidden, shared, scores, gate_up, down, call, shard)
-
-
-@expert_choice.register_fake
-def _(hidden, shared, scores, gate_up, down, capacity_factor, route_scale, seq_len, degree, rank, group_name, modes,
-      own_start, own_stop, waves, interleaved):
-    return torch.empty_like(shared)
-
-
 def say_pair_bias_fallback(backend: str) -> None:
     """Pair-bias masks (masks.QueryKeyMasks.PAIR_BIAS) run on the reference backend: say once that `backend`
     falls back to it (not while a graph is traced: the compiler cannot trace logging)."""
@@ -212,7 +187,7 @@ def _(query, key, value, attn_mask, backend, scale):
 
 _TRITON_RUNS_ON_CPU = triton_runs_on(torch.device("cpu"))  # read once: routed calls ask on every call
 try:
-    from ..kernels import rotary as _rotary
+    from ...kernels import rotary as _rotary
 except ImportError:  # Triton is optional: without it the routed calls run diffusers' code
     _rotary = None
 

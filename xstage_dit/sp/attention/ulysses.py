@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.rotary_args import JointTokens
+from ...kernels.rotary_args import JointTokens
 from .backends import FALLBACK, BackendChoice, may_take_joint_tokens
 from .layout import UlyssesLayout
-from .local_attention import diffusers_attention
+from .local import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
 from .ops import (gathered_keys_attention, local_attention, local_attention_op, prologue_kernels_run,
-                  say_pair_bias_fallback, ulysses_attention)
-from .sharding import SequenceShard
+    say_pair_bias_fallback, ulysses_attention)
+from ..sharding import SequenceShard
 
 
 class UlyssesAttention:

@@ -3,12 +3,12 @@
 A backend receives one rank's q, k, v as diffusers builds them for joint attention, (B, T + L, H, D), in the
 order `UlyssesLayout` describes, and returns the attention output in the same layout and shape. How the image
 tokens travel between ranks is the backend's business. `text_mask`, when given, masks text keys (padding of the
-prompt): (B, 1, 1, T), bool (True = attend) or additive (sp/masks.py). `attend` is the attention of the gathered
+prompt): (B, 1, 1, T), bool (True = attend) or additive (sp/attention/masks.py). `attend` is the attention of the gathered
 heads for backends that run a vendor kernel there: SDPA, or the backend the user chose for the model.
 
 Each entry also says what the backend runs at degree 1, which of the planner's predictions is its cost, and what
 it needs (CUDA, the group's symmetric-memory fabric, inputs its kernels take). What `enable(backend=...)` names is
-a *choice*: a backend (which is its own choice), or a chooser such as "auto" (sp/auto.py) that picks a backend
+a *choice*: a backend (which is its own choice), or a chooser such as "auto" (sp/attention/auto.py) that picks a backend
 per call."""
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Callable, Iterable, Protocol
 import torch
 import torch.distributed as dist
 
-from ..kernels.rotary_args import JointTokens
-from ..logging_utils import warn_once
-from ..xstage.planner import Cost
+from ...kernels.rotary_args import JointTokens
+from ...logging_utils import warn_once
+from ...burst_gap.planner import Cost
 from .layout import UlyssesLayout
 
 FALLBACK = "reference"  # what runs where a chosen backend cannot: it runs everything
@@ -68,7 +68,7 @@ class Backend:
     name: str
     ulysses: UlyssesBackend
     local: LocalAttention  # what the backend runs at degree 1
-    cost: Cost  # its predicted time of one call (xstage/planner.py)
+    cost: Cost  # its predicted time of one call (burst_gap/planner.py)
     needs_cuda: bool = False
     # runs on the group's symmetric-memory fabric (`enable` opens it); its output is a fabric buffer, which the
     # custom op copies out

@@ -20,11 +20,11 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import BaseOutput
 from torch import nn
 
-from .cfg_plan import BATCH, PAIRS, CfgPlan
-from .logging_utils import warn_once
-from .module_forward import ReplacedForward
-from .runtime import ParallelGroups
-from .runtime.distributed import all_gather_into
+from .plan import BATCH, PAIRS, CfgPlan
+from ..logging_utils import warn_once
+from ..hooks.module_forward import ReplacedForward
+from ..runtime import ParallelGroups
+from ..runtime.distributed import all_gather_into
 
 
 def _sample(output: Any) -> torch.Tensor:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..xstage.planner import Planner
+from ...burst_gap.planner import Planner
 from .backends import LocalAttention, register_backend
 from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
-from .local_attention import sdpa_bshd
+from .local import sdpa_bshd
 from .masks import pair_bias, with_image_keys
 
 

@@ -18,10 +18,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..kernels.rotary_args import JointTokens
-from ..module_forward import ReboundName, ReplacedForward
+from ...kernels.rotary_args import JointTokens
+from ...hooks.module_forward import ReboundName, ReplacedForward
 from . import ops
-from .attention import GatheredKeysAttention, UlyssesAttention
+from .ulysses import GatheredKeysAttention, UlyssesAttention
 
 _active: UlyssesAttention | GatheredKeysAttention | None = None
 

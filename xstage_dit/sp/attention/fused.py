@@ -9,7 +9,7 @@
 3. attention with the scatter epilogue: each output tile's owner stores it into the buffer of the rank that owns
    those tokens, in that rank's (B, T + L, H, D) layout, and moves on to its next tile; the tile order is the
    Burst-Gap planner's (rotated unless it predicts rank-major faster);
-4. barrier: every rank's output rows have landed; the output buffer is returned (the custom op in sp/ops.py
+4. barrier: every rank's output rows have landed; the output buffer is returned (the custom op in sp/attention/ops.py
    copies it out).
 
 `fused_steps` is that algorithm, paused before each barrier; `fused_exchange` runs one rank of it over a fabric.
@@ -24,16 +24,16 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from ..kernels.all_to_all import store_heads
-from ..kernels.attention import accepts, flash_attention
-from ..kernels.attention_hopper import HopperConfig
-from ..kernels.rotary_args import JointTokens
-from ..xstage.planner import AttentionShape, Planner, TileOrder
+from ...kernels.all_to_all import store_heads
+from ...kernels.attention import accepts, flash_attention
+from ...kernels.attention_hopper import HopperConfig
+from ...kernels.rotary_args import JointTokens
+from ...burst_gap.planner import AttentionShape, Planner, TileOrder
 from .backends import LocalAttention, register_backend
-from .fabric import Fabric, Steps, fabric_of, run_in_lockstep
+from ..fabric import Fabric, Steps, fabric_of, run_in_lockstep
 from .layout import UlyssesLayout
 from .masks import keep_keys
-from .planning import attention_shape, planner_for
+from ..planner import attention_shape, planner_for
 
 # the query rows of the GPU kernels' output tiles (HopperConfig's; TileConfig's default is as tall): the store
 # bursts the planner models

@@ -1,7 +1,7 @@
 """One expert-choice MoE layer call across the Ulysses group: the shared expert's output plus the routed experts',
-for this rank's tokens, in the mode chosen for the call's shape (sp/expert_modes.py).
+for this rank's tokens, in the mode chosen for the call's shape (sp/moe/modes.py).
 
-It runs inside the custom op xstage::expert_choice (sp/ops.py), so that a compiled model holds the whole routed
+It runs inside the custom op xstage::expert_choice (sp/attention/ops.py), so that a compiled model holds the whole routed
 part as one node: the mode and the stores mode's schedule are chosen on the host per shape (reading the
 machine's calibration, logging the choice), which a compiler must not trace."""
 from __future__ import annotations
@@ -10,15 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import triton_runs_on
-from ..moe import packed_swiglu_experts
-from ..xstage.planner import ExpertMode, ExpertSchedule, ExpertShape
-from .expert_choice import (choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select,
-                            slot_table)
-from .expert_exchange import expert_exchange, route_slots
-from .expert_modes import ExpertModes
-from .fabric import fabric_of
-from .sharding import SequenceShard
+from ...kernels import triton_runs_on
+from .grouped import packed_swiglu_experts
+from ...burst_gap.planner import ExpertMode, ExpertSchedule, ExpertShape
+from .choice import choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select, slot_table
+from .exchange import expert_exchange, route_slots
+from .modes import ExpertModes
+from ..fabric import fabric_of
+from ..sharding import SequenceShard
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def add_contributions(base: torch.Tensor, contributions: torch.Tensor, slots: to
     """base (T, D) plus each token's rows of `contributions` summed in expert order (`slots`: slot_table's), in
     float32, rounded once: the Triton kernel where Triton runs, else the same sum in torch."""
     if triton_runs_on(base.device):
-        from ..kernels.experts import sum_contributions  # Triton: imported where it runs
+        from ...kernels.experts import sum_contributions
 
         return sum_contributions(base, contributions, slots)
     # index -1 (no contribution) picks the zero row appended last

@@ -1,0 +1,33 @@
+"""xstage::expert_choice: an expert-choice MoE layer's routed experts, in the mode chosen per shape on the host, as
+a `torch.library` op so that a compiled graph keeps it opaque (no collective, fabric kernel or host decision is
+traced)."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from ...burst_gap.planner import ExpertMode, ExpertSchedule
+from ..sharding import SequenceShard
+from .layer import ExpertChoiceCall, run_expert_choice
+from .modes import ExpertModes
+
+
+@torch.library.custom_op("xstage::expert_choice", mutates_args=())
+def expert_choice(hidden: torch.Tensor, shared: torch.Tensor, scores: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, capacity_factor: float, route_scale: float, seq_len: int, degree: int, rank: int,
+                  group_name: str, modes: str, own_start: int, own_stop: int, waves: int,
+                  interleaved: bool) -> torch.Tensor:
+    """An expert-choice MoE layer's call (sp/moe/layer.py); the modes it may run travel as their values joined
+    by commas, the stores mode's fixed schedule as its fields (`waves` 0: the planner's), the split as its
+    fields."""
+    shard = SequenceShard(degree, rank, _resolve_process_group(group_name) if degree > 1 else None)
+    shard.seq_len = seq_len
+    call = ExpertChoiceCall(capacity_factor, route_scale, ExpertModes(tuple(ExpertMode(m) for m in modes.split(","))),
+                            slice(own_start, own_stop), ExpertSchedule(waves, interleaved) if waves else None)
+    return run_expert_choice(hidden, shared, scores, gate_up, down, call, shard)
+
+
+@expert_choice.register_fake
+def _(hidden, shared, scores, gate_up, down, capacity_factor, route_scale, seq_len, degree, rank, group_name, modes,
+      own_start, own_stop, waves, interleaved):
+    return torch.empty_like(shared)
