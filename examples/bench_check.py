@@ -18,17 +18,17 @@ import torch
 import xstage_dit
 import zoo
 from provenance import provenance, write_records
-from xstage_dit import api
+from xstage_dit import layers
 from xstage_dit.runtime import ensure_process_group
 
 
 class CheckTimer:
-    """Times the pipeline-call check where enable's call wrapper runs it (api.call_fingerprint, then
-    api.check_agreement); `remove()` puts both back."""
+    """Times the pipeline-call check where enable's call wrapper runs it (layers.call_fingerprint, then
+    layers.check_agreement); `remove()` puts both back."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.samples = device, []
-        self._fingerprint, self._check = api.call_fingerprint, api.check_agreement
+        self._fingerprint, self._check = layers.call_fingerprint, layers.check_agreement
         self._start = 0.0
 
         def fingerprint(arguments):
@@ -41,14 +41,14 @@ class CheckTimer:
             self._sync()
             self.samples.append(time.perf_counter() - self._start)
 
-        api.call_fingerprint, api.check_agreement = fingerprint, check
+        layers.call_fingerprint, layers.check_agreement = fingerprint, check
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def remove(self) -> None:
-        api.call_fingerprint, api.check_agreement = self._fingerprint, self._check
+        layers.call_fingerprint, layers.check_agreement = self._fingerprint, self._check
 
 
 def time_enable(pipe, check_inputs: bool, device: torch.device) -> float:

@@ -11,6 +11,7 @@ from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
 import zoo
+from xstage_dit import api
 from xstage_dit.hooks.module_forward import ReplacedForward
 from xstage_dit.patches.flux import NormRopeProcessor
 from xstage_dit.runtime.cuda_graphs import GraphUse
@@ -179,7 +180,8 @@ def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flu
     ({"ulysses_degree": 2.0}, r"ulysses_degree must be None or an int >= 1, got 2.0"),
     ({"ulysses_degree": True}, r"ulysses_degree must be None or an int >= 1, got True"),
     ({"ulysses_degree": 0}, r"ulysses_degree must be None or an int >= 1, got 0"),
-    ({"backend": None}, r"backend must be a name from \["),
+    ({"backend": None}, r"backend must be the name of a backend \(one of xstage_dit.available_backends\(\)\), "
+                        r"got None"),
     ({"fuse_rope": "yes"}, r"fuse_rope must be True or False, got 'yes'"),
     ({"fuse_mlp": None}, r"fuse_mlp must be True or False, got None"),
     ({"cuda_graphs": 1}, r"cuda_graphs must be None \(on where there is a GPU\), True or False, got 1"),
@@ -191,6 +193,39 @@ def test_arguments_of_the_wrong_type_are_named(flux_pipe, world, kwargs, message
     with pytest.raises(TypeError, match=message):
         xstage_dit.enable(flux_pipe, **kwargs)
     assert not torch.distributed.is_initialized()
+
+
+def test_a_config_checks_itself_as_it_is_made():
+    """The same checks as enable's keywords, where the record is made (no job needed)."""
+    with pytest.raises(TypeError, match=r"fuse_rope must be True or False, got 'yes'"):
+        xstage_dit.XStageConfig(fuse_rope="yes")
+    with pytest.raises(ValueError, match=r"timeout_s must be a positive number of seconds, got -1"):
+        xstage_dit.XStageConfig(timeout_s=-1)
+    with pytest.raises(ValueError, match=r"cfg_degree must be 1 or 2 \(guidance has two branches\), got 3"):
+        xstage_dit.XStageConfig(cfg_degree=3)
+
+
+def test_enable_takes_a_config_whole_or_its_knobs_as_keywords(flux_pipe, world):
+    """`enable(pipe, knob=v)` is `enable(pipe, config=XStageConfig(knob=v))`; keywords replace a config's fields;
+    an unknown keyword names the knobs."""
+    world(3)
+    message = r"cfg_degree=2 does not divide the world size 3"
+    with pytest.raises(ValueError, match=message):
+        xstage_dit.enable(flux_pipe, config=xstage_dit.XStageConfig(cfg_degree=2))
+    with pytest.raises(ValueError, match=message):
+        xstage_dit.enable(flux_pipe, config=xstage_dit.XStageConfig(), cfg_degree=2)
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) ulysses; its knobs are ulysses_degree, cfg_degree"):
+        xstage_dit.enable(flux_pipe, ulysses=2)
+    with pytest.raises(TypeError, match=r"config must be an xstage_dit.XStageConfig, got dict"):
+        xstage_dit.enable(flux_pipe, config={"cfg_degree": 2})
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_ranks_compare_every_knob(flux_pipe):
+    """The agreement fingerprint at enable is made from the config's fields: a new knob cannot be left out."""
+    config = xstage_dit.XStageConfig(ulysses_degree=1)
+    names = api._fingerprint([flux_pipe.transformer], config).names
+    assert names[:len(config.knobs())] == list(config.knobs())
 
 
 @pytest.mark.parametrize("size, message", [

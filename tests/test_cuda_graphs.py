@@ -16,6 +16,7 @@ import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
 from xstage_dit import logging_utils
+from xstage_dit.hooks.layers import stack_of
 from xstage_dit.runtime.cuda_graphs import _BLOCK_GRAPHS, EAGER_CALLS, GraphedForward, repeated_blocks
 
 pytestmark = pytest.mark.gpu
@@ -42,7 +43,7 @@ def _generate(pipe, name: str, size: dict, batch: int, steps: int = STEPS) -> to
 
 def _graphed(pipe) -> list[GraphedForward]:
     models = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
-    return [part for m in models for part in m._xstage_dit_applied.parts if isinstance(part, GraphedForward)]
+    return [graphed for m in models for graphed in stack_of(m).changes_of("CUDA graphs")]
 
 
 def _graphs_equal_eager(name: str, expect_captures: bool, **enable: object) -> None:

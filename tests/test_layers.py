@@ -12,8 +12,9 @@ FLOORS = {
     "cfg": 2, "vae": 2,
     "sp": 3,
     "patches": 4, "probing": 4,
-    "api": 5,
-    "cli": 6,
+    "layers": 5,
+    "api": 6,
+    "cli": 7,
 }
 
 

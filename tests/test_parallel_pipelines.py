@@ -13,6 +13,7 @@ import xstage_dit
 import zoo
 from dist_harness import run_on_ranks, xstage_warnings
 from xstage_dit import patches
+from xstage_dit.hooks.layers import stack_of
 
 # token counts: "even" divides by 2, 3 and 4; "uneven" (35 = 5 x 7) by none of them, except where a model's
 # geometry cannot make 35 tokens (noted)
@@ -447,7 +448,8 @@ def _local_statistics(pipe, generate) -> list[list[float]]:
     handle = block.register_forward_hook(record, with_kwargs=True)
     generate()
     handle.remove()
-    shard = pipe.transformer._xstage_dit_applied.parts[0].attention.shard
+    (decisions,) = stack_of(pipe.transformer).changes_of("cache decisions")
+    shard = decisions.shard
     valid = min(shard.local_len, shard.seq_len - shard.rank * shard.local_len)
     mine = torch.tensor([((r - p)[:, :valid].abs().sum() / p[:, :valid].abs().sum()).item()
                          for p, r in zip(residuals, residuals[1:])], dtype=torch.float64)

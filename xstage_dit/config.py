@@ -1,38 +1,80 @@
-"""The one dataclass of user-facing knobs."""
+"""The one record of user-facing knobs: what `xstage_dit.enable` is asked for, checked when it is made."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import numbers
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class XStageConfig:
-    """What `xstage_dit.enable` was asked for, after defaults are resolved.
+    """What `xstage_dit.enable` runs with. Made by the user (`enable(pipe, config=XStageConfig(...))`) or from
+    `enable`'s keywords (`enable(pipe, cfg_degree=2)` is `enable(pipe, config=XStageConfig(cfg_degree=2))`); each
+    value's type and range is checked here, and `enable` resolves the defaults that depend on the job (`None`) before
+    any collective.
 
-    ulysses_degree: ranks that split one sequence (Ulysses sequence parallelism).
-    cfg_degree: groups of ranks that split the classifier-free-guidance branches.
-    backend: how Ulysses moves data; see `xstage_dit.sp.attention.backends.available_backends()`.
+    ulysses_degree: ranks that split one sequence (Ulysses sequence parallelism); None: the world size divided by
+        cfg_degree.
+    cfg_degree: groups of ranks that split the classifier-free-guidance branches (1 or 2).
+    backend: how Ulysses moves data; see `xstage_dit.available_backends()`.
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
     fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU); in
-        Flux and Chroma the q/k RMSNorms before it run in the same pass (patches/flux.py NormRopeProcessor).
+        Flux and Chroma the q/k RMSNorms before it run in the same pass (patches/flux.py NormRopeProcessor), and in
+        Wan the q/k norms and rotation are handed to the fused backend's stores.
     fuse_mlp: the feed-forwards' tanh-GELU runs in its GEMM's epilogue (fusions/gelu.py, on CUDA) and FLUX.1's and
         Chroma's single-stream blocks project their attention and MLP outputs without joining them
-        (patches/flux_mlp.py).
-        Like fuse_rope, it changes rounding slightly; False keeps diffusers' layer code.
-    check_inputs: the ranks check, in one small collective at `enable`, that they got the same arguments and
-        models (weights included).
-    cuda_graphs: each transformer's forward is captured per input signature in a CUDA graph and replayed.
-    parallel_vae: the VAE decode is split by rows across all the job's ranks.
+        (patches/flux_mlp.py). Like fuse_rope, it changes rounding slightly; False keeps diffusers' layer code.
+    check_inputs: the ranks check, in small collectives, that they got the same arguments and models (weights
+        included) at `enable`, and the same arguments at every pipeline call.
+    cuda_graphs: each transformer's forward is captured per input signature in a CUDA graph and replayed; None: on
+        where there is a GPU.
+    parallel_vae: the VAE decode is split by rows across all the job's ranks; None: where the pipeline's VAE is
+        supported.
     expert_parallel: mixture-of-experts layers keep E/N experts per rank of the Ulysses group (True), every
         expert on every rank (False), or every expert with the mode picked per call by the planner (None).
     """
 
-    ulysses_degree: int
+    ulysses_degree: int | None = None
     cfg_degree: int = 1
     backend: str = "auto"
     timeout_s: float = 600.0
     fuse_rope: bool = True
     fuse_mlp: bool = True
     check_inputs: bool = True
-    cuda_graphs: bool = False
-    parallel_vae: bool = False
+    cuda_graphs: bool | None = None
+    parallel_vae: bool | None = None
     expert_parallel: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.ulysses_degree is not None and not (_is_int(self.ulysses_degree) and self.ulysses_degree >= 1):
+            raise TypeError(f"ulysses_degree must be None or an int >= 1, got {self.ulysses_degree!r}")
+        if not (_is_int(self.cfg_degree) and self.cfg_degree in (1, 2)):
+            raise ValueError(f"cfg_degree must be 1 or 2 (guidance has two branches), got {self.cfg_degree!r}")
+        if not isinstance(self.backend, str):
+            raise TypeError(f"backend must be the name of a backend (one of xstage_dit.available_backends()), "
+                            f"got {self.backend!r}")
+        timeout = self.timeout_s
+        if not (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and 0 < timeout < math.inf):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout!r}")
+        for name in ("fuse_rope", "fuse_mlp", "check_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, default in (("cuda_graphs", "on where there is a GPU"), ("parallel_vae", "on where supported"),
+                              ("expert_parallel", "chosen per layer call")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be None ({default}), True or False, got {value!r}")
+
+    @classmethod
+    def knobs(cls) -> tuple[str, ...]:
+        """The names `enable` takes as keywords."""
+        return tuple(field.name for field in fields(cls))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every knob by name: what the ranks compare at `enable`, so that a new knob cannot be left out."""
+        return {name: getattr(self, name) for name in self.knobs()}

@@ -1,13 +1,16 @@
 """Replacing a module's forward (or another method) for a while: the layers `enable` puts around a transformer's
 forward stack (CUDA graphs inside, the CFG split outside), and the parallel VAE's layers, each undone exactly,
 whatever was there before; modules switched to a subclass with another forward (`SwappedClasses`); and names
-in a library module rebound for a while (`ReboundName`)."""
+in a library module rebound for a while (`ReboundName`). A class swapped in is known to diffusers' registries as
+the class it replaces (diffusers_registries.py)."""
 from __future__ import annotations
 
 import importlib
 from typing import Any, Callable
 
 from torch import nn
+
+from .diffusers_registries import register_like
 
 
 class ReplacedForward:
@@ -55,6 +58,8 @@ class SwappedClasses:
 
     def __init__(self, modules: list[nn.Module], cls: type) -> None:
         self._swapped = [(module, type(module)) for module in modules]
+        for original in {original for _, original in self._swapped}:
+            register_like(cls, original)
         for module, _ in self._swapped:
             module.__class__ = cls
             module.__dict__[self.SWAPPED_TO] = cls

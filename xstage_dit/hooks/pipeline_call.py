@@ -1,34 +1,30 @@
 """Running code around every call of one pipeline object: its class is swapped for a subclass whose __call__
 enters a context built from the call's arguments (Python looks special methods up on the class, so the
-instance alone cannot be patched). `unwrap_pipeline_call` gives the object its class back."""
+instance alone cannot be patched). `remove()` gives the object its class back."""
 from __future__ import annotations
 
 import functools
 import inspect
 from typing import Any, Callable, ContextManager
 
-_ORIGINAL_CLASS = "_xstage_original_class"
 
+class WrappedPipelineCall:
+    """Every call of `pipe` runs inside `around(arguments)`, the call's arguments bound by name with the defaults
+    applied (`self` included), until `remove()`."""
 
-def wrap_pipeline_call(pipe: Any, around: Callable[[dict[str, Any]], ContextManager[None]]) -> None:
-    """Every call of `pipe` runs inside `around(arguments)`, the call's arguments bound by name with the
-    defaults applied (`self` included)."""
-    cls = type(pipe)
-    signature = inspect.signature(cls.__call__)
+    def __init__(self, pipe: Any, around: Callable[[dict[str, Any]], ContextManager[None]]) -> None:
+        cls = type(pipe)
+        signature = inspect.signature(cls.__call__)
 
-    @functools.wraps(cls.__call__)  # the pipeline's own signature and docs, for callers that inspect them
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        with around(bound.arguments):
-            return cls.__call__(self, *args, **kwargs)
+        @functools.wraps(cls.__call__)  # the pipeline's own signature and docs, for callers that inspect them
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            with around(bound.arguments):
+                return cls.__call__(self, *args, **kwargs)
 
-    pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, _ORIGINAL_CLASS: cls})
+        self._pipe, self._original = pipe, cls
+        pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__})
 
-
-def is_wrapped(pipe: Any) -> bool:
-    return _ORIGINAL_CLASS in type(pipe).__dict__
-
-
-def unwrap_pipeline_call(pipe: Any) -> None:
-    pipe.__class__ = type(pipe).__dict__[_ORIGINAL_CLASS]
+    def remove(self) -> None:
+        self._pipe.__class__ = self._original

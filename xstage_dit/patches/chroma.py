@@ -24,7 +24,8 @@ from ..sp.attention import routing
 from ..sp.attention.masks import QueryKeyMasks
 from ..sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
 from . import cfg_rules
-from .flux import attention_of_both_streams, install_flux_blocks, refuse_controlnet_and_ip_adapter
+from .flux import attention_of_both_streams, norm_rope_processors, refuse_controlnet_and_ip_adapter
+from .flux_mlp import split_projection_blocks
 
 _FLUX = "diffusers.models.transformers.transformer_flux"  # Chroma's blocks run Flux's processor
 
@@ -47,7 +48,7 @@ class DeviceGuidanceEmbeddings(transformer_chroma.ChromaCombinedTimestepTextProj
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
     embeddings = [module for module in model.modules()
                   if type(module) is transformer_chroma.ChromaCombinedTimestepTextProjEmbeddings]
-    return [*install_flux_blocks(model, context), SwappedClasses(embeddings, DeviceGuidanceEmbeddings)]
+    return [SwappedClasses(embeddings, DeviceGuidanceEmbeddings)]
 
 
 PLANS = {
@@ -62,5 +63,7 @@ PLANS = {
         check_inputs=refuse_controlnet_and_ip_adapter("Chroma"),
         query_key_masks=QueryKeyMasks.PAIR_BIAS,
         install=_install,
+        norm_rope_processors=norm_rope_processors,
+        split_projection=split_projection_blocks,
     )
 }

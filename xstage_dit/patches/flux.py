@@ -23,7 +23,7 @@ from torch import nn
 from ..cfg.plan import PAIRS, CfgPlan
 from ..kernels.rotary_args import JointTokens, NormedTokens
 from ..sp.attention import ops, routing
-from ..sp.plan import JointText, PlanContext, SequenceParallelPlan
+from ..sp.plan import JointText, SequenceParallelPlan
 from . import cfg_rules
 from .flux_mlp import split_projection_blocks
 from .processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
@@ -112,18 +112,10 @@ def _takes_norm_rope(attn: nn.Module) -> bool:
             and all(isinstance(norm, nn.RMSNorm) and norm.weight is not None for norm in norms))
 
 
-def _install_norm_rope(model: nn.Module, context: PlanContext) -> list[Any]:
-    """While RoPE is fused, every attention module of both streams that runs diffusers' processor with RMSNorm q/k
-    norms runs `NormRopeProcessor`."""
-    if not context.fuse_rope:
-        return []
+def norm_rope_processors(model: nn.Module) -> list[Any]:
+    """Every attention module of both streams that runs diffusers' processor with RMSNorm q/k norms runs
+    `NormRopeProcessor` (FLUX.1's and Chroma's plans, while RoPE is fused)."""
     return [ReplacedProcessors(attention_of_both_streams(model), _takes_norm_rope, NormRopeProcessor)]
-
-
-def install_flux_blocks(model: nn.Module, context: PlanContext) -> list[Any]:
-    """The plan install of FLUX.1 and Chroma: the norm + RoPE processors, and while MLPs are fused the single-stream
-    blocks' split projection (patches/flux_mlp.py)."""
-    return [*_install_norm_rope(model, context), *(split_projection_blocks(model) if context.fuse_mlp else [])]
 
 
 PLANS = {
@@ -142,6 +134,7 @@ PLANS = {
                            "encoder_hidden_states": JointText(-2), "txt_ids": JointText(-2)}},
         gather_outputs={"proj_out": -2},
         check_inputs=refuse_controlnet_and_ip_adapter("Flux"),
-        install=install_flux_blocks,
+        norm_rope_processors=norm_rope_processors,
+        split_projection=split_projection_blocks,
     )
 }

@@ -79,8 +79,11 @@ class _GroupedMoE:
 
 
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
-    return [_PatchifyFirst(model)] + [_GroupedMoE(m, context) for m in model.modules()
-                                      if isinstance(m, MOEFeedForwardSwiGLU)]
+    return [_PatchifyFirst(model)]
+
+
+def _experts(model: nn.Module, context: PlanContext) -> list[Any]:
+    return [_GroupedMoE(m, context) for m in model.modules() if isinstance(m, MOEFeedForwardSwiGLU)]
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -99,6 +102,7 @@ PLANS = {
         gather_outputs={"final_layer": 1},
         text_first=False,
         install=_install,
+        experts=_experts,
         num_experts=lambda model: model.config.num_routed_experts,
     )
 }

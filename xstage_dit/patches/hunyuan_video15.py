@@ -22,7 +22,7 @@ from torch import nn
 from ..cfg.plan import PAIRS, CfgPlan
 from ..sp.attention import routing
 from ..sp.attention.masks import QueryKeyMasks
-from ..sp.plan import PlanContext, SequenceParallelPlan
+from ..sp.plan import SequenceParallelPlan
 from . import cfg_rules
 from .processors import ReplacedProcessors, StandInProcessor
 
@@ -68,7 +68,7 @@ class KeyPaddingProcessor(StandInProcessor):
         return hidden_states, encoder_hidden_states
 
 
-def _install(model: nn.Module, context: PlanContext) -> list[Any]:
+def _processors(model: nn.Module) -> list[Any]:
     stock = transformer_hunyuan_video15.HunyuanVideo15AttnProcessor2_0
     return [ReplacedProcessors([block.attn for block in model.transformer_blocks],
                                lambda attn: type(attn.processor) is stock, KeyPaddingProcessor)]
@@ -88,6 +88,6 @@ PLANS = {
         gather_outputs={"proj_out": 1},
         text_first=False,
         query_key_masks=QueryKeyMasks.FIRST_ROW,
-        install=_install,
+        processors=_processors,
     )
 }

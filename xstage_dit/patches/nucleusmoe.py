@@ -136,8 +136,11 @@ class _SyncFreeTextLengths:
 
 
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
-    return ([_TablesOnTheDevice(model.pos_embed), _SyncFreeTextLengths()]
-            + [ExactExpertChoice(m, context) for m in model.modules() if isinstance(m, NucleusMoELayer)])
+    return [_TablesOnTheDevice(model.pos_embed), _SyncFreeTextLengths()]
+
+
+def _experts(model: nn.Module, context: PlanContext) -> list[Any]:
+    return [ExactExpertChoice(m, context) for m in model.modules() if isinstance(m, NucleusMoELayer)]
 
 
 def _num_experts(model: nn.Module) -> int:
@@ -155,6 +158,7 @@ PLANS = {
         gather_outputs={"proj_out": 1},
         text_first=False,
         install=_install,
+        experts=_experts,
         num_experts=_num_experts,
     )
 }

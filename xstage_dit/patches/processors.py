@@ -6,6 +6,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..hooks.diffusers_registries import register_like
+
 
 class StandInProcessor:
     """Base of a processor that stands in for diffusers' one on a module: it keeps the attention backend and
@@ -25,6 +27,7 @@ class ReplacedProcessors:
         self._replaced = [(module, module.processor) for module in modules if takes(module)]
         for module, processor in self._replaced:
             module.processor = make(processor)
+            register_like(type(module.processor), type(processor))
 
     def remove(self) -> None:
         for module, processor in self._replaced:

@@ -23,7 +23,7 @@ from torch import nn
 from ..cfg.plan import PAIRS, CfgPlan
 from ..kernels.rotary_args import JointTokens, NormRope
 from ..sp.attention import routing
-from ..sp.plan import PerToken, PlanContext, SequenceParallelPlan
+from ..sp.plan import PerToken, SequenceParallelPlan
 from . import cfg_rules
 from .processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
 
@@ -65,11 +65,9 @@ def _takes_norm_rope(attn: nn.Module) -> bool:
             and all(isinstance(norm, nn.RMSNorm) and norm.weight is not None for norm in (attn.norm_q, attn.norm_k)))
 
 
-def install_norm_rope(model: nn.Module, context: PlanContext) -> list[Any]:
-    """While RoPE is fused, every self-attention module that runs diffusers' processor with RMSNorm q/k norms runs
-    `WanNormRopeProcessor`."""
-    if not context.fuse_rope:
-        return []
+def norm_rope_processors(model: nn.Module) -> list[Any]:
+    """Every self-attention module that runs diffusers' processor with RMSNorm q/k norms runs
+    `WanNormRopeProcessor` (while RoPE is fused)."""
     return [ReplacedProcessors(_self_attention(model), _takes_norm_rope, WanNormRopeProcessor)]
 
 _CFG = CfgPlan(PAIRS, output_shape=cfg_rules.video_output_shape, pipeline_uses_cfg=cfg_rules.guidance_above_one)
@@ -83,7 +81,7 @@ PLANS = {
         shard_inputs={"": {"timestep": PerToken(1)}, "blocks.0": {"hidden_states": 1}},
         shard_outputs={"rope": {0: 1, 1: 1}},
         gather_outputs={"proj_out": 1},
-        install=install_norm_rope,
+        norm_rope_processors=norm_rope_processors,
     ),
     WanVACETransformer3DModel: SequenceParallelPlan(
         family="Wan VACE",
@@ -94,6 +92,6 @@ PLANS = {
                       "blocks.0": {"hidden_states": 1}},
         shard_outputs={"rope": {0: 1, 1: 1}},
         gather_outputs={"proj_out": 1},
-        install=install_norm_rope,
+        norm_rope_processors=norm_rope_processors,
     ),
 }

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..hooks.module_forward import ReplacedForward
 from .sharding import SequenceShard
 
 _FBC_HEAD_HOOK = "fbc_leader_block_hook"  # diffusers.hooks.first_block_cache's name for the head block's hook
@@ -25,7 +26,7 @@ class SharedCacheDecisions:
 
     def __init__(self, model: nn.Module, shard: SequenceShard) -> None:
         self.shard = shard
-        self._patched: list[Any] = []
+        self._patched: dict[Any, ReplacedForward] = {}  # head hook -> its decision, replaced
         self._handle = model.register_forward_pre_hook(self._share)
 
     @torch.compiler.disable
@@ -35,13 +36,13 @@ class SharedCacheDecisions:
             registry = getattr(module, "_diffusers_hook", None)
             hook = registry.get_hook(_FBC_HEAD_HOOK) if registry is not None else None
             if hook is not None and hook not in self._patched:
-                hook._should_compute_remaining_blocks = _whole_sequence_decision(hook, self.shard)
-                self._patched.append(hook)
+                self._patched[hook] = ReplacedForward(hook, _whole_sequence_decision(hook, self.shard),
+                                                      attribute="_should_compute_remaining_blocks")
 
     def remove(self) -> None:
         self._handle.remove()
-        for hook in self._patched:
-            del hook._should_compute_remaining_blocks  # the class's method again
+        for decision in self._patched.values():
+            decision.restore()
         self._patched.clear()
 
 

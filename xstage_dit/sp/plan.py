@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from ..cfg.plan import CfgPlan
-from . import cache_hooks
 from .attention import routing
 from .attention.ulysses import GatheredKeysAttention, UlyssesAttention
 from .moe.modes import ExpertModes
@@ -50,13 +49,10 @@ class TextAndImage:
 
 @dataclass(frozen=True)
 class PlanContext:
-    """What a plan's `install` is given: the model's token split, the modes its MoE layers may run, and whether
-    the model's RoPE and MLPs run fused (XStageConfig.fuse_rope, XStageConfig.fuse_mlp)."""
+    """What a plan's installs are given: the model's token split, and the modes its MoE layers may run."""
 
     shard: SequenceShard
     experts: ExpertModes = ExpertModes()
-    fuse_rope: bool = True
-    fuse_mlp: bool = True
 
 
 @dataclass(frozen=True)
@@ -83,8 +79,14 @@ class SequenceParallelPlan:
         (masks.QueryKeyMasks), or None: its masks are key-padding masks.
     check_model: raises, at enable time, for a model configuration the plan cannot shard.
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
-    install: model-specific changes applied with the plan (e.g. a routed MoE), given a PlanContext; each undone by
-        `.remove()`.
+    install: the family's own changes (embeddings, helpers rebound, hooks of its own), given a PlanContext; each
+        undone by `.remove()`.
+    experts: the family's MoE layers run through xstage_dit (sharded or replicated, per the PlanContext's modes).
+    processors: attention processors of ours set on the family's modules while it is enabled.
+    norm_rope_processors: processors that hand q and k to the attention before their norms and rotation, set while
+        RoPE is fused (XStageConfig.fuse_rope).
+    split_projection: the family's blocks switched to ones that project attention and MLP outputs without joining
+        them, while MLPs are fused (XStageConfig.fuse_mlp).
     num_experts: routed experts per MoE layer where the plan's MoE can run expert parallel (0: no MoE layers).
     """
 
@@ -103,6 +105,10 @@ class SequenceParallelPlan:
     check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
     install: Callable[[nn.Module, PlanContext], list[Any]] | None = None
+    experts: Callable[[nn.Module, PlanContext], list[Any]] | None = None
+    processors: Callable[[nn.Module], list[Any]] | None = None
+    norm_rope_processors: Callable[[nn.Module], list[Any]] | None = None
+    split_projection: Callable[[nn.Module], list[Any]] | None = None
     num_experts: Callable[[nn.Module], int] | None = None
 
 
@@ -177,48 +183,34 @@ def _gather_output_hook(shard: SequenceShard, dim: int | TextAndImage):
     return hook
 
 
-class AppliedPlan:
-    """A plan applied to one model; `remove()` restores the model exactly."""
+def check_inputs_hooks(model: nn.Module, plan: SequenceParallelPlan) -> list[torch.utils.hooks.RemovableHandle]:
+    """The plan's check of the model's inputs, before anything splits them."""
+    if plan.check_inputs is None:
+        return []
+    return [model.register_forward_pre_hook(_check_inputs_hook(model, plan.check_inputs), with_kwargs=True)]
 
-    def __init__(self, model: nn.Module, plan: SequenceParallelPlan, attention: UlyssesAttention,
-                 experts: ExpertModes = ExpertModes(), fuse_mlp: bool = True) -> None:
-        self.plan = plan
-        self.attention = attention
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._marks: list[routing.ActiveMark | cache_hooks.SharedCacheDecisions] = []  # each undone by remove()
 
-        shard = attention.shard
-        context = PlanContext(shard, experts, attention.fuse_rope, fuse_mlp)
-        self._installed = plan.install(model, context) if plan.install is not None else []
-        if plan.check_inputs is not None:
-            self._hooks.append(model.register_forward_pre_hook(
-                _check_inputs_hook(model, plan.check_inputs), with_kwargs=True
-            ))
-        if shard.degree > 1:
-            self._marks.append(cache_hooks.SharedCacheDecisions(model, shard))
-            for path, dims in plan.shard_inputs.items():
-                for module in _modules_at(model, path):
-                    hook = _shard_inputs_hook(module, shard, dims)
-                    self._hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-            for path, dims in plan.shard_outputs.items():
-                self._hooks.append(model.get_submodule(path).register_forward_hook(_shard_outputs_hook(shard, dims)))
-            for path, dim in plan.gather_outputs.items():
-                self._hooks.append(model.get_submodule(path).register_forward_hook(_gather_output_hook(shard, dim)))
-            if plan.gathered_key_modules is not None:
-                gathered = GatheredKeysAttention(shard)
-                self._marks.extend(routing.mark_active(module, gathered) for module in plan.gathered_key_modules(model))
-        for module in plan.attention_modules(model):
-            self._marks.append(routing.mark_active(module, attention))
-        self._routes = [routing.route(*plan.call_site)]
-        if plan.rotary_site is not None and attention.fuse_rope:
-            self._routes.append(routing.route(plan.rotary_site, routing.ROTARY))
+def token_split_hooks(model: nn.Module, plan: SequenceParallelPlan,
+                      shard: SequenceShard) -> list[torch.utils.hooks.RemovableHandle]:
+    """The hooks that split the plan's inputs and outputs to this rank's tokens and gather its outputs back."""
+    hooks = []
+    for path, dims in plan.shard_inputs.items():
+        for module in _modules_at(model, path):
+            hooks.append(module.register_forward_pre_hook(_shard_inputs_hook(module, shard, dims), with_kwargs=True))
+    for path, dims in plan.shard_outputs.items():
+        hooks.append(model.get_submodule(path).register_forward_hook(_shard_outputs_hook(shard, dims)))
+    for path, dim in plan.gather_outputs.items():
+        hooks.append(model.get_submodule(path).register_forward_hook(_gather_output_hook(shard, dim)))
+    return hooks
 
-    def remove(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        for mark in self._marks:
-            mark.remove()
-        for change in reversed(self._installed):
-            change.remove()
-        for binding in self._routes:
-            binding.remove()
+
+def attention_routes(model: nn.Module, plan: SequenceParallelPlan,
+                     attention: UlyssesAttention) -> list[Any]:
+    """The plan's attention modules marked for `attention` (and, where tokens are split, the modules whose keys
+    are gathered for a GatheredKeysAttention), and the family's attention call site routed."""
+    marks = []
+    if attention.shard.degree > 1 and plan.gathered_key_modules is not None:
+        gathered = GatheredKeysAttention(attention.shard)
+        marks.extend(routing.mark_active(module, gathered) for module in plan.gathered_key_modules(model))
+    marks.extend(routing.mark_active(module, attention) for module in plan.attention_modules(model))
+    return [*marks, routing.route(*plan.call_site)]

@@ -62,6 +62,12 @@ class ParallelDecode:
         for layer in reversed(self._layers):
             layer.remove()
 
+    @staticmethod
+    def splits(vae: nn.Module | None) -> bool:
+        """Whether `vae`'s decode is split already (by the pipeline that shares it)."""
+        decode = getattr(vae, "__dict__", {}).get("_decode")
+        return isinstance(getattr(decode, "__self__", None), ParallelDecode)
+
 
 def _map_sample(out: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """`_decode`'s output, a tuple or a DecoderOutput, with its sample mapped by `fn`."""

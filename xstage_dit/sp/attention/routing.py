@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ...kernels.rotary_args import JointTokens
+from ...hooks.diffusers_registries import register_like
 from ...hooks.module_forward import ReboundName, ReplacedForward
 from . import ops
 from .ulysses import GatheredKeysAttention, UlyssesAttention
@@ -89,7 +90,7 @@ def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
 def _rotary_router(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
-        if (_active is not None and _active.fuse_rope and use_real and use_real_unbind_dim == -1
+        if (_active is not None and _active in _rotating and use_real and use_real_unbind_dim == -1
                 and ops.rotary_kernel_runs(x, *freqs_cis, sequence_dim)):
             return ops.rotary(x, *freqs_cis, sequence_dim)
         return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
@@ -101,9 +102,26 @@ _ROUTERS = {DISPATCH: _dispatch_router, SDPA: _sdpa_router, ROTARY: _rotary_rout
 
 
 def route(module_name: str, kind: str) -> ReboundName:
-    """`kind` (DISPATCH, SDPA or ROTARY) in `module_name` bound to its router until the handle's `remove()`
-    (shared by every enabled model whose plan routes it)."""
+    """`kind` (DISPATCH or SDPA) in `module_name` bound to its router until the handle's `remove()` (shared by
+    every enabled model whose plan routes it)."""
     return ReboundName(module_name, kind, _ROUTERS[kind])
+
+
+_rotating: list[UlyssesAttention] = []  # the attentions whose modules' apply_rotary_emb calls run our kernel
+
+
+class RotaryRoute:
+    """`apply_rotary_emb` in `module_name` routed to our RoPE kernel for the calls made while `attention` is
+    active, until `remove()`."""
+
+    def __init__(self, module_name: str, attention: UlyssesAttention) -> None:
+        self._attention = attention
+        self._binding = ReboundName(module_name, ROTARY, _ROUTERS[ROTARY])
+        _rotating.append(attention)
+
+    def remove(self) -> None:
+        _rotating.remove(self._attention)
+        self._binding.remove()
 
 
 class ActiveMark:
@@ -158,4 +176,6 @@ def _activating(cls: type) -> type:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _run_active(self, original_forward, self, *args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    activating = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    register_like(activating, cls)
+    return activating

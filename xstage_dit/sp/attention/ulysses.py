@@ -14,16 +14,13 @@ from ..sharding import SequenceShard
 
 
 class UlyssesAttention:
-    """Ulysses attention for one model: knows the model's token split and the backend choice, not the model.
-    `fuse_rope`: the model's routed `apply_rotary_emb` calls run our RoPE kernel (routing.ROTARY reads it here,
-    where the active module's settings are)."""
+    """Ulysses attention for one model: knows the model's token split and the backend choice, not the model."""
 
     def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
-                 fuse_rope: bool = True, query_key_masks: QueryKeyMasks | None = None) -> None:
+                 query_key_masks: QueryKeyMasks | None = None) -> None:
         self.shard = shard
         self.choice = choice
         self.text_first = text_first
-        self.fuse_rope = fuse_rope
         self.query_key_masks = query_key_masks
 
     def routes(self, keys: int) -> bool:
@@ -111,8 +108,6 @@ class GatheredKeysAttention:
     """Attention whose queries every rank holds whole, over keys and values split with the tokens (LTX-2's audio
     attending to every video token): the keys and values are gathered, every rank computes the whole output.
     Same call as UlyssesAttention's, for the router; marked on modules only where the tokens are split."""
-
-    fuse_rope = False  # the router asks; such models rotate their keys themselves
 
     def __init__(self, shard: SequenceShard) -> None:
         self.shard = shard

@@ -1,0 +1,109 @@
+"""diffusers' caches with xstage_dit, enabled before `enable` and after it, on every family they act on: the parallel
+result equals one process's with the same cache."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import xstage_dit
+import zoo
+from dist_harness import run_on_ranks
+from test_parallel_pipelines import SIZES, TOLERANCE, _relative_error
+
+STEPS = 3
+EVERY_STEP = (-1, 1001)
+
+
+def _caches(pipe: Any, name: str) -> dict[str, tuple[float, Callable[[], Any]]]:
+    """Each cache's guidance scale and config, made anew for every use (a config holds the cache's state)."""
+    from diffusers import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, PyramidAttentionBroadcastConfig,
+                           TaylorSeerCacheConfig)
+
+    def timestep() -> Any:
+        return pipe.current_timestep
+
+    caches = {
+        "FirstBlockCache": (1.0, lambda: FirstBlockCacheConfig(threshold=0.5)),
+        "MagCache": (1.0, lambda: MagCacheConfig(threshold=0.5, num_inference_steps=STEPS,
+                                                 mag_ratios=[1.0] + [0.98] * (STEPS - 1))),
+        "TaylorSeer": (1.0, lambda: TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1)),
+        "PyramidAttentionBroadcast": (1.0, lambda: PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=EVERY_STEP,
+            current_timestep_callback=timestep)),
+    }
+    if name in FASTER_CACHE_FORMATS:  # it skips the unconditional half of a batched CFG call: guidance on
+        caches["FasterCache"] = (3.0, lambda: FasterCacheConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=EVERY_STEP,
+            unconditional_batch_skip_range=2, unconditional_batch_timestep_skip_range=EVERY_STEP,
+            current_timestep_callback=timestep, tensor_format=FASTER_CACHE_FORMATS[name]))
+    return caches
+
+
+# FasterCache splits the unconditional branch's latents by frequency: video latents in these layouts
+FASTER_CACHE_FORMATS = {"tiny-cogvideox": "BFCHW"}
+
+
+def _stock_with(pipe: Any, make: Callable[[], Any], generate: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """One process's result with the cache, or None where diffusers' cache does not take this family."""
+    try:
+        pipe.transformer.enable_cache(make())
+        return generate()
+    except (ValueError, TypeError, AttributeError, KeyError, RuntimeError):
+        return None
+    finally:
+        if getattr(pipe.transformer, "is_cache_enabled", False):
+            pipe.transformer.disable_cache()
+
+
+def _caches_worker(names: list[str], size: str) -> None:
+    acted = set()
+    for name in names:
+        pipe = zoo.build_pipeline(name)
+        pipe.set_progress_bar_config(disable=True)
+
+        def generate(guidance: float) -> torch.Tensor:
+            kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=STEPS, guidance=guidance)
+            return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
+                        generator=torch.Generator().manual_seed(8), return_dict=False)[0]
+
+        uncached = {1.0: generate(1.0)}
+        for cache, (guidance, make) in _caches(pipe, name).items():
+            stock = _stock_with(pipe, make, lambda: generate(guidance))
+            if guidance not in uncached:
+                uncached[guidance] = generate(guidance)
+            if stock is None or torch.equal(stock, uncached[guidance]):
+                continue  # diffusers' cache refuses this family, or changes nothing here
+            acted.add(cache)
+            pipe.transformer.enable_cache(make())  # before enable
+            xstage_dit.enable(pipe, backend="reference", timeout_s=60)
+            before = generate(guidance)
+            xstage_dit.disable(pipe)
+            pipe.transformer.disable_cache()
+            xstage_dit.enable(pipe, backend="reference", timeout_s=60)  # after enable
+            pipe.transformer.enable_cache(make())
+            after = generate(guidance)
+            pipe.transformer.disable_cache()
+            xstage_dit.disable(pipe)
+            for order, out in (("before", before), ("after", after)):
+                error = _relative_error(out, stock)
+                assert error < TOLERANCE, f"{name}, {cache} enabled {order} xstage_dit: relative error {error:.2e}"
+        assert torch.equal(generate(1.0), uncached[1.0]), f"{name}: a cache or xstage_dit left something behind"
+    assert acted == {cache for name in names for cache in _caches(None, name)}, acted
+
+
+# every family, split over two ranks (token counts that divide) and three ("uneven": tail padding)
+FAMILIES = {
+    (2, "even"): ["tiny-flux", "tiny-wan", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-sd3.5", "tiny-hidream",
+                  "tiny-flux2", "tiny-ltx2"],
+    (3, "uneven"): ["tiny-ltx", "tiny-cogvideox", "tiny-nucleusmoe", "tiny-wan-vace", "tiny-zimage", "tiny-chroma",
+                    "tiny-hunyuan-video15", "tiny-qwenimage21"],
+}
+
+
+@pytest.mark.parametrize("world_size, size", list(FAMILIES))
+def test_caches_before_and_after_enable_equal_one_process(world_size: int, size: str) -> None:
+    """Every cache that acts on a family in one process (some refuse a family: no block metadata, no cache
+    context, no `enable_cache`) gives the same result with xstage_dit, whichever was enabled first."""
+    run_on_ranks(world_size, _caches_worker, FAMILIES[world_size, size], size, deadline_s=900)
