@@ -25,12 +25,6 @@ from .runtime import ParallelGroups, build_groups, ensure_process_group, world_f
 from .runtime.agreement import Fingerprint, call_fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import CrossRankWork, GraphedForward, GraphUse, repeated_blocks
 from .runtime.distributed import local_device, world_group
-from .sp.attention import auto, overlap, reference  # noqa: F401  (register the backends)
-
-try:
-    from .sp.attention import fused  # noqa: F401  (registers the fused backend; needs Triton)
-except ImportError:  # without Triton the other backends still work
-    pass
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.attention.backends import available_backends, needs_fabric, resolve_backend
 from .sp.cache_hooks import stateful_hooks

@@ -9,9 +9,13 @@ heads for backends that run a vendor kernel there: SDPA, or the backend the user
 Each entry also says what the backend runs at degree 1, which of the planner's predictions is its cost, and what
 it needs (CUDA, the group's symmetric-memory fabric, inputs its kernels take). What `enable(backend=...)` names is
 a *choice*: a backend (which is its own choice), or a chooser such as "auto" (sp/attention/auto.py) that picks a backend
-per call."""
+per call.
+
+The registry owns the list of modules that register choices (`BACKEND_MODULES`) and imports them the first time
+it is asked: adding a backend is one module and one entry there."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
@@ -24,6 +28,24 @@ from ...burst_gap.planner import Cost
 from .layout import UlyssesLayout
 
 FALLBACK = "reference"  # what runs where a chosen backend cannot: it runs everything
+
+
+@dataclass(frozen=True)
+class BackendModule:
+    """A module of this package that registers choices when imported. One with an optional dependency
+    registers the choice of its own name; without that dependency it is skipped, and asking for it says why."""
+
+    name: str  # in sp/attention/
+    optional_dependency: str | None = None  # the top-level package it imports that may be missing
+
+
+# in the order `backends()` lists them
+BACKEND_MODULES = (
+    BackendModule("reference"),
+    BackendModule("overlap"),
+    BackendModule("fused", optional_dependency="triton"),
+    BackendModule("auto"),
+)
 
 
 class UlyssesBackend(Protocol):
@@ -112,6 +134,24 @@ class BackendChoice(Protocol):
 
 
 _CHOICES: dict[str, BackendChoice] = {}
+_UNAVAILABLE: dict[str, str] = {}  # a skipped module's name: why
+_loaded = False
+
+
+def _load() -> None:
+    """Import every module of BACKEND_MODULES once (they register themselves)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True  # before the imports: a module that asks the registry while it loads sees what is there so far
+    for module in BACKEND_MODULES:
+        try:
+            importlib.import_module(f".{module.name}", __package__)
+        except ImportError as error:
+            # only its optional dependency may be missing: any other import error is a bug to show
+            if module.optional_dependency is None or (error.name or "").split(".")[0] != module.optional_dependency:
+                raise
+            _UNAVAILABLE[module.name] = f"needs {module.optional_dependency}: {error}"
 
 
 def register_backend(name: str, local: LocalAttention, cost: Cost, needs_cuda: bool = False,
@@ -132,6 +172,7 @@ def register_choice(choice: BackendChoice) -> None:
 
 def backends() -> list[Backend]:
     """Every registered backend (choosers excluded), in registration order."""
+    _load()
     return [choice for choice in _CHOICES.values() if isinstance(choice, Backend)]
 
 
@@ -141,22 +182,27 @@ def costs_of(candidates: Iterable[Backend]) -> dict[str, Cost]:
 
 
 def get_backend(name: str) -> Backend:
-    backend = _CHOICES[name]
+    backend = get_choice(name)
     assert isinstance(backend, Backend), name
     return backend
 
 
 def get_choice(name: str) -> BackendChoice:
+    _load()
     return _CHOICES[name]
 
 
 def available_backends() -> list[str]:
     """The names `enable(backend=...)` accepts."""
+    _load()
     return sorted(_CHOICES)
 
 
 def resolve_backend(name: str, device: torch.device) -> BackendChoice:
     """The choice `name` stands for, checked against `device`; raises before any collective."""
+    _load()
+    if name in _UNAVAILABLE:
+        raise ValueError(f"xstage_dit backend {name!r} {_UNAVAILABLE[name]}")
     if name not in _CHOICES:
         raise ValueError(f"unknown xstage_dit backend {name!r}; choose one of {available_backends()}")
     choice = _CHOICES[name]

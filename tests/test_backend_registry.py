@@ -1,0 +1,28 @@
+"""The backend registry loads its own list of backend modules: with Triton every one registers, and without it
+asking for the fused backend says that it needs Triton."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from xstage_dit.sp.attention.backends import BACKEND_MODULES, available_backends
+
+
+def test_every_listed_module_registers_its_choice():
+    assert available_backends() == sorted(module.name for module in BACKEND_MODULES)
+
+
+def test_a_backend_whose_dependency_is_missing_says_what_it_needs():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from xstage_dit.sp.attention.backends import available_backends, resolve_backend\n"
+        "assert available_backends() == ['auto', 'overlap', 'reference'], available_backends()\n"
+        "try:\n"
+        "    resolve_backend('fused', torch.device('cpu'))\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("xstage_dit backend 'fused' needs triton: "), result.stdout
