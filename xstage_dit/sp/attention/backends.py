@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ...kernels.rotary_args import JointTokens
 from ...logging_utils import warn_once
-from ...burst_gap.planner import Cost
+from ...burst_gap.planner import AttentionShape, Cost, Planner
 from .layout import UlyssesLayout
 
 FALLBACK = "reference"  # what runs where a chosen backend cannot: it runs everything
@@ -46,6 +46,9 @@ BACKEND_MODULES = (
     BackendModule("fused", optional_dependency="triton"),
     BackendModule("auto"),
 )
+
+# what a backend may say about its plan for a shape (`xstage-dit plan` prints it), or None
+PlanDescription = Callable[[Planner, AttentionShape], str | None]
 
 
 class UlyssesBackend(Protocol):
@@ -101,6 +104,7 @@ class Backend:
     own_attention: bool = False
     # its entry for q, k, v as JointTokens (others get them joined first)
     joint: JointUlyssesBackend | None = None
+    describe_plan: PlanDescription | None = None
 
     def takes(self, query: torch.Tensor, fabric_ready: bool) -> bool:
         """Whether this backend runs these inputs here; `fabric_ready`: the group has its fabric (or there is no
@@ -156,11 +160,12 @@ def _load() -> None:
 
 def register_backend(name: str, local: LocalAttention, cost: Cost, needs_cuda: bool = False,
                      symmetric: bool = False, accepts: Callable[[torch.Tensor], bool] | None = None,
-                     own_attention: bool = False,
-                     joint: JointUlyssesBackend | None = None) -> Callable[[UlyssesBackend], UlyssesBackend]:
+                     own_attention: bool = False, joint: JointUlyssesBackend | None = None,
+                     describe_plan: PlanDescription | None = None) -> Callable[[UlyssesBackend], UlyssesBackend]:
     def decorator(fn: UlyssesBackend) -> UlyssesBackend:
         _CHOICES[name] = Backend(name=name, ulysses=fn, local=local, cost=cost, needs_cuda=needs_cuda,
-                                 symmetric=symmetric, accepts=accepts, own_attention=own_attention, joint=joint)
+                                 symmetric=symmetric, accepts=accepts, own_attention=own_attention, joint=joint,
+                                 describe_plan=describe_plan)
         return fn
 
     return decorator

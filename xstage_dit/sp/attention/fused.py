@@ -94,6 +94,10 @@ def predicted_seconds(planner: Planner, shape: AttentionShape) -> float:
     return planner.fused_call(shape, TILE_ROWS)
 
 
+def describe_tile_order(planner: Planner, shape: AttentionShape) -> str:
+    return f"the fused kernel's tile order: {tile_order(planner, shape).value}"
+
+
 def fused_joint_ulysses(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
                         group: dist.ProcessGroup, scale: float | None,
                         text_mask: torch.Tensor | None) -> torch.Tensor:
@@ -104,7 +108,8 @@ def fused_joint_ulysses(query: JointTokens, key: JointTokens, value: JointTokens
 
 
 @register_backend("fused", local=flash_attention_bshd, cost=predicted_seconds, needs_cuda=True, symmetric=True,
-                  accepts=kernels_accept, own_attention=True, joint=fused_joint_ulysses)
+                  accepts=kernels_accept, own_attention=True, joint=fused_joint_ulysses,
+                  describe_plan=describe_tile_order)
 def fused_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,
