@@ -1,15 +1,16 @@
-"""The backend registry loads its own list of backend modules: with Triton every one registers, and without it
-asking for the fused backend says that it needs Triton."""
+"""The backend registry loads its own list of backend modules: with Triton each one offers its choice, in the
+list's order, and without Triton asking for the fused backend says that it needs it."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from xstage_dit.sp.attention.backends import BACKEND_MODULES, available_backends
+from xstage_dit.sp.attention.backends import BACKEND_MODULES, available_backends, backends
 
 
-def test_every_listed_module_registers_its_choice():
+def test_every_listed_module_offers_its_choice_in_the_lists_order():
     assert available_backends() == sorted(module.name for module in BACKEND_MODULES)
+    assert [backend.name for backend in backends()] == ["reference", "overlap", "fused"]
 
 
 def test_a_backend_whose_dependency_is_missing_says_what_it_needs():

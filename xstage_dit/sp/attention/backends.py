@@ -11,8 +11,8 @@ it needs (CUDA, the group's symmetric-memory fabric, inputs its kernels take). W
 a *choice*: a backend (which is its own choice), or a chooser such as "auto" (sp/attention/auto.py) that picks a backend
 per call.
 
-The registry owns the list of modules that register choices (`BACKEND_MODULES`) and imports them the first time
-it is asked: adding a backend is one module and one entry there."""
+The registry owns the list of modules that offer choices (`BACKEND_MODULES`) and imports them the first time it is
+asked: adding a backend is one module (its record as `CHOICE`) and one entry there."""
 from __future__ import annotations
 
 import importlib
@@ -32,14 +32,18 @@ FALLBACK = "reference"  # what runs where a chosen backend cannot: it runs every
 
 @dataclass(frozen=True)
 class BackendModule:
-    """A module of this package that registers choices when imported. One with an optional dependency
-    registers the choice of its own name; without that dependency it is skipped, and asking for it says why."""
+    """A module of this package that offers one choice, as its `CHOICE`. One with an optional dependency offers
+    the choice of its own name; without that dependency it is skipped, and asking for its choice says why."""
 
     name: str  # in sp/attention/
     optional_dependency: str | None = None  # the top-level package it imports that may be missing
 
+    def lacks_dependency(self, error: ImportError) -> bool:
+        """Whether `error` says that its optional dependency is missing (any other import error is a bug)."""
+        return self.optional_dependency is not None and (error.name or "").split(".")[0] == self.optional_dependency
 
-# in the order `backends()` lists them
+
+# in the order `backends()` lists their backends
 BACKEND_MODULES = (
     BackendModule("reference"),
     BackendModule("overlap"),
@@ -137,48 +141,31 @@ class BackendChoice(Protocol):
         ...
 
 
-_CHOICES: dict[str, BackendChoice] = {}
+_CHOICES: dict[str, BackendChoice] = {}  # by name, in BACKEND_MODULES' order
 _UNAVAILABLE: dict[str, str] = {}  # a skipped module's name: why
 _loaded = False
 
 
-def _load() -> None:
-    """Import every module of BACKEND_MODULES once (they register themselves)."""
+def _choices() -> dict[str, BackendChoice]:
+    """Every choice by name; the first call imports the modules of BACKEND_MODULES."""
     global _loaded
-    if _loaded:
-        return
-    _loaded = True  # before the imports: a module that asks the registry while it loads sees what is there so far
-    for module in BACKEND_MODULES:
-        try:
-            importlib.import_module(f".{module.name}", __package__)
-        except ImportError as error:
-            # only its optional dependency may be missing: any other import error is a bug to show
-            if module.optional_dependency is None or (error.name or "").split(".")[0] != module.optional_dependency:
-                raise
-            _UNAVAILABLE[module.name] = f"needs {module.optional_dependency}: {error}"
-
-
-def register_backend(name: str, local: LocalAttention, cost: Cost, needs_cuda: bool = False,
-                     symmetric: bool = False, accepts: Callable[[torch.Tensor], bool] | None = None,
-                     own_attention: bool = False, joint: JointUlyssesBackend | None = None,
-                     describe_plan: PlanDescription | None = None) -> Callable[[UlyssesBackend], UlyssesBackend]:
-    def decorator(fn: UlyssesBackend) -> UlyssesBackend:
-        _CHOICES[name] = Backend(name=name, ulysses=fn, local=local, cost=cost, needs_cuda=needs_cuda,
-                                 symmetric=symmetric, accepts=accepts, own_attention=own_attention, joint=joint,
-                                 describe_plan=describe_plan)
-        return fn
-
-    return decorator
-
-
-def register_choice(choice: BackendChoice) -> None:
-    _CHOICES[choice.name] = choice
+    if not _loaded:
+        for module in BACKEND_MODULES:
+            try:
+                imported = importlib.import_module(f".{module.name}", __package__)
+            except ImportError as error:
+                if not module.lacks_dependency(error):
+                    raise
+                _UNAVAILABLE[module.name] = f"needs {module.optional_dependency}: {error}"
+                continue
+            _CHOICES[imported.CHOICE.name] = imported.CHOICE
+        _loaded = True
+    return _CHOICES
 
 
 def backends() -> list[Backend]:
-    """Every registered backend (choosers excluded), in registration order."""
-    _load()
-    return [choice for choice in _CHOICES.values() if isinstance(choice, Backend)]
+    """Every backend (choosers excluded), in BACKEND_MODULES' order."""
+    return [choice for choice in _choices().values() if isinstance(choice, Backend)]
 
 
 def costs_of(candidates: Iterable[Backend]) -> dict[str, Cost]:
@@ -193,24 +180,22 @@ def get_backend(name: str) -> Backend:
 
 
 def get_choice(name: str) -> BackendChoice:
-    _load()
-    return _CHOICES[name]
+    return _choices()[name]
 
 
 def available_backends() -> list[str]:
     """The names `enable(backend=...)` accepts."""
-    _load()
-    return sorted(_CHOICES)
+    return sorted(_choices())
 
 
 def resolve_backend(name: str, device: torch.device) -> BackendChoice:
     """The choice `name` stands for, checked against `device`; raises before any collective."""
-    _load()
+    choices = _choices()
     if name in _UNAVAILABLE:
         raise ValueError(f"xstage_dit backend {name!r} {_UNAVAILABLE[name]}")
-    if name not in _CHOICES:
+    if name not in choices:
         raise ValueError(f"unknown xstage_dit backend {name!r}; choose one of {available_backends()}")
-    choice = _CHOICES[name]
+    choice = choices[name]
     if isinstance(choice, Backend) and choice.needs_cuda and device.type != "cuda":
         raise ValueError(f"xstage_dit backend {name!r} needs CUDA GPUs (symmetric memory, Triton kernels); "
                          f"this rank runs on {device}")
