@@ -13,17 +13,21 @@ def test_every_listed_module_offers_its_choice_in_the_lists_order():
     assert [backend.name for backend in backends()] == ["reference", "overlap", "fused"]
 
 
+# the registry in a process where Triton cannot be imported: prints why the fused backend is unavailable
+WITHOUT_TRITON = """
+import sys; sys.modules["triton"] = None
+import torch
+from xstage_dit.sp.attention.backends import available_backends, resolve_backend
+
+assert available_backends() == ["auto", "overlap", "reference"], available_backends()
+try:
+    resolve_backend("fused", torch.device("cpu"))
+except ValueError as error:
+    print(error)
+"""
+
+
 def test_a_backend_whose_dependency_is_missing_says_what_it_needs():
-    code = (
-        "import sys; sys.modules['triton'] = None\n"
-        "import torch\n"
-        "from xstage_dit.sp.attention.backends import available_backends, resolve_backend\n"
-        "assert available_backends() == ['auto', 'overlap', 'reference'], available_backends()\n"
-        "try:\n"
-        "    resolve_backend('fused', torch.device('cpu'))\n"
-        "except ValueError as error:\n"
-        "    print(error)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("xstage_dit backend 'fused' needs triton: "), result.stdout
