@@ -1,23 +1,35 @@
 #!/usr/bin/env bash
 # The GPU checks of the project, for the device machine (one H200): install, GPU tests, end-to-end benchmarks.
 # Run from the repository root with .whl carried (../shared/device/wheels.sh fetches it). Results go to $OUT.
-#   bash .ci/device.sh [tests] [calibrate] [kernels] ["BENCH_E2E ARGS" ...]
-# in the order given (no argument: tests): "tests" runs the GPU tests but the calibration ones, "calibrate" those
-# and `xstage-dit calibrate`
+#   bash .ci/device.sh [smoke] [tests] [calibrate] [kernels] ["BENCH_E2E ARGS" ...]
+# in the order given (no argument: tests): "smoke" runs the GPU tests marked smoke (minutes: every backend on
+# ranks sharing one GPU, every family at degree 1, CUDA-graph replays; log pytest-smoke.log), "tests" all the GPU
+# tests but the calibration ones (for changes to the kernels or the exchange; longer than one session's device
+# time; log pytest-gpu.log), "calibrate" those and `xstage-dit calibrate`
 # into $XSTAGE_CALIBRATION_DIR (default $OUT/calibration, where the benchmarks and backend="auto" look),
 # "kernels" examples/bench_kernels.py (extra arguments in $XSTAGE_KERNELS_ARGS), every other argument is one
 # quoted bench_e2e.py argument list
 set -uo pipefail
 source .ci/device_setup.sh
 [ $# -eq 0 ] && set -- tests
+
+# gpu_tests MARKERS LOG: the tests of a pytest -m expression, logged to $OUT/LOG. XSTAGE_GPU_TESTS narrows the run
+# with a pytest -k expression; XSTAGE_TEST_TIMEOUT bounds each test (s); one line per test in the log, so that a
+# run cut short still says how far it got, and each test's time at its end
+gpu_tests() {
+  python3 -m pytest -v -m "$1" -p no:cacheprovider --timeout "${XSTAGE_TEST_TIMEOUT:-300}" \
+    --durations=0 --durations-min=1 -k "${XSTAGE_GPU_TESTS:-}" "$REPO/tests" 2>&1 \
+    | tee "$OUT/$2" \
+    | grep -E "FAILED|ERROR|passed|failed" | tail -25
+}
+
 for bench_args in "$@"; do
+  if [ "$bench_args" = smoke ]; then
+    gpu_tests "gpu and smoke and not calibration" pytest-smoke.log
+    continue
+  fi
   if [ "$bench_args" = tests ]; then
-    # XSTAGE_GPU_TESTS narrows the run with a pytest -k expression; XSTAGE_TEST_TIMEOUT bounds each test (s);
-    # one line per test in the log, so that a run cut short still says how far it got
-    python3 -m pytest -v -m "gpu and not calibration" -p no:cacheprovider --timeout "${XSTAGE_TEST_TIMEOUT:-300}" \
-      -k "${XSTAGE_GPU_TESTS:-}" "$REPO/tests" 2>&1 \
-      | tee "$OUT/pytest-gpu.log" \
-      | grep -E "FAILED|ERROR|passed|failed" | tail -25
+    gpu_tests "gpu and not calibration" pytest-gpu.log
     continue
   fi
   if [ "$bench_args" = calibrate ]; then

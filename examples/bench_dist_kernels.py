@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import xstage_dit  # noqa: F401  (registers the backends)
 from xstage_dit.kernels.attention import flash_attention
 from xstage_dit.kernels.rotary_args import JointTokens
 from xstage_dit.runtime import ensure_process_group

@@ -67,7 +67,8 @@ def _graphs_equal_eager(name: str, expect_captures: bool, **enable: object) -> N
 
 
 # Chroma and QwenImage: their forwards hold no host copy once enabled (patches/chroma.py, patches/qwenimage.py)
-@pytest.mark.parametrize("name", ["tiny-flux-d64", "tiny-wan2.2", "tiny-sd3.5", "tiny-chroma", "tiny-qwenimage"])
+@pytest.mark.parametrize("name", [pytest.param("tiny-flux-d64", marks=pytest.mark.smoke), "tiny-wan2.2", "tiny-sd3.5",
+                                  "tiny-chroma", "tiny-qwenimage"])
 @pytest.mark.parametrize("backend", ["reference", "fused"])
 def test_one_gpu_replays_equal_eager(name, backend):
     _graphs_equal_eager(name, True, backend=backend)
@@ -150,6 +151,7 @@ class _SyncingScale(torch.nn.Module):
         return x * x.abs().max().item()
 
 
+@pytest.mark.smoke
 def test_a_forward_replays_per_signature_and_holds_a_bounded_number():
     """Fresh inputs every call: replays equal eager bit for bit; a non-tensor argument is part of the signature;
     more signatures than the bound drop the least recently used graph."""

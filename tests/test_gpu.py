@@ -60,9 +60,9 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-qwenimage21": {"height": 64, "width": 160, "num_frames": 1}}
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2", "tiny-zimage",
-                                  "tiny-chroma", "tiny-ltx2", "tiny-hunyuan-video15", "tiny-wan2.2-ti2v",
-                                  "tiny-wan-vace", "tiny-qwenimage-edit-2511", "tiny-qwenimage21"])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.smoke) for name in [
+    "tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2", "tiny-zimage", "tiny-chroma", "tiny-ltx2",
+    "tiny-hunyuan-video15", "tiny-wan2.2-ti2v", "tiny-wan-vace", "tiny-qwenimage-edit-2511", "tiny-qwenimage21"]])
 def test_degree_one_on_gpu_matches_stock(name):
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
@@ -129,10 +129,12 @@ def _record_auto_choices() -> list[str]:
 
 @pytest.mark.parametrize(
     "name, backend, world_size",
-    [(name, "reference", 2) for name in ("tiny-flux", "tiny-wan", "tiny-hunyuan-video")]
-    + [("tiny-flux", "overlap", 2), ("tiny-wan", "overlap", 4)]
+    [pytest.param("tiny-flux", "reference", 2, marks=pytest.mark.smoke)]
+    + [(name, "reference", 2) for name in ("tiny-wan", "tiny-hunyuan-video")]
+    + [pytest.param("tiny-flux", "overlap", 2, marks=pytest.mark.smoke), ("tiny-wan", "overlap", 4)]
     # head_dim 64 runs the fused kernels; head_dim 16 (tiny-hunyuan-video) checks the fallback to reference
-    + [(name, "fused", n) for name in ("tiny-flux-d64", "tiny-wan-d64", "tiny-hunyuan-video") for n in (2, 4)]
+    + [pytest.param("tiny-flux-d64", "fused", 2, marks=pytest.mark.smoke), ("tiny-flux-d64", "fused", 4)]
+    + [(name, "fused", n) for name in ("tiny-wan-d64", "tiny-hunyuan-video") for n in (2, 4)]
     # keys-only text (queries are the image tokens), grouped-query attention and exact expert choice
     + [("tiny-nucleusmoe", "reference", 2), ("tiny-nucleusmoe-d64", "fused", 2)]
     # image-only refiner attention, then [image, caption] with the captions' padding masks (batch 2)
@@ -153,6 +155,7 @@ def test_expert_stores_on_one_gpu_match_single_process(world_size):
     run_on_ranks(world_size, _same_gpu_worker, "tiny-nucleusmoe-d64", "fused", None, True, deadline_s=150)
 
 
+@pytest.mark.smoke
 def test_auto_follows_the_planner_on_one_gpu(tmp_path, monkeypatch):
     """A same-GPU calibration (synthetic costs: for tiny layers the fused path's few launches win) makes auto
     choose fused for every layer, and the result still equals the single process."""
@@ -337,7 +340,8 @@ def _graph_replay_worker(text_len: int, seq_len: int, heads: int) -> None:
         assert torch.equal(replayed, expected), f"rank {rank}, replay {trial}: differs from the eager call"
 
 
-@pytest.mark.parametrize("text_len, seq_len", [(512, 4096), (77, 4093)], ids=["flux-1024", "uneven"])
+@pytest.mark.parametrize("text_len, seq_len", [pytest.param(512, 4096, marks=pytest.mark.smoke), (77, 4093)],
+                         ids=["flux-1024", "uneven"])
 def test_fused_backend_replays_in_a_cuda_graph(text_len, seq_len):
     run_on_ranks(2, _graph_replay_worker, text_len, seq_len, 24, deadline_s=200)
 

@@ -21,12 +21,6 @@ from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import GraphUse
 from .runtime.distributed import local_device, world_group
-from .sp.attention import auto, overlap, reference  # noqa: F401  (register the backends)
-
-try:
-    from .sp.attention import fused  # noqa: F401  (registers the fused backend; needs Triton)
-except ImportError:  # without Triton the other backends still work
-    pass
 from .sp.attention.backends import needs_fabric, resolve_backend
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.moe.modes import ExpertModes

@@ -1,7 +1,7 @@
 """`xstage-dit`: command-line tools. `info` prints what this machine offers xstage_dit; `calibrate` measures its
 store path and kernels for the Burst-Gap planner; `plan` prints what the planner predicts for one attention
-layer (what backend="auto" would run, and the fused kernel's tile order) and, given `--experts`, for one
-expert-choice MoE layer (each mode, and the stores mode's schedule)."""
+layer (what backend="auto" would run, and what each backend says of its plan: the fused kernel's tile order) and,
+given `--experts`, for one expert-choice MoE layer (each mode, and the stores mode's schedule)."""
 from __future__ import annotations
 
 import argparse
@@ -53,7 +53,8 @@ def info() -> str:
 
 
 def plan(calibration: Calibration, shape: AttentionShape) -> str:
-    """Each registered backend's predicted time for `shape`, what auto runs, and the fused kernel's tile order."""
+    """Each registered backend's predicted time for `shape`, what auto runs, and what each backend says of its
+    plan for it (the fused kernel's tile order)."""
     from .sp.attention.auto import decide
 
     planner = Planner.from_calibration(calibration)
@@ -61,11 +62,8 @@ def plan(calibration: Calibration, shape: AttentionShape) -> str:
     predicted = planner.predict(shape, costs_of(candidates))
     lines = [f"{shape} with {calibration.filename}:"]
     lines += [f"  {name:>9}: {seconds * 1e3:.3f} ms predicted" for name, seconds in predicted.items()]
-    lines.append(f"  auto runs {decide(planner, shape, candidates).name}")
-    if "fused" in predicted:
-        from .sp.attention.fused import tile_order
-
-        lines[-1] += f"; the fused kernel's tile order: {tile_order(planner, shape).value}"
+    notes = [b.describe_plan(planner, shape) for b in candidates if b.describe_plan is not None]
+    lines.append("; ".join([f"  auto runs {decide(planner, shape, candidates).name}", *filter(None, notes)]))
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ...logging_utils import logger, warn_once
 from ...burst_gap.planner import AttentionShape, Planner
-from .backends import FALLBACK, Backend, backends, costs_of, get_backend, register_choice
+from .backends import FALLBACK, Backend, backends, costs_of, get_backend
 from .layout import UlyssesLayout
 from ..planner import attention_shape, planner_for
 
@@ -44,4 +44,4 @@ def decide(planner: Planner, shape: AttentionShape, candidates: tuple[Backend, .
     return get_backend(name)
 
 
-register_choice(Auto())
+CHOICE = Auto()

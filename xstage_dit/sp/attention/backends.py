@@ -9,9 +9,13 @@ heads for backends that run a vendor kernel there: SDPA, or the backend the user
 Each entry also says what the backend runs at degree 1, which of the planner's predictions is its cost, and what
 it needs (CUDA, the group's symmetric-memory fabric, inputs its kernels take). What `enable(backend=...)` names is
 a *choice*: a backend (which is its own choice), or a chooser such as "auto" (sp/attention/auto.py) that picks a backend
-per call."""
+per call.
+
+The registry owns the list of modules that offer choices (`BACKEND_MODULES`) and imports them the first time it is
+asked: adding a backend is one module (its record as `CHOICE`) and one entry there."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
@@ -20,10 +24,35 @@ import torch.distributed as dist
 
 from ...kernels.rotary_args import JointTokens
 from ...logging_utils import warn_once
-from ...burst_gap.planner import Cost
+from ...burst_gap.planner import AttentionShape, Cost, Planner
 from .layout import UlyssesLayout
 
 FALLBACK = "reference"  # what runs where a chosen backend cannot: it runs everything
+
+
+@dataclass(frozen=True)
+class BackendModule:
+    """A module of this package that offers one choice, as its `CHOICE`. One with an optional dependency offers
+    the choice of its own name; without that dependency it is skipped, and asking for its choice says why."""
+
+    name: str  # in sp/attention/
+    optional_dependency: str | None = None  # the top-level package it imports that may be missing
+
+    def lacks_dependency(self, error: ImportError) -> bool:
+        """Whether `error` says that its optional dependency is missing (any other import error is a bug)."""
+        return self.optional_dependency is not None and (error.name or "").split(".")[0] == self.optional_dependency
+
+
+# in the order `backends()` lists their backends
+BACKEND_MODULES = (
+    BackendModule("reference"),
+    BackendModule("overlap"),
+    BackendModule("fused", optional_dependency="triton"),
+    BackendModule("auto"),
+)
+
+# what a backend may say about its plan for a shape (`xstage-dit plan` prints it), or None
+PlanDescription = Callable[[Planner, AttentionShape], str | None]
 
 
 class UlyssesBackend(Protocol):
@@ -79,6 +108,7 @@ class Backend:
     own_attention: bool = False
     # its entry for q, k, v as JointTokens (others get them joined first)
     joint: JointUlyssesBackend | None = None
+    describe_plan: PlanDescription | None = None
 
     def takes(self, query: torch.Tensor, fabric_ready: bool) -> bool:
         """Whether this backend runs these inputs here; `fabric_ready`: the group has its fabric (or there is no
@@ -111,28 +141,31 @@ class BackendChoice(Protocol):
         ...
 
 
-_CHOICES: dict[str, BackendChoice] = {}
+_CHOICES: dict[str, BackendChoice] = {}  # by name, in BACKEND_MODULES' order
+_UNAVAILABLE: dict[str, str] = {}  # a skipped module's name: why
+_loaded = False
 
 
-def register_backend(name: str, local: LocalAttention, cost: Cost, needs_cuda: bool = False,
-                     symmetric: bool = False, accepts: Callable[[torch.Tensor], bool] | None = None,
-                     own_attention: bool = False,
-                     joint: JointUlyssesBackend | None = None) -> Callable[[UlyssesBackend], UlyssesBackend]:
-    def decorator(fn: UlyssesBackend) -> UlyssesBackend:
-        _CHOICES[name] = Backend(name=name, ulysses=fn, local=local, cost=cost, needs_cuda=needs_cuda,
-                                 symmetric=symmetric, accepts=accepts, own_attention=own_attention, joint=joint)
-        return fn
-
-    return decorator
-
-
-def register_choice(choice: BackendChoice) -> None:
-    _CHOICES[choice.name] = choice
+def _choices() -> dict[str, BackendChoice]:
+    """Every choice by name; the first call imports the modules of BACKEND_MODULES."""
+    global _loaded
+    if not _loaded:
+        for module in BACKEND_MODULES:
+            try:
+                imported = importlib.import_module(f".{module.name}", __package__)
+            except ImportError as error:
+                if not module.lacks_dependency(error):
+                    raise
+                _UNAVAILABLE[module.name] = f"needs {module.optional_dependency}: {error}"
+                continue
+            _CHOICES[imported.CHOICE.name] = imported.CHOICE
+        _loaded = True
+    return _CHOICES
 
 
 def backends() -> list[Backend]:
-    """Every registered backend (choosers excluded), in registration order."""
-    return [choice for choice in _CHOICES.values() if isinstance(choice, Backend)]
+    """Every backend (choosers excluded), in BACKEND_MODULES' order."""
+    return [choice for choice in _choices().values() if isinstance(choice, Backend)]
 
 
 def costs_of(candidates: Iterable[Backend]) -> dict[str, Cost]:
@@ -141,25 +174,28 @@ def costs_of(candidates: Iterable[Backend]) -> dict[str, Cost]:
 
 
 def get_backend(name: str) -> Backend:
-    backend = _CHOICES[name]
+    backend = get_choice(name)
     assert isinstance(backend, Backend), name
     return backend
 
 
 def get_choice(name: str) -> BackendChoice:
-    return _CHOICES[name]
+    return _choices()[name]
 
 
 def available_backends() -> list[str]:
     """The names `enable(backend=...)` accepts."""
-    return sorted(_CHOICES)
+    return sorted(_choices())
 
 
 def resolve_backend(name: str, device: torch.device) -> BackendChoice:
     """The choice `name` stands for, checked against `device`; raises before any collective."""
-    if name not in _CHOICES:
+    choices = _choices()
+    if name in _UNAVAILABLE:
+        raise ValueError(f"xstage_dit backend {name!r} {_UNAVAILABLE[name]}")
+    if name not in choices:
         raise ValueError(f"unknown xstage_dit backend {name!r}; choose one of {available_backends()}")
-    choice = _CHOICES[name]
+    choice = choices[name]
     if isinstance(choice, Backend) and choice.needs_cuda and device.type != "cuda":
         raise ValueError(f"xstage_dit backend {name!r} needs CUDA GPUs (symmetric memory, Triton kernels); "
                          f"this rank runs on {device}")

@@ -29,7 +29,7 @@ from ...kernels.attention import accepts, flash_attention
 from ...kernels.attention_hopper import HopperConfig
 from ...kernels.rotary_args import JointTokens
 from ...burst_gap.planner import AttentionShape, Planner, TileOrder
-from .backends import LocalAttention, register_backend
+from .backends import Backend, LocalAttention
 from ..fabric import Fabric, Steps, fabric_of, run_in_lockstep
 from .layout import UlyssesLayout
 from .masks import keep_keys
@@ -94,6 +94,10 @@ def predicted_seconds(planner: Planner, shape: AttentionShape) -> float:
     return planner.fused_call(shape, TILE_ROWS)
 
 
+def describe_tile_order(planner: Planner, shape: AttentionShape) -> str:
+    return f"the fused kernel's tile order: {tile_order(planner, shape).value}"
+
+
 def fused_joint_ulysses(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
                         group: dist.ProcessGroup, scale: float | None,
                         text_mask: torch.Tensor | None) -> torch.Tensor:
@@ -103,8 +107,6 @@ def fused_joint_ulysses(query: JointTokens, key: JointTokens, value: JointTokens
     return fused_exchange(query, key, value, layout, fabric_of(group.group_name), scale, text_mask, order)
 
 
-@register_backend("fused", local=flash_attention_bshd, cost=predicted_seconds, needs_cuda=True, symmetric=True,
-                  accepts=kernels_accept, own_attention=True, joint=fused_joint_ulysses)
 def fused_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -117,3 +119,8 @@ def fused_ulysses(
 ) -> torch.Tensor:
     return fused_joint_ulysses(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout, group,
                                scale, text_mask)
+
+
+CHOICE = Backend("fused", ulysses=fused_ulysses, local=flash_attention_bshd, cost=predicted_seconds, needs_cuda=True,
+                 symmetric=True, accepts=kernels_accept, own_attention=True, joint=fused_joint_ulysses,
+                 describe_plan=describe_tile_order)

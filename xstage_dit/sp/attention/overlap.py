@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .backends import LocalAttention, register_backend
+from .backends import Backend, LocalAttention
 from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
 from .local import sdpa_bshd
@@ -24,7 +24,6 @@ def head_chunks(share: int, max_chunks: int = MAX_CHUNKS) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-@register_backend("overlap", local=sdpa_bshd, cost=lambda planner, shape: planner.overlap_call(shape, MAX_CHUNKS))
 def overlap_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -36,6 +35,10 @@ def overlap_ulysses(
     attend: LocalAttention,
 ) -> torch.Tensor:
     return chunked_exchange(query, key, value, layout, all_to_all(group, async_op=True), scale, text_mask, attend)
+
+
+CHOICE = Backend("overlap", ulysses=overlap_ulysses, local=sdpa_bshd,
+                 cost=lambda planner, shape: planner.overlap_call(shape, MAX_CHUNKS))
 
 
 def chunked_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ...burst_gap.planner import Planner
-from .backends import LocalAttention, register_backend
+from .backends import Backend, LocalAttention
 from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
 from .local import sdpa_bshd
@@ -29,7 +29,6 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: U
     return attend(q, k[:, :valid], v[:, :valid], mask, scale)
 
 
-@register_backend("reference", local=sdpa_bshd, cost=Planner.serial_call)
 def reference_ulysses(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -41,6 +40,9 @@ def reference_ulysses(
     attend: LocalAttention,
 ) -> torch.Tensor:
     return serial_exchange(query, key, value, layout, all_to_all(group), scale, text_mask, attend)
+
+
+CHOICE = Backend("reference", ulysses=reference_ulysses, local=sdpa_bshd, cost=Planner.serial_call)
 
 
 def serial_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
