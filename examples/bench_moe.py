@@ -8,7 +8,7 @@ prediction, and which mode and schedule it picks.
     python examples/bench_moe.py --out docs/benchmarks/moe-h200
     torchrun --nproc_per_node 2 examples/bench_moe.py --out docs/benchmarks/moe-h200x2
 
-The xstage modes run the production code: the patch's layer wrapper (patches/nucleusmoe.py) over a
+The xstage modes run the production code: the patch's layer wrapper (patches/image/nucleusmoe.py) over a
 SequenceShard of the job's ranks. Per call: median of CUDA-event times over the repeats, the slowest rank's;
 memory: routed-expert weights on the device and peak allocation, the largest rank's. Writes OUT.json and OUT.md
 on the main rank."""
@@ -29,7 +29,7 @@ from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMo
 import xstage_dit
 import zoo
 from provenance import provenance, write_records
-from xstage_dit.patches.nucleusmoe import ExactExpertChoice
+from xstage_dit.patches.image.nucleusmoe import ExactExpertChoice
 from xstage_dit.runtime import ensure_process_group
 from xstage_dit.sp.moe.modes import ExpertModes
 from xstage_dit.sp.fabric import open_fabric

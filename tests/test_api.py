@@ -13,7 +13,7 @@ import xstage_dit
 import zoo
 from xstage_dit import api
 from xstage_dit.hooks.module_forward import ReplacedForward
-from xstage_dit.patches.flux import NormRopeProcessor
+from xstage_dit.patches.image.flux import NormRopeProcessor
 from xstage_dit.runtime.cuda_graphs import GraphUse
 from xstage_dit.sp.attention import ops, routing
 from xstage_dit.sp.sharding import SequenceShard

@@ -8,8 +8,8 @@ from diffusers.models.transformers import transformer_chroma, transformer_qwenim
 
 import xstage_dit
 import zoo
-from xstage_dit.patches.chroma import DeviceGuidanceEmbeddings
-from xstage_dit.patches.qwenimage import text_lengths_without_copy
+from xstage_dit.patches.image.chroma import DeviceGuidanceEmbeddings
+from xstage_dit.patches.image.qwenimage import text_lengths_without_copy
 
 
 def test_chroma_guidance_term_on_the_device_equals_diffusers():

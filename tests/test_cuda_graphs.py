@@ -66,7 +66,8 @@ def _graphs_equal_eager(name: str, expect_captures: bool, **enable: object) -> N
     assert all("forward" not in m.__dict__ for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m)
 
 
-# Chroma and QwenImage: their forwards hold no host copy once enabled (patches/chroma.py, patches/qwenimage.py)
+# Chroma and QwenImage: their forwards hold no host copy once enabled (patches/image/chroma.py,
+# patches/image/qwenimage.py)
 @pytest.mark.parametrize("name", [pytest.param("tiny-flux-d64", marks=pytest.mark.smoke), "tiny-wan2.2", "tiny-sd3.5",
                                   "tiny-chroma", "tiny-qwenimage"])
 @pytest.mark.parametrize("backend", ["reference", "fused"])

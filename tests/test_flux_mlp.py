@@ -1,4 +1,4 @@
-"""fusions/gelu.py (tanh-GELU feed-forwards with the GELU in the GEMM epilogue) and patches/flux_mlp.py (FLUX.1's
+"""fusions/gelu.py (tanh-GELU feed-forwards with the GELU in the GEMM epilogue) and patches/image/flux_mlp.py (FLUX.1's
 and Chroma's single-stream output projection split in two GEMMs) against diffusers' modules on fresh random
 inputs."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from diffusers.models.transformers import transformer_chroma, transformer_flux
 import xstage_dit
 import zoo
 from xstage_dit.fusions.gelu import EpilogueGELU, epilogue_gelus
-from xstage_dit.patches.flux_mlp import SPLIT_BLOCKS, split_projection_blocks
+from xstage_dit.patches.image.flux_mlp import SPLIT_BLOCKS, split_projection_blocks
 
 
 def _blocks_and_ff(device: str, dtype: torch.dtype, dim: int, heads: int):

@@ -283,7 +283,7 @@ def test_fused_loopback_with_norm_rope_in_the_stores_interpreted(n_ranks, seq_le
 
 
 def test_fused_loopback_with_split_text_parts_interpreted():
-    """Flux's text split between the ranks (patches/flux.py JointText): each rank's sequence rows are its text
+    """Flux's text split between the ranks (patches/image/flux.py JointText): each rank's sequence rows are its text
     chunk and its image chunk, two parts with their own norms, neither of them replicated text."""
     n_ranks, batch, local, text_rows, heads, head_dim = 2, 2, 10, 3, 4, 64
     fabric = LoopbackFabric(n_ranks, "cpu", initialise=lambda t: t.fill_(float("nan")))

@@ -19,8 +19,8 @@ from xstage_dit import api, patches
 from xstage_dit.hooks.layers import stack_of
 from xstage_dit.layers import MODEL_LAYERS, PIPELINE_LAYERS, layer_names
 
-GPU_ONLY = {"CUDA graphs"}
-BOOKKEEPING = {"_xstage_dit_applied", "_xstage_dit_layers"}  # enable's own records, gone after disable  # installs only where there is a GPU (tests/test_cuda_graphs.py checks its removal)
+GPU_ONLY = {"CUDA graphs"}  # installs only where there is a GPU (tests/test_cuda_graphs.py checks its removal)
+BOOKKEEPING = {"_xstage_dit_applied", "_xstage_dit_layers"}  # enable's own records, gone after disable
 
 
 def _module_state(root: nn.Module) -> list[tuple]:

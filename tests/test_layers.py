@@ -89,3 +89,11 @@ def test_no_import_cycle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_no_folder_is_wider_than_fourteen_modules():
+    """A folder of the package holds at most 14 modules (its __init__ counted): wider ones hide their subsystems."""
+    folders = [PACKAGE, *(path for path in PACKAGE.rglob("*") if path.is_dir() and path.name != "__pycache__")]
+    wide = {str(folder.relative_to(PACKAGE)): count for folder in folders
+            if (count := len(list(folder.glob("*.py")))) > 14}
+    assert not wide, wide

@@ -252,7 +252,7 @@ def _hunyuan_video15_worker() -> None:
     """35 video tokens (5 frames x 1 x 7), padded prompts of two lengths, text-to-video (zero image embeds)."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
-    from xstage_dit.patches.hunyuan_video15 import KeyPaddingProcessor
+    from xstage_dit.patches.video.hunyuan_video15 import KeyPaddingProcessor
 
     torch.manual_seed(0)
     model = HunyuanVideo15Transformer3DModel(**zoo.ZOO["tiny-hunyuan-video15"].transformer).eval()

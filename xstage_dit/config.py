@@ -24,11 +24,11 @@ class XStageConfig:
     backend: how Ulysses moves data; see `xstage_dit.available_backends()`.
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
     fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU); in
-        Flux and Chroma the q/k RMSNorms before it run in the same pass (patches/flux.py NormRopeProcessor), and in
-        Wan the q/k norms and rotation are handed to the fused backend's stores.
+        Flux and Chroma the q/k RMSNorms before it run in the same pass (patches/image/flux.py NormRopeProcessor),
+        and in Wan the q/k norms and rotation are handed to the fused backend's stores.
     fuse_mlp: the feed-forwards' tanh-GELU runs in its GEMM's epilogue (fusions/gelu.py, on CUDA) and FLUX.1's and
         Chroma's single-stream blocks project their attention and MLP outputs without joining them
-        (patches/flux_mlp.py). Like fuse_rope, it changes rounding slightly; False keeps diffusers' layer code.
+        (patches/image/flux_mlp.py). Like fuse_rope, it changes rounding slightly; False keeps diffusers' layer code.
     check_inputs: the ranks check, in small collectives, that they got the same arguments and models (weights
         included) at `enable`, and the same arguments at every pipeline call.
     cuda_graphs: each transformer's forward is captured per input signature in a CUDA graph and replayed; None: on

@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..sp.plan import SequenceParallelPlan
-from . import (chroma, cogvideox, flux, flux2, hidream, hunyuan_video, hunyuan_video15, ltx, ltx2, nucleusmoe,
-               qwenimage, qwenimage21, sd3, wan, zimage)
+from .image import chroma, flux, flux2, hidream, nucleusmoe, qwenimage, qwenimage21, sd3, zimage
+from .video import cogvideox, hunyuan_video, hunyuan_video15, ltx, ltx2, wan
 
 _PLANS: dict[type, SequenceParallelPlan] = {
     **chroma.PLANS, **flux.PLANS, **flux2.PLANS, **wan.PLANS, **hunyuan_video.PLANS, **qwenimage.PLANS, **ltx.PLANS,

@@ -3,8 +3,8 @@
 A backend receives one rank's q, k, v as diffusers builds them for joint attention, (B, T + L, H, D), in the
 order `UlyssesLayout` describes, and returns the attention output in the same layout and shape. How the image
 tokens travel between ranks is the backend's business. `text_mask`, when given, masks text keys (padding of the
-prompt): (B, 1, 1, T), bool (True = attend) or additive (sp/attention/masks.py). `attend` is the attention of the gathered
-heads for backends that run a vendor kernel there: SDPA, or the backend the user chose for the model.
+prompt): (B, 1, 1, T), bool (True = attend) or additive (sp/attention/masks.py). `attend` is the attention of the
+gathered heads for backends that run a vendor kernel there: SDPA, or the backend the user chose for the model.
 
 Each entry also says what the backend runs at degree 1, which of the planner's predictions is its cost, and what
 it needs (CUDA, the group's symmetric-memory fabric, inputs its kernels take). What `enable(backend=...)` names is

@@ -6,7 +6,7 @@ router (and, where a family's plan names it, `apply_rotary_emb` to one that runs
 routed attention module is marked active while it runs (`mark_active`): calls made inside an active module go to its
 `UlyssesAttention` (or the RoPE kernel), unless it declines them (`routes`: calls within a prefix every rank holds
 whole); every other call (text refiners, cross-attention, VAEs, models that are not enabled) goes to diffusers or
-torch unchanged. A processor of ours that holds q and k before their norms and rotation (patches/flux.py) may
+torch unchanged. A processor of ours that holds q and k before their norms and rotation (patches/image/flux.py) may
 first offer them as they are (`joint_attention`). No processor code is copied. Bindings are shared by the enabled
 models (module_forward.ReboundName): the last one's `remove` restores the original."""
 from __future__ import annotations

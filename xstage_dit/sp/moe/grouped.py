@@ -3,7 +3,7 @@ every expert projection runs as one grouped matmul over the sorted tokens (`torc
 on the device), instead of a Python loop over experts sized by `.cpu()` counts.
 
 Routing (dispatch) and combining are separate steps so that expert parallelism can slot in between them: a
-rank holding some experts dispatches the group's gathered tokens to those only (patches/hidream.py)."""
+rank holding some experts dispatches the group's gathered tokens to those only (patches/image/hidream.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

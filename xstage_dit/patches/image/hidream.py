@@ -17,11 +17,11 @@ from diffusers import HiDreamImageTransformer2DModel
 from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 from torch import nn
 
-from ..cfg.plan import BATCH, CfgPlan
-from ..sp.moe.grouped import GroupedSwiGLUExperts, dispatch
-from ..sp.moe.choice import gather_tokens, reduce_tokens
-from ..sp.attention import routing
-from ..sp.plan import PlanContext, SequenceParallelPlan
+from ...cfg.plan import BATCH, CfgPlan
+from ...sp.moe.grouped import GroupedSwiGLUExperts, dispatch
+from ...sp.moe.choice import gather_tokens, reduce_tokens
+from ...sp.attention import routing
+from ...sp.plan import PlanContext, SequenceParallelPlan
 
 
 class _PatchifyFirst:

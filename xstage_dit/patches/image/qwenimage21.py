@@ -20,11 +20,11 @@ from diffusers import QwenImage21Transformer2DModel
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 from torch import nn
 
-from ..cfg.plan import PAIRS, CfgPlan
-from ..sp.attention import routing
-from ..sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
-from ..sp.sharding import SequenceShard
-from . import cfg_rules
+from ...cfg.plan import PAIRS, CfgPlan
+from ...sp.attention import routing
+from ...sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
+from ...sp.sharding import SequenceShard
+from .. import cfg_rules
 
 # latent tokens per image slot of the vision-language sequence (a 2x2 group)
 _TOKENS_PER_SLOT = 4

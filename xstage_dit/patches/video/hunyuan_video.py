@@ -8,11 +8,11 @@ from __future__ import annotations
 from diffusers import HunyuanVideoTransformer3DModel
 from torch import nn
 
-from ..cfg.plan import PAIRS, CfgPlan
-from ..sp.attention import routing
-from ..sp.plan import SequenceParallelPlan
-from . import cfg_rules
-from .flux import attention_of_both_streams
+from ...cfg.plan import PAIRS, CfgPlan
+from ...sp.attention import routing
+from ...sp.plan import SequenceParallelPlan
+from .. import cfg_rules
+from ..image.flux import attention_of_both_streams
 
 
 def _check_model(model: nn.Module) -> None:

@@ -9,7 +9,7 @@ While RoPE is fused (XStageConfig.fuse_rope), the blocks whose processor is diff
 `NormRopeProcessor`: the same attention, with each of query and key normalised, joined ([text, image]) and rotated
 by one kernel pass (ops.norm_rope) where diffusers runs two norms, a concatenation and a rotation. While MLPs are
 fused (XStageConfig.fuse_mlp), the single-stream blocks write no concatenation before their output projection
-(patches/flux_mlp.py). Chroma's plan installs the same (install_flux_blocks)."""
+(patches/image/flux_mlp.py). Chroma's plan installs the same (install_flux_blocks)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -20,13 +20,13 @@ from diffusers import FluxTransformer2DModel
 from diffusers.models.transformers import transformer_flux
 from torch import nn
 
-from ..cfg.plan import PAIRS, CfgPlan
-from ..kernels.rotary_args import JointTokens, NormedTokens
-from ..sp.attention import ops, routing
-from ..sp.plan import JointText, SequenceParallelPlan
-from . import cfg_rules
+from ...cfg.plan import PAIRS, CfgPlan
+from ...kernels.rotary_args import JointTokens, NormedTokens
+from ...sp.attention import ops, routing
+from ...sp.plan import JointText, SequenceParallelPlan
+from .. import cfg_rules
 from .flux_mlp import split_projection_blocks
-from .processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
+from ..processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
 
 
 def attention_of_both_streams(model: nn.Module) -> list[nn.Module]:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from diffusers.models.transformers import transformer_chroma, transformer_flux
 from torch import nn
 
-from ..fusions.gelu import gelu_linear
-from ..hooks.module_forward import SwappedClasses, named_as
+from ...fusions.gelu import gelu_linear
+from ...hooks.module_forward import SwappedClasses, named_as
 
 
 def project_joined(first: torch.Tensor, second: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

@@ -14,9 +14,9 @@ from typing import Any
 
 from diffusers import LTX2VideoTransformer3DModel
 
-from ..cfg.plan import BATCH, CfgPlan
-from ..sp.attention import routing
-from ..sp.plan import PerToken, SequenceParallelPlan
+from ...cfg.plan import BATCH, CfgPlan
+from ...sp.attention import routing
+from ...sp.plan import PerToken, SequenceParallelPlan
 
 
 def _check_inputs(arguments: dict[str, Any]) -> None:

@@ -21,13 +21,13 @@ from diffusers.models.transformers import transformer_nucleusmoe_image
 from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
 from torch import nn
 
-from ..cfg.plan import PAIRS, CfgPlan
-from ..sp.attention import routing
-from ..sp.moe.modes import ExpertModes
-from ..sp.moe.ops import expert_choice
-from ..sp.plan import PlanContext, SequenceParallelPlan
-from ..burst_gap.planner import ExpertSchedule
-from . import cfg_rules
+from ...cfg.plan import PAIRS, CfgPlan
+from ...sp.attention import routing
+from ...sp.moe.modes import ExpertModes
+from ...sp.moe.ops import expert_choice
+from ...sp.plan import PlanContext, SequenceParallelPlan
+from ...burst_gap.planner import ExpertSchedule
+from .. import cfg_rules
 
 
 class ExactExpertChoice:

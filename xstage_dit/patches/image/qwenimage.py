@@ -15,11 +15,11 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from torch import nn
 
-from ..cfg.plan import PAIRS, CfgPlan
-from ..hooks.module_forward import ReboundName
-from ..sp.attention import routing
-from ..sp.plan import PerToken, PlanContext, SequenceParallelPlan
-from . import cfg_rules
+from ...cfg.plan import PAIRS, CfgPlan
+from ...hooks.module_forward import ReboundName
+from ...sp.attention import routing
+from ...sp.plan import PerToken, PlanContext, SequenceParallelPlan
+from .. import cfg_rules
 
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
 TextLengths = tuple[int, torch.Tensor | None, torch.Tensor | None]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from diffusers import LTXVideoTransformer3DModel
 
-from ..cfg.plan import BATCH, CfgPlan
-from ..sp.attention import routing
-from ..sp.plan import PerToken, SequenceParallelPlan
+from ...cfg.plan import BATCH, CfgPlan
+from ...sp.attention import routing
+from ...sp.plan import PerToken, SequenceParallelPlan
 
 PLANS = {
     LTXVideoTransformer3DModel: SequenceParallelPlan(

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from diffusers import CogVideoXTransformer3DModel
 
-from ..cfg.plan import BATCH, CfgPlan
-from ..sp.attention import routing
-from ..sp.plan import SequenceParallelPlan
+from ...cfg.plan import BATCH, CfgPlan
+from ...sp.attention import routing
+from ...sp.plan import SequenceParallelPlan
 
 PLANS = {
     CogVideoXTransformer3DModel: SequenceParallelPlan(

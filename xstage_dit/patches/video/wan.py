@@ -9,8 +9,9 @@ hint, computed per token, is added to the split tokens of its main block.
 
 While RoPE is fused (XStageConfig.fuse_rope), the self-attention modules run `WanNormRopeProcessor`: where the
 routed attention takes q and k before their prologue (a Ulysses degree above 1 and a backend that stores them
-into the all-to-all: sp/attention/routing.py `joint_attention`), q and k go over as projected, with their RMSNorms (over all
-heads, as Wan normalises) and rotation applied in the stores; everywhere else diffusers' processor runs as is."""
+into the all-to-all: sp/attention/routing.py `joint_attention`), q and k go over as projected, with their RMSNorms
+(over all heads, as Wan normalises) and rotation applied in the stores; everywhere else diffusers' processor runs
+as is."""
 from __future__ import annotations
 
 from typing import Any
@@ -20,12 +21,12 @@ from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 from diffusers.models.transformers import transformer_wan
 from torch import nn
 
-from ..cfg.plan import PAIRS, CfgPlan
-from ..kernels.rotary_args import JointTokens, NormRope
-from ..sp.attention import routing
-from ..sp.plan import PerToken, SequenceParallelPlan
-from . import cfg_rules
-from .processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
+from ...cfg.plan import PAIRS, CfgPlan
+from ...kernels.rotary_args import JointTokens, NormRope
+from ...sp.attention import routing
+from ...sp.plan import PerToken, SequenceParallelPlan
+from .. import cfg_rules
+from ..processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
 
 
 def _self_attention(model: nn.Module) -> list[nn.Module]:

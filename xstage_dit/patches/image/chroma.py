@@ -18,12 +18,12 @@ from diffusers import ChromaTransformer2DModel
 from diffusers.models.transformers import transformer_chroma
 from torch import nn
 
-from ..cfg.plan import PAIRS, CfgPlan
-from ..hooks.module_forward import SwappedClasses
-from ..sp.attention import routing
-from ..sp.attention.masks import QueryKeyMasks
-from ..sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
-from . import cfg_rules
+from ...cfg.plan import PAIRS, CfgPlan
+from ...hooks.module_forward import SwappedClasses
+from ...sp.attention import routing
+from ...sp.attention.masks import QueryKeyMasks
+from ...sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
+from .. import cfg_rules
 from .flux import attention_of_both_streams, norm_rope_processors, refuse_controlnet_and_ip_adapter
 from .flux_mlp import split_projection_blocks
 

@@ -11,10 +11,10 @@ from typing import Any
 
 from diffusers import Flux2Transformer2DModel
 
-from ..cfg.plan import PAIRS, CfgPlan
-from ..sp.attention import routing
-from ..sp.plan import JointText, SequenceParallelPlan
-from . import cfg_rules
+from ...cfg.plan import PAIRS, CfgPlan
+from ...sp.attention import routing
+from ...sp.plan import JointText, SequenceParallelPlan
+from .. import cfg_rules
 from .flux import attention_of_both_streams
 
 

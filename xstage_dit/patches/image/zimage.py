@@ -15,10 +15,10 @@ import torch
 from diffusers import ZImageTransformer2DModel
 from torch import nn
 
-from ..cfg.plan import BATCH, CfgPlan
-from ..sp.attention import routing
-from ..sp.plan import PlanContext, SequenceParallelPlan
-from ..sp.sharding import SequenceShard
+from ...cfg.plan import BATCH, CfgPlan
+from ...sp.attention import routing
+from ...sp.plan import PlanContext, SequenceParallelPlan
+from ...sp.sharding import SequenceShard
 
 
 def _check_inputs(arguments: dict[str, Any]) -> None:

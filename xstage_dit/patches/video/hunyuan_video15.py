@@ -19,12 +19,12 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers import transformer_hunyuan_video15
 from torch import nn
 
-from ..cfg.plan import PAIRS, CfgPlan
-from ..sp.attention import routing
-from ..sp.attention.masks import QueryKeyMasks
-from ..sp.plan import SequenceParallelPlan
-from . import cfg_rules
-from .processors import ReplacedProcessors, StandInProcessor
+from ...cfg.plan import PAIRS, CfgPlan
+from ...sp.attention import routing
+from ...sp.attention.masks import QueryKeyMasks
+from ...sp.plan import SequenceParallelPlan
+from .. import cfg_rules
+from ..processors import ReplacedProcessors, StandInProcessor
 
 
 class KeyPaddingProcessor(StandInProcessor):

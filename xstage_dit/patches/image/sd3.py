@@ -9,9 +9,9 @@ from typing import Any
 from diffusers import SD3Transformer2DModel
 from torch import nn
 
-from ..cfg.plan import BATCH, CfgPlan
-from ..sp.attention import routing
-from ..sp.plan import SequenceParallelPlan
+from ...cfg.plan import BATCH, CfgPlan
+from ...sp.attention import routing
+from ...sp.plan import SequenceParallelPlan
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
