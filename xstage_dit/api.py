@@ -211,10 +211,10 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     for model in models:
         plan = patches.plan_for(model)
         shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
-        job = ModelJob(model, plan, config, groups, shard,
-                       UlyssesAttention(shard, choice, plan.text_first, plan.query_key_masks),
-                       ExpertModes.resolve(config.expert_parallel, groups.ulysses_degree, fabric is not None),
-                       fabric, pairs)
+        attention = UlyssesAttention(shard, choice, text_first=plan.text_first, query_key_masks=plan.query_key_masks)
+        experts = ExpertModes.resolve(config.expert_parallel, groups.ulysses_degree, fabric_ready=fabric is not None)
+        job = ModelJob(model=model, plan=plan, config=config, groups=groups, shard=shard, attention=attention,
+                       experts=experts, fabric=fabric, pairs=pairs)
         _install(model, MODEL_LAYERS, job)
         setattr(model, _STATE_ATTR, Enabled(config, pairs, [id(pipe)]))
     _enable_pipeline(pipe, models, config, pairs)
@@ -256,7 +256,8 @@ def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, p
                       "enable the pipeline to split the branches; until then every CFG group computes every call")
         return
     world_size, rank = world_from_env()
-    _install(pipe, PIPELINE_LAYERS, PipelineJob(pipe, plan, config, pairs, world_size, rank))
+    _install(pipe, PIPELINE_LAYERS, PipelineJob(pipe=pipe, plan=plan, config=config, pairs=pairs,
+                                                world_size=world_size, rank=rank))
 
 
 def _attach(pipe: Any, models: list[nn.Module], enabled: list[Enabled | None], config: XStageConfig) -> Any:
