@@ -280,7 +280,7 @@ def bench_stores() -> list[dict]:
         rows = layout.store_rows(text_len)
 
         def store(tokens: JointTokens) -> None:
-            store_heads(tokens, rows, buffer.destinations, buffer.tensor, rank=0)
+            store_heads(tokens, rows, offsets=buffer.destinations, base=buffer.tensor, rank=0)
 
         joint = JointTokens.normed_and_rotated(parts, cos, sin)
         records.append(record("norm + rope in the stores (CUDA graph)", (b, text_len + local, h, d),
@@ -322,7 +322,7 @@ def bench_host() -> list[dict]:
               "diffusers dispatch_attention_fn, stock (host)", lambda: dispatch_attention_fn(q, k, v)),
              ("rotary_emb routed (host)", routed_rope,
               "diffusers apply_rotary_emb (host)", lambda: apply_rotary_emb(q, (cos, sin), sequence_dim=1)),
-             ("rotary_emb custom op (host)", lambda: ops.rotary_emb(q, cos, sin, 1),
+             ("rotary_emb custom op (host)", lambda: ops.rotary_emb_op(x=q, cos=cos, sin=sin, sequence_dim=1),
               "rotary_emb routed (host)", routed_rope)]
     return [record(name, (b, s, h, d), host_ms(fn), base_name, host_ms(base)) for name, fn, base_name, base in pairs]
 

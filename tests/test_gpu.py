@@ -249,7 +249,7 @@ def _joint_op_worker(backend: str, family: str) -> None:
     share_one_gpu()
     dist.init_process_group("gloo")
     from xstage_dit.kernels.rotary import norm_rotate, rotary_interleaved
-    from xstage_dit.kernels.rotary_args import NormedTokens
+    from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens, NormRope
     from xstage_dit.sp.attention import ops
     from xstage_dit.sp.fabric import open_fabric
     from xstage_dit.sp.attention.layout import UlyssesLayout
@@ -271,8 +271,15 @@ def _joint_op_worker(backend: str, family: str) -> None:
     cos, sin = angles.cos(), angles.sin()
     layout = UlyssesLayout(text_len, local * n_ranks, local, n_ranks, rank)
     open_fabric(dist.group.WORLD, torch.device("cuda"), timeout_s=60)
-    common = (None, *layout.fields(), backend, dist.group.WORLD.group_name, None, None)
-    out = ops.ulysses_attention(q_parts, k_parts, v_parts, weights, eps, cos, sin, not flux, *common)
+    common = dict(text_mask=None, backend=backend, group=dist.group.WORLD, scale=None, attention_backend=None)
+
+    def prologue(parts, first):
+        return JointTokens(tuple(parts), NormRope(tuple(weights[first:first + len(rows)]),
+                                                  tuple(eps[first:first + len(rows)]), cos, sin,
+                                                  across_heads=not flux))
+
+    out = ops.ulysses_attention(prologue(q_parts, 0), prologue(k_parts, len(rows)), JointTokens(tuple(v_parts)),
+                                layout, **common)
 
     def joined(parts, first):
         if flux:
@@ -282,7 +289,8 @@ def _joint_op_worker(backend: str, family: str) -> None:
         return rotary_interleaved(normed.unflatten(2, (heads, head_dim)), cos, sin, 1)
 
     q, k = joined(q_parts, 0), joined(k_parts, len(rows))
-    expected = ops.ulysses_attention([q], [k], [torch.cat(v_parts, dim=1)], [], [], None, None, False, *common)
+    expected = ops.ulysses_attention(JointTokens((q,)), JointTokens((k,)), JointTokens((torch.cat(v_parts, dim=1),)),
+                                     layout, **common)
     if backend == "reference":
         assert torch.equal(out, expected), f"rank {rank}: differs from the joined tensors' call"
     else:

@@ -96,8 +96,7 @@ class AttentionCall:
         return self.key_mask.stride(0) if self.key_mask is not None else 0
 
 
-@dataclass(frozen=True)
-class StoreRows:
+class StoreRows(NamedTuple):
     """Where the joined rows of a rank's q, k or v go: rows [text_start, text_start + text_rows) are replicated
     text, stored into this rank's own buffer at rows [0, text_rows); the others are this rank's sequence rows,
     stored in order from row `sequence_row0` of the head chunk's owner."""
@@ -105,3 +104,15 @@ class StoreRows:
     text_start: int
     text_rows: int
     sequence_row0: int
+
+
+class Destinations(NamedTuple):
+    """Where a store kernel sends head chunks: chunk j (`heads_per_rank` heads) to rank j's buffer, `offsets[j]`
+    elements from `base` (this rank's own buffer, whose strides all share; kernels/tables.py); `rank` is this
+    rank."""
+
+    base: torch.Tensor
+    offsets: torch.Tensor
+    strides: Strides
+    heads_per_rank: int
+    rank: int

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .rotary_args import NormedTokens
+from .attention_args import Strides
+from .rotary_args import NormedTokens, RotaryTables
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ELEMENTS_PER_PROGRAM = 4096  # rows x head_dim per program: 8 KiB of bf16 in, 8 KiB out
@@ -38,77 +39,73 @@ def _token_rows(rows, seq, heads, BLOCK_ROWS: tl.constexpr):
 
 
 @triton.jit
-def rotated(x, Cos, Sin, table_rows, ok, stride_cs, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The float32 (BLOCK_ROWS, HEAD_DIM) rows x rotated by the (cos, sin) table rows `table_rows` (int64). The
-    caller launches without FMA contraction, so that x cos and rotated sin are rounded to float32 before the sum,
-    as in diffusers' code."""
+def rotated(x, tables, table_rows, ok, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The float32 (BLOCK_ROWS, HEAD_DIM) rows x rotated by the rows `table_rows` (int64) of `tables` (a
+    RotaryTables record). The caller launches without FMA contraction, so that x cos and rotated sin are rounded
+    to float32 before the sum, as in diffusers' code."""
     d = tl.arange(0, HEAD_DIM)[None, :]
-    cos = tl.load(Cos + (table_rows * stride_cs)[:, None] + d, mask=ok, other=0.0)
-    sin = tl.load(Sin + (table_rows * stride_cs)[:, None] + d, mask=ok, other=0.0)
+    cos = tl.load(tables.cos + (table_rows * tables.row_stride)[:, None] + d, mask=ok, other=0.0)
+    sin = tl.load(tables.sin + (table_rows * tables.row_stride)[:, None] + d, mask=ok, other=0.0)
     even, odd = tl.split(tl.reshape(x, [BLOCK_ROWS, HEAD_DIM // 2, 2]))
     turned = tl.reshape(tl.join(-odd, even), [BLOCK_ROWS, HEAD_DIM])  # the pair (x0, x1) turned to (-x1, x0)
     return x * cos + turned * sin
 
 
 @triton.jit
-def joined_rows(First, Second, first_rows, b, s, h, ok, stride_fb, stride_fs, stride_fh, stride_sb, stride_ss,
-                stride_sh, HEAD_DIM: tl.constexpr):
-    """The (rows, HEAD_DIM) tile of rows (batch b, token s, head h) of the parts First and Second joined along
-    the tokens (token s < first_rows is First's): one load per element, from whichever part holds its token."""
+def joined_rows(first, second, first_rows, b, s, h, ok, HEAD_DIM: tl.constexpr):
+    """The (rows, HEAD_DIM) tile of rows (batch b, token s, head h) of the parts `first` and `second` (PartArgs
+    records) joined along the tokens (token s < first_rows is first's): one load per element, from whichever part
+    holds its token."""
     d = tl.arange(0, HEAD_DIM)[None, :]
-    first_at = First + (b * stride_fb + s * stride_fs + h * stride_fh)[:, None] + d
-    second_at = Second + (b * stride_sb + (s - first_rows) * stride_ss + h * stride_sh)[:, None] + d
+    first_at = first.tokens + (b * first.strides.batch + s * first.strides.seq + h * first.strides.head)[:, None] + d
+    second_at = second.tokens + (b * second.strides.batch + (s - first_rows) * second.strides.seq
+                                 + h * second.strides.head)[:, None] + d
     return tl.load(tl.where((s < first_rows)[:, None], first_at, second_at), mask=ok, other=0.0)
 
 
 @triton.jit
-def part_normed(x, FirstWeight, SecondWeight, first_eps, second_eps, s, first_rows, ok, HEAD_DIM: tl.constexpr):
-    """The rows of `joined_rows` normalised by the RMSNorm of their part (weight (HEAD_DIM,), eps), rounded to
-    x's dtype as the norm module's output is; float32 for what follows."""
+def part_normed(x, first, second, s, first_rows, ok, HEAD_DIM: tl.constexpr):
+    """The rows of `joined_rows` normalised by the RMSNorm of their part (its PartArgs' weight (HEAD_DIM,) and
+    eps), rounded to x's dtype as the norm module's output is; float32 for what follows."""
     in_first = s < first_rows
     d = tl.arange(0, HEAD_DIM)[None, :]
     # the weights read as whole (rows, HEAD_DIM) tiles (cached), so that everything shares one register layout
-    weight = tl.load(tl.where(in_first[:, None], FirstWeight + d, SecondWeight + d), mask=ok, other=0.0)
+    weight = tl.load(tl.where(in_first[:, None], first.weight + d, second.weight + d), mask=ok, other=0.0)
     x32 = x.to(tl.float32)
-    inverse_rms = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) / HEAD_DIM + tl.where(in_first, first_eps, second_eps))
+    inverse_rms = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) / HEAD_DIM + tl.where(in_first, first.eps, second.eps))
     return (x32 * inverse_rms[:, None] * weight.to(tl.float32)).to(x.dtype).to(tl.float32)
 
 
 @triton.jit
-def _rotate_into(x, Cos, Sin, Out, ok, b, s, h, stride_ob, stride_os, stride_oh, stride_cs,
-                 BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _rotate_into(x, tables, Out, out_strides, ok, b, s, h, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Stores the float32 rows x rotated by their tokens' (cos, sin) rows."""
     d = tl.arange(0, HEAD_DIM)[None, :]
-    out = rotated(x, Cos, Sin, s, ok, stride_cs, BLOCK_ROWS, HEAD_DIM)
-    tl.store(Out + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + d, out.to(Out.dtype.element_ty),
-             mask=ok)
+    out = rotated(x, tables, s, ok, BLOCK_ROWS, HEAD_DIM)
+    tl.store(Out + (b * out_strides.batch + s * out_strides.seq + h * out_strides.head)[:, None] + d,
+             out.to(Out.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _rotary_kernel(X, Cos, Sin, Out, rows, seq, heads,
-                   stride_xb, stride_xs, stride_xh, stride_ob, stride_os, stride_oh, stride_cs,
+def _rotary_kernel(X, x_strides, tables, Out, out_strides, rows, seq, heads,
                    HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Strides are Strides records (kernels/attention_args.py), `tables` a RotaryTables record."""
     ok, b, s, h = _token_rows(rows, seq, heads, BLOCK_ROWS)
     d = tl.arange(0, HEAD_DIM)[None, :]
-    x = tl.load(X + (b * stride_xb + s * stride_xs + h * stride_xh)[:, None] + d, mask=ok, other=0.0)
-    _rotate_into(x.to(tl.float32), Cos, Sin, Out, ok, b, s, h, stride_ob, stride_os, stride_oh, stride_cs,
-                 BLOCK_ROWS, HEAD_DIM)
+    x = tl.load(X + (b * x_strides.batch + s * x_strides.seq + h * x_strides.head)[:, None] + d, mask=ok,
+                other=0.0)
+    _rotate_into(x.to(tl.float32), tables, Out, out_strides, ok, b, s, h, BLOCK_ROWS, HEAD_DIM)
 
 
 @triton.jit
-def _norm_rope_kernel(First, FirstWeight, Second, SecondWeight, Cos, Sin, Out, rows, seq, heads, first_len,
-                      first_eps, second_eps,
-                      stride_fb, stride_fs, stride_fh, stride_sb, stride_ss, stride_sh,
-                      stride_ob, stride_os, stride_oh, stride_cs,
+def _norm_rope_kernel(first, second, first_len, tables, Out, out_strides, rows, seq, heads,
                       HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    # rows over the output's tokens: the first `first_len` come from First (normalised with FirstWeight), the
-    # rest from Second
+    """`first` and `second` are PartArgs records with their norms, `tables` a RotaryTables record."""
+    # rows over the output's tokens: the first `first_len` come from `first` (normalised with its weight), the
+    # rest from `second`
     ok, b, s, h = _token_rows(rows, seq, heads, BLOCK_ROWS)
-    x = joined_rows(First, Second, first_len, b, s, h, ok, stride_fb, stride_fs, stride_fh, stride_sb, stride_ss,
-                    stride_sh, HEAD_DIM)
-    normed = part_normed(x, FirstWeight, SecondWeight, first_eps, second_eps, s, first_len, ok, HEAD_DIM)
-    _rotate_into(normed, Cos, Sin, Out, ok, b, s, h, stride_ob, stride_os, stride_oh, stride_cs, BLOCK_ROWS,
-                 HEAD_DIM)
+    x = joined_rows(first, second, first_len, b, s, h, ok, HEAD_DIM)
+    normed = part_normed(x, first, second, s, first_len, ok, HEAD_DIM)
+    _rotate_into(normed, tables, Out, out_strides, ok, b, s, h, BLOCK_ROWS, HEAD_DIM)
 
 
 def rotary_accepts(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> bool:
@@ -141,25 +138,26 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: 
     out = torch.empty_like(x)
     # the kernel walks (batch, token, head) rows
     x_bshd, out_bshd = (x, out) if sequence_dim == 1 else (x.transpose(1, 2), out.transpose(1, 2))
-    batch, seq, heads, head_dim = x_bshd.shape
-    rows = batch * seq * heads
-    _launch(_rotary_kernel, rows, head_dim, warmup, x_bshd, cos, sin, out_bshd, rows, seq, heads,
-            *x_bshd.stride()[:3], *out_bshd.stride()[:3], cos.stride(0))
+    batch, seq, heads, _ = x_bshd.shape
+    _launch(_rotary_kernel, out_bshd, batch * seq * heads, warmup, X=x_bshd, x_strides=Strides.of(x_bshd),
+            tables=RotaryTables.of(cos, sin), seq=seq, heads=heads)
     return out
 
 
-def _launch(kernel: triton.runtime.JITFunction, rows: int, head_dim: int, warmup: bool, *args: object) -> None:
-    """`kernel` over `rows` (batch, token, head) rows (args[0] is a tensor on the device it runs for), or with
-    `warmup` only compiled for the active driver."""
-    per_program = ELEMENTS_PER_PROGRAM if args[0].is_cuda or warmup else INTERPRETED_ELEMENTS_PER_PROGRAM
+def _launch(kernel: triton.runtime.JITFunction, out: torch.Tensor, rows: int, warmup: bool, **args: object) -> None:
+    """`kernel` over the `rows` (batch, token, head) rows of `out` (B, S, H, D), its other arguments by name; or
+    with `warmup` only compiled for the active driver."""
+    head_dim = out.shape[-1]
+    per_program = ELEMENTS_PER_PROGRAM if out.is_cuda or warmup else INTERPRETED_ELEMENTS_PER_PROGRAM
     block_rows = max(1, per_program // head_dim)
     grid = (triton.cdiv(rows, block_rows),)
+    args.update(Out=out, out_strides=Strides.of(out), rows=rows)
     # no FMA contraction: x cos and rotated sin are rounded to float32 before the sum, as in diffusers' code
     switches = dict(HEAD_DIM=head_dim, BLOCK_ROWS=block_rows, num_warps=4, enable_fp_fusion=False)
     if warmup:
-        kernel.warmup(*args, grid=grid, **switches)
+        kernel.warmup(grid=grid, **args, **switches)
     else:
-        kernel[grid](*args, **switches)
+        kernel[grid](**args, **switches)
 
 
 def _like(part: NormedTokens, first: torch.Tensor, head_dim: int) -> bool:
@@ -193,13 +191,12 @@ def norm_rotate(parts: Sequence[NormedTokens], cos: torch.Tensor, sin: torch.Ten
     """The parts' tokens, concatenated along S, each normalised by its RMSNorm and rotated by the tables' rows:
     a new (B, S_total, H, D) tensor of the parts' dtype. For inputs the caller checked with `norm_rope_accepts`;
     `warmup` only compiles the kernel for the active driver's target."""
-    first, second = parts[0], parts[-1]
-    first_len = first.tokens.shape[1] if len(parts) == 2 else cos.shape[0]
-    batch, _, heads, head_dim = first.tokens.shape
+    first = parts[0].tokens
+    batch, _, heads, head_dim = first.shape
     seq = cos.shape[0]
-    out = first.tokens.new_empty(batch, seq, heads, head_dim)
-    rows = batch * seq * heads
-    _launch(_norm_rope_kernel, rows, head_dim, warmup, first.tokens, first.weight, second.tokens, second.weight,
-            cos, sin, out, rows, seq, heads, first_len, first.eps, second.eps, *first.tokens.stride()[:3],
-            *second.tokens.stride()[:3], *out.stride()[:3], cos.stride(0))
+    out = first.new_empty(batch, seq, heads, head_dim)
+    # one part is also the last: all its rows come first
+    _launch(_norm_rope_kernel, out, batch * seq * heads, warmup, first=parts[0].args(), second=parts[-1].args(),
+            first_len=first.shape[1] if len(parts) == 2 else seq, tables=RotaryTables.of(cos, sin), seq=seq,
+            heads=heads)
     return out

@@ -1,11 +1,40 @@
 """The records a norm + RoPE call hands its kernels (kernels/rotary.py, and the fused backend's store kernel in
-kernels/all_to_all.py), importable without Triton."""
+kernels/all_to_all.py), importable without Triton. The NamedTuples are the kernels' own view (Triton passes a
+NamedTuple argument as a tuple whose fields the kernel reads by name)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
+
+from .attention_args import Strides
+
+
+class RotaryTables(NamedTuple):
+    """The (cos, sin) tables, (S, D) float32 with one stride, as the kernels read them: token s rotates by row s."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    row_stride: int
+
+    @classmethod
+    def of(cls, cos: torch.Tensor, sin: torch.Tensor) -> RotaryTables:
+        return cls(cos, sin, cos.stride(0))
+
+
+class PartArgs(NamedTuple):
+    """One part of joined tokens, (B, S, H, D), as the kernels read it; `weight` and `eps`: the RMSNorm of its
+    head vectors, None where the kernel does not normalise (its NORM_ROPE switch is off)."""
+
+    tokens: torch.Tensor
+    strides: Strides
+    weight: torch.Tensor | None = None
+    eps: float | None = None
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None) -> PartArgs:
+        return cls(tokens, Strides.of(tokens), weight, eps)
 
 
 @dataclass(frozen=True)
@@ -15,6 +44,9 @@ class NormedTokens:
     tokens: torch.Tensor
     weight: torch.Tensor
     eps: float
+
+    def args(self) -> PartArgs:
+        return PartArgs.of(self.tokens, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -54,6 +86,15 @@ class JointTokens:
     def joined_shape(self) -> tuple[int, int, int, int]:
         batch, _, heads, head_dim = self.parts[0].shape
         return batch, self.rows, heads, head_dim
+
+    def end_args(self) -> tuple[PartArgs, PartArgs]:
+        """The kernels' view of the first and the last part, with their norms where given: one part is both (its
+        rows all come first, the kernels never read the last)."""
+        first, last, norm_rope = self.parts[0], self.parts[-1], self.norm_rope
+        if norm_rope is None:
+            return PartArgs.of(first), PartArgs.of(last)
+        return (PartArgs.of(first, norm_rope.weights[0], norm_rope.eps[0]),
+                PartArgs.of(last, norm_rope.weights[-1], norm_rope.eps[-1]))
 
     def normed_parts(self) -> list[NormedTokens]:
         """The parts with their norms (for inputs with `norm_rope`)."""

@@ -71,7 +71,8 @@ def fused_steps(query: JointTokens, key: JointTokens, value: JointTokens, layout
     buffers = {name: fabric.buffer(name, (batch, gathered, share, head_dim), dtype)
                for name, (_, gathered) in rows.items()}
     for (name, buffer), tokens in zip(buffers.items(), (query, key, value)):
-        store_heads(tokens, layout.store_rows(rows[name][0]), buffer.destinations, buffer.tensor, layout.rank)
+        store_heads(tokens, layout.store_rows(rows[name][0]), offsets=buffer.destinations, base=buffer.tensor,
+                    rank=layout.rank)
     q, k, v = (buffer.tensor for buffer in buffers.values())
     out = fabric.buffer("out", (batch, query_rows, heads, head_dim), dtype)
     yield "fused attention (pre-all-to-all)"

@@ -29,11 +29,6 @@ class UlyssesLayout:
     text_first: bool = True
     text_queries: bool = True
 
-    def fields(self) -> tuple[int, int, int, int, int, bool, bool]:
-        """The fields in declaration order, as the custom ops take a layout (their arguments are scalars)."""
-        return (self.text_len, self.seq_len, self.local_len, self.degree, self.rank, self.text_first,
-                self.text_queries)
-
     @property
     def query_text_len(self) -> int:
         return self.text_len if self.text_queries else 0

@@ -2,21 +2,27 @@
 compiles (e.g. diffusers' `compile_repeated_blocks`) with each as one opaque node: no graph break, and the
 compiler never traces collectives, symmetric-memory kernels or our Triton kernels.
 
-- xstage::ulysses_attention: Ulysses attention and its communication (q, k, v as parts, with a joint-attention
-  processor's query and key norms and rotation still to apply where it has them: the fused backend applies them
-  in its stores);
-- xstage::gathered_keys_attention: replicated queries over every rank's keys (all-gathered);
-- xstage::local_attention: degree 1, the backend choice's own kernel (what a compiled graph records; eager calls
-  run `local_attention` directly);
-- xstage::rotary_emb: diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY), what a
-  compiled graph records; eager calls launch the kernel directly (`rotary`);
-- xstage::norm_rope: a joint-attention processor's query or key RMSNorms, the concatenation of its text and image
-  tokens and the rotation in one kernel (`norm_rope`, launched directly in eager calls like `rotary`)."""
+A custom op's arguments are tensors, scalars and lists (its scalars keyword-only: torch takes no keyword-only
+tensors); it rebuilds the records it works on from them. Callers go through each op's one Python entry, which
+takes the records and calls the op by keyword:
+
+- `ulysses_attention` (xstage::ulysses_attention): Ulysses attention and its communication (q, k, v as
+  JointTokens, with a joint-attention processor's query and key norms and rotation still to apply where it has
+  them: the fused backend applies them in its stores);
+- `gathered_keys_attention` (xstage::gathered_keys_attention): replicated queries over every rank's keys
+  (all-gathered);
+- `local_attention` (xstage::local_attention): degree 1, the backend choice's own kernel (the op is what a
+  compiled graph records; eager calls run the kernel directly);
+- `rotary` (xstage::rotary_emb): diffusers' interleaved-pair `apply_rotary_emb` in one kernel (routing.ROTARY);
+  the op where a graph is compiled, else the kernel launched directly;
+- `norm_rope` (xstage::norm_rope): a joint-attention processor's query or key RMSNorms, the concatenation of its
+  text and image tokens and the rotation in one kernel (the op or the kernel, as for `rotary`)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -33,17 +39,44 @@ from .reference import serial_exchange
 from ..sharding import SequenceShard
 
 
+def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
+                      text_mask: torch.Tensor | None, backend: str, group: dist.ProcessGroup, scale: float | None,
+                      attention_backend: str | None, pair_bias: bool = False) -> torch.Tensor:
+    """Ulysses attention of q, k and v as their joint tokens (1 or 2 parts (B, rows, H, D) each), through
+    xstage::ulysses_attention. Where q and k come with a NormRope (both, sharing the tables and `across_heads`:
+    a joint-attention processor's prologue), a backend with a joint entry (the fused one) applies it in its stores
+    and any other gets it applied first (the norm + RoPE kernel, a concatenation). `backend` names the choice
+    (sp/attention/backends.py) that picks the backend for this call; `attention_backend`, the diffusers attention
+    backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor of a pair
+    bias (masks.QueryKeyMasks.PAIR_BIAS), which only the reference backend attends with."""
+    query_norm, key_norm = query.norm_rope, key.norm_rope
+    return ulysses_attention_op(
+        query_parts=list(query.parts), key_parts=list(key.parts), value_parts=list(value.parts),
+        query_norm_weights=[] if query_norm is None else list(query_norm.weights),
+        query_norm_eps=[] if query_norm is None else list(query_norm.eps),
+        key_norm_weights=[] if key_norm is None else list(key_norm.weights),
+        key_norm_eps=[] if key_norm is None else list(key_norm.eps),
+        cos=None if query_norm is None else query_norm.cos, sin=None if query_norm is None else query_norm.sin,
+        norm_across_heads=query_norm is not None and query_norm.across_heads, text_mask=text_mask,
+        text_len=layout.text_len, seq_len=layout.seq_len, local_len=layout.local_len, degree=layout.degree,
+        rank=layout.rank, text_first=layout.text_first, text_queries=layout.text_queries, backend=backend,
+        group_name=group.group_name, scale=scale, attention_backend=attention_backend, pair_bias=pair_bias)
+
+
 @torch.library.custom_op("xstage::ulysses_attention", mutates_args=())
-def ulysses_attention(
+def ulysses_attention_op(
     query_parts: list[torch.Tensor],
     key_parts: list[torch.Tensor],
     value_parts: list[torch.Tensor],
-    norm_weights: list[torch.Tensor],
-    norm_eps: list[float],
+    query_norm_weights: list[torch.Tensor],
+    key_norm_weights: list[torch.Tensor],
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
-    norm_across_heads: bool,
     text_mask: torch.Tensor | None,
+    *,
+    query_norm_eps: list[float],
+    key_norm_eps: list[float],
+    norm_across_heads: bool,
     text_len: int,
     seq_len: int,
     local_len: int,
@@ -55,24 +88,19 @@ def ulysses_attention(
     group_name: str,
     scale: float | None,
     attention_backend: str | None,
-    pair_bias: bool = False,
+    pair_bias: bool,
 ) -> torch.Tensor:
-    """q, k and v each come as the parts (1 or 2 tensors (B, rows, H, D)) their joint tokens join; where `cos` is
-    given, q's and k's parts are also normalised part by part (the weights and epsilons of q's parts, then of k's;
-    per head vector, or `norm_across_heads` over a token's whole vector) and the joined tokens rotated by
-    (cos, sin): a processor's prologue (JointTokens, NormRope), which a
-    backend with a joint entry (the fused one) applies in its stores and any other gets applied first (the norm +
-    RoPE kernel, a concatenation). The layout travels as its fields (a custom op's arguments are tensors and
-    scalars); `backend` names the choice (sp/attention/backends.py) that picks the backend for this call;
-    `attention_backend`, the diffusers attention backend the user chose for the model, if any; `pair_bias`:
-    `text_mask` is the text tokens' factor of a pair bias (masks.QueryKeyMasks.PAIR_BIAS), which only the
-    reference backend attends with."""
-    layout = UlyssesLayout(text_len, seq_len, local_len, degree, rank, text_first, text_queries)
-    split = len(query_parts)
-    query, key = (JointTokens(tuple(parts), None if cos is None else NormRope(tuple(weights), tuple(eps), cos, sin,
-                                                                               norm_across_heads))
-                  for parts, weights, eps in ((query_parts, norm_weights[:split], norm_eps[:split]),
-                                              (key_parts, norm_weights[split:], norm_eps[split:])))
+    """`ulysses_attention` with its records as a custom op's arguments (tensors, scalars, lists): q's and k's
+    NormRope where `cos` is given, the layout's fields, the group's name."""
+    layout = UlyssesLayout(text_len=text_len, seq_len=seq_len, local_len=local_len, degree=degree, rank=rank,
+                           text_first=text_first, text_queries=text_queries)
+
+    def tokens(parts: list[torch.Tensor], weights: list[torch.Tensor], eps: list[float]) -> JointTokens:
+        return JointTokens(tuple(parts), None if cos is None else NormRope(tuple(weights), tuple(eps), cos, sin,
+                                                                           norm_across_heads))
+
+    query = tokens(query_parts, query_norm_weights, query_norm_eps)
+    key = tokens(key_parts, key_norm_weights, key_norm_eps)
     value = JointTokens(tuple(value_parts))
     chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
     group = _resolve_process_group(group_name)
@@ -90,10 +118,10 @@ def ulysses_attention(
     return out.clone() if chosen.symmetric else out
 
 
-@ulysses_attention.register_fake
-def _(query_parts, key_parts, value_parts, norm_weights, norm_eps, cos, sin, norm_across_heads, text_mask, text_len,
-      seq_len, local_len, degree, rank, text_first, text_queries, backend, group_name, scale, attention_backend,
-      pair_bias=False):
+@ulysses_attention_op.register_fake
+def _(query_parts, key_parts, value_parts, query_norm_weights, key_norm_weights, cos, sin, text_mask, *,
+      query_norm_eps, key_norm_eps, norm_across_heads, text_len, seq_len, local_len, degree, rank, text_first,
+      text_queries, backend, group_name, scale, attention_backend, pair_bias):
     batch, _, heads, head_dim = query_parts[0].shape
     return query_parts[0].new_empty(batch, sum(part.shape[1] for part in query_parts), heads, head_dim)
 
@@ -122,13 +150,20 @@ def prologue_kernels_run(tokens: JointTokens) -> bool:
             and weight.device == x.device and rotary_kernel_runs(x, norm_rope.cos, norm_rope.sin, 1))
 
 
+def gathered_keys_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: SequenceShard,
+                            scale: float | None, attention_backend: str | None) -> torch.Tensor:
+    """Whole (replicated) queries over keys and values split with the tokens as `shard` splits them, (B, L, H, D)
+    per rank, through xstage::gathered_keys_attention: every rank's keys and values are all-gathered (padding
+    dropped) and attended here; every rank computes the same output."""
+    return gathered_keys_attention_op(query=query, key=key, value=value, seq_len=shard.seq_len,
+                                      degree=shard.degree, rank=shard.rank, group_name=shard.group.group_name,
+                                      scale=scale, attention_backend=attention_backend)
+
+
 @torch.library.custom_op("xstage::gathered_keys_attention", mutates_args=())
-def gathered_keys_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_len: int, degree: int,
-                            rank: int, group_name: str, scale: float | None,
-                            attention_backend: str | None) -> torch.Tensor:
-    """Whole (replicated) queries over keys and values split with the tokens, (B, L, H, D) per rank: every rank's
-    keys and values are all-gathered (padding dropped, `seq_len` tokens) and attended here; every rank computes
-    the same output."""
+def gathered_keys_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, seq_len: int,
+                               degree: int, rank: int, group_name: str, scale: float | None,
+                               attention_backend: str | None) -> torch.Tensor:
     shard = SequenceShard(degree, rank, _resolve_process_group(group_name))
     shard.seq_len = seq_len
     with waiting_for(lambda: "the other ranks' keys and values for an attention over all their tokens"):
@@ -137,8 +172,8 @@ def gathered_keys_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return attend(query, key, value, None, scale)
 
 
-@gathered_keys_attention.register_fake
-def _(query, key, value, seq_len, degree, rank, group_name, scale, attention_backend):
+@gathered_keys_attention_op.register_fake
+def _(query, key, value, *, seq_len, degree, rank, group_name, scale, attention_backend):
     return torch.empty_like(query)
 
 
@@ -164,15 +199,25 @@ def gathered_attention(chosen: Backend, attention_backend: str | None) -> LocalA
 def local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                     backend: str, scale: float | None) -> torch.Tensor:
     """Degree 1: attention of the whole sequence by the kernel of the backend that choice `backend` picks (a
-    model with an attention backend of the user's runs that instead: UlyssesAttention)."""
+    model with an attention backend of the user's runs that instead: UlyssesAttention); through the custom op
+    where a graph is being compiled (which keeps the choice and our kernels opaque), else directly (eager calls
+    skip the op's dispatch)."""
+    if torch.compiler.is_compiling():
+        return local_attention_op(query=query, key=key, value=value, attn_mask=attn_mask, backend=backend,
+                                  scale=scale)
+    return _local_attention(query, key, value, attn_mask, backend, scale)
+
+
+def _local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                     backend: str, scale: float | None) -> torch.Tensor:
     chosen = get_choice(backend).pick(query, None, fabric_ready=True)
     return chosen.local(query, key, value, attn_mask, scale)
 
 
 @torch.library.custom_op("xstage::local_attention", mutates_args=())
 def local_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                       backend: str, scale: float | None) -> torch.Tensor:
-    out = local_attention(query, key, value, attn_mask, backend, scale)
+                       *, backend: str, scale: float | None) -> torch.Tensor:
+    out = _local_attention(query, key, value, attn_mask, backend, scale)
     like = torch.empty_like(query)
     if out.stride() == like.stride():
         return out
@@ -181,7 +226,7 @@ def local_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @local_attention_op.register_fake
-def _(query, key, value, attn_mask, backend, scale):
+def _(query, key, value, attn_mask, *, backend, scale):
     return torch.empty_like(query)
 
 
@@ -218,17 +263,17 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: 
     compiled, else launched directly (the custom op's eager dispatch costs about as much host time as the launch:
     docs/benchmarks/host-h200.md)."""
     if torch.compiler.is_compiling():
-        return rotary_emb(x, cos, sin, sequence_dim)
+        return rotary_emb_op(x=x, cos=cos, sin=sin, sequence_dim=sequence_dim)
     return _rotary.rotate(x, cos, sin, sequence_dim)
 
 
 @torch.library.custom_op("xstage::rotary_emb", mutates_args=())
-def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
+def rotary_emb_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, sequence_dim: int) -> torch.Tensor:
     return _rotary.rotary_interleaved(x, cos, sin, sequence_dim)
 
 
-@rotary_emb.register_fake
-def _(x, cos, sin, sequence_dim):
+@rotary_emb_op.register_fake
+def _(x, cos, sin, *, sequence_dim):
     return torch.empty_like(x)
 
 
@@ -246,21 +291,18 @@ def norm_rope(parts: Sequence[NormedTokens], cos: torch.Tensor, sin: torch.Tenso
     `norm_rope_kernel_runs` took; through the custom op where a graph is being compiled."""
     if not torch.compiler.is_compiling():
         return _rotary.norm_rotate(parts, cos, sin)
-    first, second = parts[0], parts[-1]
-    return norm_rope_op(first.tokens, first.weight, first.eps, second.tokens if len(parts) == 2 else None,
-                        second.weight, second.eps, cos, sin)
+    return norm_rope_op(tokens=[part.tokens for part in parts], weights=[part.weight for part in parts],
+                        eps=[part.eps for part in parts], cos=cos, sin=sin)
 
 
 @torch.library.custom_op("xstage::norm_rope", mutates_args=())
-def norm_rope_op(first: torch.Tensor, first_weight: torch.Tensor, first_eps: float, second: torch.Tensor | None,
-                 second_weight: torch.Tensor, second_eps: float, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
-    parts = [NormedTokens(first, first_weight, first_eps)]
-    if second is not None:
-        parts.append(NormedTokens(second, second_weight, second_eps))
+def norm_rope_op(tokens: list[torch.Tensor], weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *,
+                 eps: list[float]) -> torch.Tensor:
+    parts = [NormedTokens(tokens=part, weight=weight, eps=part_eps)
+             for part, weight, part_eps in zip(tokens, weights, eps)]
     return _rotary.norm_rotate(parts, cos, sin)
 
 
 @norm_rope_op.register_fake
-def _(first, first_weight, first_eps, second, second_weight, second_eps, cos, sin):
-    return first.new_empty(first.shape[0], cos.shape[0], *first.shape[2:])
+def _(tokens, weights, cos, sin, *, eps):
+    return tokens[0].new_empty(tokens[0].shape[0], cos.shape[0], *tokens[0].shape[2:])

@@ -8,8 +8,8 @@ from .backends import FALLBACK, BackendChoice, may_take_joint_tokens
 from .layout import UlyssesLayout
 from .local import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
-from .ops import (gathered_keys_attention, local_attention, local_attention_op, prologue_kernels_run,
-    say_pair_bias_fallback, ulysses_attention)
+from .ops import (gathered_keys_attention, local_attention, prologue_kernels_run, say_pair_bias_fallback,
+    ulysses_attention)
 from ..sharding import SequenceShard
 
 
@@ -55,13 +55,11 @@ class UlyssesAttention:
         if shard.degree == 1:
             if attention_backend is not None:
                 return diffusers_attention(attention_backend)(query, key, value, attn_mask, scale)
-            # a compiled graph keeps the choice and our kernels opaque; eager calls skip the op's dispatch
-            run = local_attention_op if torch.compiler.is_compiling() else local_attention
-            return run(query, key, value, attn_mask, choice, scale)
+            return local_attention(query, key, value, attn_mask, backend=choice, scale=scale)
         layout = self._layout(query.shape[1], key.shape[1])
-        return ulysses_attention([query], [key], [value], [], [], None, None, False, text_key_mask(attn_mask, layout),
-                                 *layout.fields(), choice, shard.group.group_name, scale, attention_backend,
-                                 pair_bias)
+        return ulysses_attention(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout,
+                                 text_mask=text_key_mask(attn_mask, layout), backend=choice, group=shard.group,
+                                 scale=scale, attention_backend=attention_backend, pair_bias=pair_bias)
 
     def joint(self, query: JointTokens, key: JointTokens, value: JointTokens, attn_mask: torch.Tensor | None = None,
               scale: float | None = None, attention_backend: str | None = None) -> torch.Tensor | None:
@@ -70,13 +68,10 @@ class UlyssesAttention:
         otherwise: the caller joins them and calls as usual."""
         if not self.takes_joint_tokens(query.parts[0].device) or not all(map(prologue_kernels_run, (query, key))):
             return None
-        norms = (query.norm_rope, key.norm_rope)
         layout = self._layout(query.rows, key.rows)
-        return ulysses_attention(
-            list(query.parts), list(key.parts), list(value.parts), [w for n in norms for w in n.weights],
-            [e for n in norms for e in n.eps], norms[0].cos, norms[0].sin, norms[0].across_heads,
-            text_key_mask(_four_dims(attn_mask), layout), *layout.fields(), self.choice.name,
-            self.shard.group.group_name, scale, attention_backend)
+        return ulysses_attention(query, key, value, layout, text_mask=text_key_mask(_four_dims(attn_mask), layout),
+                                 backend=self.choice.name, group=self.shard.group, scale=scale,
+                                 attention_backend=attention_backend)
 
     def takes_joint_tokens(self, device: torch.device) -> bool:
         """What `joint` asks before it looks at the tensors: a Ulysses degree above 1, no masks over query-key
@@ -120,6 +115,5 @@ class GatheredKeysAttention:
                  scale: float | None = None, attention_backend: str | None = None) -> torch.Tensor:
         if dropout_p or is_causal or attn_mask is not None:
             raise ValueError("xstage_dit: attention over gathered keys takes no mask, dropout or causal masking")
-        shard = self.shard
-        return gathered_keys_attention(query, key, value, shard.seq_len, shard.degree, shard.rank,
-                                       shard.group.group_name, scale, attention_backend)
+        return gathered_keys_attention(query, key, value, self.shard, scale=scale,
+                                       attention_backend=attention_backend)
