@@ -16,6 +16,7 @@ from xstage_dit.sp.moe.exchange import expert_steps, route_slots
 from xstage_dit.sp.fabric import LoopbackFabric, gather_steps, run_in_lockstep
 from xstage_dit.sp.sharding import SequenceShard
 from xstage_dit.burst_gap.planner import ExpertSchedule
+from xstage_dit.sizes import ceil_div
 
 
 def _layer(device: str = "cpu", dtype: torch.dtype = torch.float32) -> MOEFeedForwardSwiGLU:
@@ -90,7 +91,7 @@ def _check_expert_stores(device, dtype, n_ranks, seq_len, schedule, tolerance):
         scores = torch.softmax(layer.gate(router_input).float(), dim=-1).to(dtype)
         selection = select(scores, layer.capacity_factor)
         scale = selection.weights * layer.route_scale
-        local = -(-seq_len // n_ranks)
+        local = ceil_div(seq_len, n_ranks)
         padded = F.pad(x, (0, 0, 0, n_ranks * local - seq_len))
         shared = layer.shared_expert(padded)
         share = layer.num_experts // n_ranks

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
+from ..sizes import ceil_div
 from .calibration import Calibration, KernelCosts
 from .model import BurstGapModel
 
@@ -68,7 +69,7 @@ class AttentionShape:
 
     @property
     def local_tokens(self) -> int:
-        return -(-self.image_tokens // self.degree)
+        return ceil_div(self.image_tokens, self.degree)
 
     @property
     def heads_per_rank(self) -> int:
@@ -118,7 +119,7 @@ class ExpertShape:
 
     @property
     def local_tokens(self) -> int:
-        return -(-self.tokens // self.degree)
+        return ceil_div(self.tokens, self.degree)
 
     @property
     def row_bytes(self) -> int:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..runtime.distributed import all_gather_into
+from ..sizes import ceil_div
 
 
 class SequenceShard:
@@ -35,7 +36,7 @@ class SequenceShard:
     @property
     def local_len(self) -> int:
         """Tokens each rank holds, padding included."""
-        return -(-self.seq_len // self.degree)
+        return ceil_div(self.seq_len, self.degree)
 
     @property
     def padded_len(self) -> int:
