@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ...runtime.distributed import all_gather_into, waiting_for
 from ..fabric import fabric_of, gather_steps, run_in_lockstep
 from ..sharding import SequenceShard
+from .grouped import sort_by_expert
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,9 @@ def choose_tokens(selection: Selection, local_len: int, rank: int) -> ExpertChoi
     mine = (local >= 0) & (local < local_len)
     rows = torch.where(mine, selection.sample * local_len + local, 0)
     expert = torch.arange(num_experts, device=device).repeat_interleave(token.numel() // num_experts)
-    order = torch.where(mine, expert, num_experts).argsort(stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).index_add_(0, expert, mine.long())
-    return ExpertChoice(rows=rows[order], experts=expert[order], mine=mine[order],
-                        weights=selection.weights[order], counts=counts)
+    order = sort_by_expert(expert, mine, num_experts)
+    return ExpertChoice(rows=rows[order.order], experts=expert[order.order], mine=mine[order.order],
+                        weights=selection.weights[order.order], counts=order.counts)
 
 
 def choose_for_experts(selection: Selection, local_len: int, experts: slice) -> ExpertChoice:
@@ -113,17 +113,6 @@ def choose_for_experts(selection: Selection, local_len: int, experts: slice) -> 
     return ExpertChoice(rows=rows, experts=owned, mine=None, weights=selection.weights[held],
                         counts=torch.full((experts.stop - experts.start,), per_expert, dtype=torch.int64,
                                           device=token.device))
-
-
-def slot_table(rows: torch.Tensor, experts: torch.Tensor, valid: torch.Tensor | None, tokens: int,
-               num_experts: int) -> torch.Tensor:
-    """(tokens, num_experts) int32: which selection (its index in `rows`) each expert made of each token, -1
-    where it made none; selection i took token rows[i] for expert experts[i], where valid[i] (None: all)."""
-    spill = tokens  # invalid selections all land in one extra row, dropped
-    table = torch.full((tokens + 1, num_experts), -1, dtype=torch.int32, device=rows.device)
-    where = rows if valid is None else torch.where(valid, rows, spill)
-    table[where, experts] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
-    return table[:tokens]
 
 
 def gather_tokens(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:

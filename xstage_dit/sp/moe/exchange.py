@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...burst_gap.planner import ExpertSchedule
-from .choice import slot_table
+from .grouped import slot_table
 from ..fabric import Fabric, Steps, run_in_lockstep
 
 

@@ -1,6 +1,9 @@
-"""xstage::expert_choice: an expert-choice MoE layer's routed experts, in the mode chosen per shape on the host, as
-a `torch.library` op so that a compiled graph keeps it opaque (no collective, fabric kernel or host decision is
-traced)."""
+"""The mixture-of-experts layers' custom ops, as `torch.library` ops so that a compiled graph keeps them opaque:
+
+- xstage::expert_choice: an expert-choice MoE layer's routed experts, in the mode chosen per shape on the host (no
+  collective, fabric kernel or host decision is traced);
+- xstage::add_contributions: each token's expert outputs summed in expert order (sp/moe/grouped.py) where a
+  compiler traces the layer (token choice): the compiled call sums as the eager one does, bit for bit."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +11,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ...burst_gap.planner import ExpertMode, ExpertSchedule
 from ..sharding import SequenceShard
+from .grouped import add_contributions
 from .layer import ExpertChoiceCall, run_expert_choice
 from .modes import ExpertModes
 
@@ -31,3 +35,21 @@ def expert_choice(hidden: torch.Tensor, shared: torch.Tensor, scores: torch.Tens
 def _(hidden, shared, scores, gate_up, down, capacity_factor, route_scale, seq_len, degree, rank, group_name, modes,
       own_start, own_stop, waves, interleaved):
     return torch.empty_like(shared)
+
+
+@torch.library.custom_op("xstage::add_contributions", mutates_args=())
+def add_contributions_op(base: torch.Tensor, contributions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return add_contributions(base, contributions, slots)
+
+
+@add_contributions_op.register_fake
+def _(base, contributions, slots):
+    return torch.empty_like(base)
+
+
+def expert_sum(base: torch.Tensor, contributions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """add_contributions for code a compiler may trace: through the op where a graph is being compiled (its
+    kernel is not traced), else called directly (the op's eager dispatch costs host time)."""
+    if torch.compiler.is_compiling():
+        return add_contributions_op(base, contributions, slots)
+    return add_contributions(base, contributions, slots)
