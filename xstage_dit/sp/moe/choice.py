@@ -67,10 +67,15 @@ def gather_scores(scores: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     return whole.view(shard.degree, batch, local_len, num_experts).transpose(0, 1).flatten(1, 2)[:, :shard.seq_len]
 
 
+def capacity_of(capacity_factor: float, seq_len: int, num_experts: int) -> int:
+    """C: the tokens each expert takes of each sample's `seq_len`."""
+    return max(1, math.ceil(capacity_factor * seq_len / num_experts))
+
+
 def select(whole: torch.Tensor, capacity_factor: float) -> Selection:
     """One process's expert choice over router scores (B, S, E) of whole sequences."""
     batch, seq_len, num_experts = whole.shape
-    capacity = max(1, math.ceil(capacity_factor * seq_len / num_experts))
+    capacity = capacity_of(capacity_factor, seq_len, num_experts)
     affinity = whole.transpose(1, 2)  # (B, E, S)
     top = torch.topk(affinity, k=capacity, dim=-1)
     gating = affinity.gather(-1, top.indices)  # (B, E, C)
