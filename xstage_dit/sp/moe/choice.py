@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ...runtime.distributed import all_gather_into, waiting_for
+from ...runtime.distributed import all_gather_stacked, waiting_for
 from ..fabric import fabric_of, gather_steps, run_in_lockstep
 from ..sharding import SequenceShard
 from .grouped import sort_by_expert
@@ -61,9 +61,8 @@ def gather_scores(scores: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     if fabric is not None:
         (whole,) = run_in_lockstep([gather_steps(local, fabric, "expert-choice router scores")], fabric.barrier)
     else:
-        whole = local.new_empty((shard.degree * batch * local_len, num_experts))
-        with waiting_for(lambda: "the other ranks' expert-choice router scores"):
-            all_gather_into(whole, local, shard.group)
+        whole = all_gather_stacked(local, shard.degree, shard.group,
+                                   lambda: "the other ranks' expert-choice router scores")
     return whole.view(shard.degree, batch, local_len, num_experts).transpose(0, 1).flatten(1, 2)[:, :shard.seq_len]
 
 
@@ -122,10 +121,8 @@ def choose_for_experts(selection: Selection, local_len: int, experts: slice) -> 
 
 def gather_tokens(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """Every rank's (B, L, C) tokens, as (N * B * L, C) rows, rank-major."""
-    whole = x.new_empty((shard.degree * x.shape[0], *x.shape[1:]))
-    with waiting_for(lambda: "the other ranks' tokens for its experts"):
-        all_gather_into(whole, x.contiguous(), shard.group)
-    return whole.flatten(0, 1)
+    whole = all_gather_stacked(x, shard.degree, shard.group, lambda: "the other ranks' tokens for its experts")
+    return whole.flatten(0, 2)
 
 
 def reduce_tokens(partial: torch.Tensor, shard: SequenceShard, batch: int) -> torch.Tensor:
