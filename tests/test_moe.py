@@ -20,9 +20,9 @@ from xstage_dit.burst_gap.planner import ExpertSchedule
 from xstage_dit.sizes import ceil_div
 
 
-def _layer(device: str = "cpu", dtype: torch.dtype = torch.float32) -> MOEFeedForwardSwiGLU:
+def _layer(device: str = "cpu", dtype: torch.dtype = torch.float32, experts: int = 5) -> MOEFeedForwardSwiGLU:
     torch.manual_seed(0)
-    return MOEFeedForwardSwiGLU(dim=64, hidden_dim=96, num_routed_experts=5, num_activated_experts=2).to(
+    return MOEFeedForwardSwiGLU(dim=64, hidden_dim=96, num_routed_experts=experts, num_activated_experts=2).to(
         device=device, dtype=dtype).eval()
 
 
@@ -69,6 +69,22 @@ def test_grouped_moe_sums_in_expert_order():
     first, second, ref = _grouped_twice_and_diffusers(layer, torch.randn(300, 64))
     assert torch.equal(first, second)
     torch.testing.assert_close(first, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_held_experts_add_up_to_every_expert():
+    """Expert parallel without its collectives: each rank's share of the experts (`held`; the others' weights on
+    the host) contributes to every token what its experts give it, and the shares add up to the whole."""
+    layer = _layer(experts=6)  # 3 per rank at two ranks
+    x = torch.randn(50, 64)
+    with torch.no_grad():
+        index, weight, _ = layer.gate(x.unsqueeze(0))
+        whole = GroupedSwiGLUExperts(layer.experts)(x, dispatch(index.view(-1), weight.view(-1), 2, 6))
+        shares = []
+        for held in (slice(0, 3), slice(3, 6)):
+            experts = GroupedSwiGLUExperts(layer.experts, held)
+            shares.append(experts(x, dispatch(index.view(-1), weight.view(-1), 2, 6, held)))
+            experts.restore()
+    torch.testing.assert_close(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
