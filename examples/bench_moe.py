@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import zoo
 from provenance import provenance, write_records
 from xstage_dit.patches.image.nucleusmoe import ExactExpertChoice
 from xstage_dit.runtime import ensure_process_group
+from xstage_dit.sp.moe.choice import capacity_of
 from xstage_dit.sp.moe.modes import ExpertModes
 from xstage_dit.sp.fabric import open_fabric
 from xstage_dit.sp.plan import PlanContext
@@ -127,8 +127,8 @@ def prepare(variant: Variant, size: str, capacity_factor: float, device: torch.d
             open_fabric(dist.group.WORLD, device, 600.0)
         context = PlanContext(shard, ExpertModes((variant.mode,)))
         wrapper = ExactExpertChoice(layer, context, variant.schedule)
-        predicted, picked = _prediction(variant, ExpertShape(1, tokens, DIM, EXPERT_DIM, EXPERTS, math.ceil(
-            capacity_factor * tokens / EXPERTS), ranks), device)
+        predicted, picked = _prediction(variant, ExpertShape(1, tokens, DIM, EXPERT_DIM, EXPERTS, capacity_of(
+            capacity_factor, tokens, EXPERTS), ranks), device)
 
     def call() -> torch.Tensor:
         with torch.no_grad():

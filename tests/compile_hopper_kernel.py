@@ -96,9 +96,10 @@ def main() -> None:
     down = torch.empty(2, width, dim, dtype=torch.bfloat16)
     operands = experts.ExpertOperands(
         received=x, gate_up=gate_up, down=down, act=torch.empty(2 * rows, width, dtype=torch.bfloat16),
-        scale=torch.empty(2 * rows, dtype=torch.bfloat16), owner=torch.zeros(2 * rows, dtype=torch.int32),
-        combine=torch.empty(4 * rows, dim, dtype=torch.bfloat16), destinations=torch.zeros(2, dtype=torch.int64),
-        slot0=0)
+        combine=experts.Combine(buffer=torch.empty(4 * rows, dim, dtype=torch.bfloat16),
+                                destinations=torch.zeros(2, dtype=torch.int64),
+                                scale=torch.empty(2 * rows, dtype=torch.bfloat16),
+                                owner=torch.zeros(2 * rows, dtype=torch.int32), slot0=0))
     experts.run_experts(operands, range(1, 2), range(0, 1), interleave=True, warmup=True)
     (ptx,) = Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_experts_kernel.ptx")
     assert "wgmma" in ptx.read_text(), "the expert kernel's matmuls do not run on Hopper's tensor-core instructions"

@@ -373,6 +373,58 @@ def test_fused_loopback_on_gpu(n_ranks, text_first, order, text_queries, norm_ro
                     norm_rope)
 
 
+def _one_key_per_query(batch, query_rows, key_rows, kv_len, heads, head_dim, device):
+    """q, k, v (B, rows, H, D), bf16, on which attention is exact whichever kernel computes it: key j's code is
+    e_(j // 64) + e_(64 + j % 64) (head_dim 128: 4096 codes), each query row 2048 times the code of one key drawn
+    below kv_len, so that its score is 4096 and any other key's at most 2048, whose weight (2^-261 of the
+    chosen key's) is 0 in float32: every output row is one value row, copied."""
+    half = head_dim // 2
+    assert head_dim == 128 and key_rows <= half * half
+    keys = torch.arange(key_rows, device=device)
+    codes = torch.zeros(key_rows, head_dim, device=device)
+    codes[keys, keys // half] = 1
+    codes[keys, half + keys % half] = 1
+    chosen = torch.randint(0, kv_len, (batch, query_rows, heads), device=device)
+    q = (2048 * codes[chosen]).to(torch.bfloat16)
+    k = codes[None, :, None].expand(batch, key_rows, heads, head_dim).to(torch.bfloat16).contiguous()
+    v = torch.randn(batch, key_rows, heads, head_dim, device=device, dtype=torch.bfloat16)
+    return q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("n_ranks", [2, 4, 8])
+@pytest.mark.parametrize("text_first", [True, False])
+@pytest.mark.parametrize("order", list(TileOrder))
+@pytest.mark.parametrize("text_queries", [True, False])
+def test_triton_and_gluon_scatter_epilogues_store_the_same_bytes(n_ranks, text_first, order, text_queries):
+    """The post-all-to-all of the fused backend from either kernel (flash_attention runs the Gluon one on Hopper,
+    the Triton one elsewhere), N simulated ranks over a loopback fabric: on the same head-sharded inputs, on which
+    both compute the same bits, every rank's output buffer holds the same bytes, every element written."""
+    batch, text_len, seq_len, head_dim = 2, 77, 1501, 128
+    heads, local = 2 * n_ranks, -(-seq_len // n_ranks)
+    layouts = [UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first, text_queries)
+               for rank in range(n_ranks)]
+    first = layouts[0]
+    q, k, v = _one_key_per_query(batch, first.query_gathered_len, first.gathered_len, first.key_len, heads,
+                                 head_dim, "cuda")
+    share = heads // n_ranks
+    out_shape = (batch, first.query_text_len + local, heads, head_dim)
+    outs = {}
+    for config in (TileConfig(tma=True), HopperConfig()):
+        fabric = LoopbackFabric(n_ranks, "cuda", initialise=lambda t: t.fill_(float("nan")))
+        for rank, layout in enumerate(layouts):
+            mine = slice(rank * share, (rank + 1) * share)
+            out = fabric.rank(rank).buffer("out", out_shape, torch.bfloat16)
+            flash_attention(*(t[:, :, mine].contiguous() for t in (q, k, v)), kv_len=layout.key_len, out=out.tensor,
+                            scatter=layout.output_scatter(out.destinations, share, order), config=config)
+        outs[type(config)] = fabric.tensors("out", out_shape, torch.bfloat16)
+    for rank, (triton_out, gluon_out) in enumerate(zip(outs[TileConfig], outs[HopperConfig])):
+        assert not triton_out.isnan().any(), f"rank {rank}: unwritten output"
+        assert torch.equal(triton_out.view(torch.int16), gluon_out.view(torch.int16)), f"rank {rank}"
+
+
 def _check_rotary(device, dtype, shape, sequence_dim, strided, tolerance):
     """Our RoPE kernel against diffusers' apply_rotary_emb on fresh random inputs."""
     from diffusers.models.embeddings import apply_rotary_emb

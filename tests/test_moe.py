@@ -8,19 +8,21 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
 
-from xstage_dit.sp.moe.grouped import GroupedSwiGLUExperts, dispatch
 from xstage_dit.sp.moe.choice import select
-from xstage_dit.sp.moe.layer import ExpertChoiceCall, add_contributions, run_expert_choice
+from xstage_dit.sp.moe.grouped import add_contributions
+from xstage_dit.sp.moe.layer import ExpertChoiceCall, run_expert_choice
 from xstage_dit.sp.moe.modes import ExpertModes
 from xstage_dit.sp.moe.exchange import expert_steps, route_slots
+from xstage_dit.sp.moe.token_choice import GroupedSwiGLUExperts, dispatch
 from xstage_dit.sp.fabric import LoopbackFabric, gather_steps, run_in_lockstep
 from xstage_dit.sp.sharding import SequenceShard
 from xstage_dit.burst_gap.planner import ExpertSchedule
+from xstage_dit.sizes import ceil_div
 
 
-def _layer(device: str = "cpu", dtype: torch.dtype = torch.float32) -> MOEFeedForwardSwiGLU:
+def _layer(device: str = "cpu", dtype: torch.dtype = torch.float32, experts: int = 5) -> MOEFeedForwardSwiGLU:
     torch.manual_seed(0)
-    return MOEFeedForwardSwiGLU(dim=64, hidden_dim=96, num_routed_experts=5, num_activated_experts=2).to(
+    return MOEFeedForwardSwiGLU(dim=64, hidden_dim=96, num_routed_experts=experts, num_activated_experts=2).to(
         device=device, dtype=dtype).eval()
 
 
@@ -48,6 +50,51 @@ def test_experts_left_unused_are_fine():
     with torch.no_grad():
         layer.gate.weight.data[3:] = -10.0  # steer every token away from experts 3 and 4
         torch.testing.assert_close(_grouped(layer, x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def _grouped_twice_and_diffusers(layer: MOEFeedForwardSwiGLU, x: torch.Tensor) -> list[torch.Tensor]:
+    """The routed experts' sum for (tokens, C) inputs: ours twice, then diffusers' moe_infer's."""
+    experts = GroupedSwiGLUExperts(layer.experts)
+    with torch.no_grad():
+        index, weight, _ = layer.gate(x.unsqueeze(0))
+        routed = dispatch(index.view(-1), weight.view(-1), layer.num_activated_experts, experts.num_experts)
+        ours = [experts(x, routed) for _ in range(2)]
+        return ours + [MOEFeedForwardSwiGLU.moe_infer(layer, x, index.view(-1), weight.view(-1, 1))]
+
+
+def test_grouped_moe_sums_in_expert_order():
+    """Each token's contributions are summed in expert order (no atomic adds): the same bits on every call, and
+    diffusers' sum."""
+    layer = _layer()
+    first, second, ref = _grouped_twice_and_diffusers(layer, torch.randn(300, 64))
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_held_experts_add_up_to_every_expert():
+    """Expert parallel without its collectives: each rank's share of the experts (`held`; the others' weights on
+    the host) contributes to every token what its experts give it, and the shares add up to the whole."""
+    layer = _layer(experts=6)  # 3 per rank at two ranks
+    x = torch.randn(50, 64)
+    with torch.no_grad():
+        index, weight, _ = layer.gate(x.unsqueeze(0))
+        whole = GroupedSwiGLUExperts(layer.experts)(x, dispatch(index.view(-1), weight.view(-1), 2, 6))
+        shares = []
+        for held in (slice(0, 3), slice(3, 6)):
+            experts = GroupedSwiGLUExperts(layer.experts, held)
+            shares.append(experts(x, dispatch(index.view(-1), weight.view(-1), 2, 6, held)))
+            experts.restore()
+    torch.testing.assert_close(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_grouped_moe_repeats_itself_bit_for_bit_on_gpu():
+    """Where atomic adds would land in a different order on every call: many tokens per expert, bf16."""
+    layer = _layer("cuda", torch.bfloat16)
+    first, second, ref = _grouped_twice_and_diffusers(layer, torch.randn(8192, 64, device="cuda",
+                                                                          dtype=torch.bfloat16))
+    assert torch.equal(first, second)
+    assert ((first.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
 
 
 @pytest.mark.gpu
@@ -90,7 +137,7 @@ def _check_expert_stores(device, dtype, n_ranks, seq_len, schedule, tolerance):
         scores = torch.softmax(layer.gate(router_input).float(), dim=-1).to(dtype)
         selection = select(scores, layer.capacity_factor)
         scale = selection.weights * layer.route_scale
-        local = -(-seq_len // n_ranks)
+        local = ceil_div(seq_len, n_ranks)
         padded = F.pad(x, (0, 0, 0, n_ranks * local - seq_len))
         shared = layer.shared_expert(padded)
         share = layer.num_experts // n_ranks

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
+from ..sizes import EXPERT_TILES, ExpertTiles, ceil_div
 from .calibration import Calibration, KernelCosts
 from .model import BurstGapModel
 
@@ -68,7 +69,7 @@ class AttentionShape:
 
     @property
     def local_tokens(self) -> int:
-        return -(-self.image_tokens // self.degree)
+        return ceil_div(self.image_tokens, self.degree)
 
     @property
     def heads_per_rank(self) -> int:
@@ -118,7 +119,7 @@ class ExpertShape:
 
     @property
     def local_tokens(self) -> int:
-        return -(-self.tokens // self.degree)
+        return ceil_div(self.tokens, self.degree)
 
     @property
     def row_bytes(self) -> int:
@@ -162,16 +163,6 @@ class ExpertSchedule:
 
 SCHEDULES = tuple(ExpertSchedule(waves, interleaved) for waves in (1, 2, 4, 8) for interleaved in (False, True)
                   if waves > 1 or not interleaved)
-
-
-@dataclass(frozen=True)
-class ExpertTiles:
-    """The expert kernel's output tiles (kernels/experts.py's GPU blocks): rows x SwiGLU columns, rows x output
-    columns."""
-
-    rows: int = 128
-    up_columns: int = 64
-    down_columns: int = 128
 
 
 # predicted seconds of one attention call of a shape, from the planner's pieces
@@ -305,7 +296,7 @@ class Planner:
         copies = 2 * self.copy(mine * shape.row_bytes) + self.copy(group_bytes)  # gather, weigh, zero + add
         return self.gathered_scores(shape) + 2 * collective + compute + copies
 
-    def experts_stores(self, shape: ExpertShape, schedule: ExpertSchedule, tiles: ExpertTiles = ExpertTiles()
+    def experts_stores(self, shape: ExpertShape, schedule: ExpertSchedule, tiles: ExpertTiles = EXPERT_TILES
                        ) -> float:
         n = shape.degree
         mine = shape.slots / n
@@ -317,7 +308,7 @@ class Planner:
         kernels = self.expert_kernels(shape, schedule, tiles)
         return self.gathered_scores(shape) + dispatch + kernels + 2 * self.costs.launch + summed
 
-    def expert_kernels(self, shape: ExpertShape, schedule: ExpertSchedule, tiles: ExpertTiles = ExpertTiles()
+    def expert_kernels(self, shape: ExpertShape, schedule: ExpertSchedule, tiles: ExpertTiles = EXPERT_TILES
                        ) -> float:
         """The expert kernel's launches under `schedule`, with the combine stores' Burst-Gap stalls."""
         n = shape.degree
@@ -325,9 +316,8 @@ class Planner:
         rows = shape.rows_per_expert
         rate = self.costs.expert_time(shape.flops(experts * rows), rows, own=True) - self.costs.launch
         up_share = 4.0 / 6.0  # of an expert's flops: gate and up (2F columns) against down (D columns)
-        tiles_m = math.ceil(rows / tiles.rows)
-        up_tiles = tiles_m * math.ceil(shape.width / tiles.up_columns)
-        down_tiles = tiles_m * math.ceil(shape.dim / tiles.down_columns)
+        up_tiles = tiles.up_tiles(rows, shape.width)
+        down_tiles = tiles.down_tiles(rows, shape.dim)
         tile_bytes = tiles.rows * tiles.down_columns * shape.element_bytes * (n - 1) / n
         total = 0.0
         for up, down in schedule.launches(experts):

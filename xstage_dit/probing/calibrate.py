@@ -120,7 +120,7 @@ EXPERT_ROWS = (64, 128, 256, 512, 1024, 2048)
 def measure_expert_rates(device: torch.device) -> dict[str, list[tuple[int, float]]]:
     """SwiGLU-expert throughput (both projections, bf16) by rows per expert: our expert kernel in one wave, its
     combine rows stored locally ("own"), and torch's grouped matmuls ("vendor")."""
-    from ..kernels.experts import ExpertOperands, run_experts
+    from ..kernels.experts import Combine, ExpertOperands, run_experts
     from ..sp.moe.grouped import packed_swiglu_experts
     from ..burst_gap.planner import ExpertSchedule
 
@@ -133,10 +133,8 @@ def measure_expert_rates(device: torch.device) -> dict[str, list[tuple[int, floa
         slots = EXPERTS * rows
         x = torch.randn(slots, EXPERT_DIM, **options)
         counts = torch.full((EXPERTS,), rows, dtype=torch.int64, device=device)
-        operands = ExpertOperands(
-            received=x, gate_up=gate_up, down=down, act=x.new_empty(slots, EXPERT_WIDTH),
-            scale=torch.ones(slots, **options), owner=torch.zeros(slots, dtype=torch.int32, device=device),
-            combine=torch.empty_like(x), destinations=torch.zeros(1, dtype=torch.int64, device=device), slot0=0)
+        operands = ExpertOperands(received=x, gate_up=gate_up, down=down, act=x.new_empty(slots, EXPERT_WIDTH),
+                                  combine=Combine.local(torch.empty_like(x)))
         flops = 6.0 * slots * EXPERT_DIM * EXPERT_WIDTH
         own = _median_seconds(lambda: [run_experts(operands, up, down_, False) for up, down_ in launches])
         vendor = _median_seconds(lambda: packed_swiglu_experts(gate_up, down, x, counts))

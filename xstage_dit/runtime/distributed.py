@@ -77,6 +77,16 @@ def all_gather_into(output: torch.Tensor, local: torch.Tensor, group: dist.Proce
         gather(output, local, group=group)
 
 
+def all_gather_stacked(local: torch.Tensor, size: int, group: dist.ProcessGroup,
+                       what: str | Callable[[], str]) -> torch.Tensor:
+    """Every rank's `local` (the same shape on each of the group's `size` ranks), stacked along a new first
+    dimension in rank order; a failure says this rank waited for `what` (as `waiting_for` takes it)."""
+    whole = local.new_empty((size, *local.shape))
+    with waiting_for(what):
+        all_gather_into(whole.view(-1), local.contiguous().view(-1), group)
+    return whole
+
+
 @contextlib.contextmanager
 def waiting_for(what: str | Callable[[], str]) -> Iterator[None]:
     """A collective in the block that fails (a peer dead, or past the group's timeout) re-raises naming this rank

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..runtime.distributed import all_gather_into
+from ..runtime.distributed import all_gather_stacked
+from ..sizes import ceil_div
 
 
 class SequenceShard:
@@ -35,7 +36,7 @@ class SequenceShard:
     @property
     def local_len(self) -> int:
         """Tokens each rank holds, padding included."""
-        return -(-self.seq_len // self.degree)
+        return ceil_div(self.seq_len, self.degree)
 
     @property
     def padded_len(self) -> int:
@@ -75,9 +76,8 @@ class SequenceShard:
     def gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole sequence along `dim` from every rank's chunk, padding removed."""
         dim = dim % local.dim()
-        front = local.movedim(dim, 0).contiguous()
-        full = front.new_empty((self.degree * front.shape[0], *front.shape[1:]))
-        all_gather_into(full, front, self.group)
+        full = all_gather_stacked(local.movedim(dim, 0), self.degree, self.group,
+                                  lambda: "the other ranks' chunks of the sequence").flatten(0, 1)
         return full[: self.seq_len].movedim(0, dim)
 
     def shard_after_text(self, x: torch.Tensor, dim: int) -> torch.Tensor:

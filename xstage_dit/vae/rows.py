@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..runtime.distributed import all_gather_into, waiting_for
+from ..runtime.distributed import all_gather_stacked
 
 ROWS = -2  # images (B, C, H, W) and videos (B, C, T, H, W) keep their rows here
 
@@ -49,16 +49,13 @@ class RowSplit:
     def gather(self, x: torch.Tensor, what: str) -> torch.Tensor:
         """The whole tensor from every rank's rows of it (uneven rows padded for the collective, then cut)."""
         rows = self.rows_at(x.shape[ROWS])
-        padded = F.pad(x, (0, 0, 0, max(rows) - x.shape[ROWS])).contiguous()
-        gathered = padded.new_empty((self.size, *padded.shape))
-        self._all_gather(gathered, padded, what)
+        gathered = self.gather_equal(F.pad(x, (0, 0, 0, max(rows) - x.shape[ROWS])), what)
         return torch.cat([part.narrow(ROWS, 0, n) for part, n in zip(gathered.unbind(0), rows)], dim=ROWS)
 
     def gather_equal(self, local: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's `local` (the same shape on every rank), stacked along a new first dimension."""
-        gathered = local.new_empty((self.size, *local.shape))
-        self._all_gather(gathered, local.contiguous(), what)
-        return gathered
+        return all_gather_stacked(local, self.size, self.group,
+                                  f"{what} from the other ranks of the parallel VAE decode")
 
     def with_halo(self, tensors: list[torch.Tensor], halo: int, what: str) -> list[torch.Tensor]:
         """Each tensor with `halo` rows of the rank above prepended and of the rank below appended (none at the
@@ -89,6 +86,3 @@ class RowSplit:
         bottom = halo if self.rank < self.size - 1 else 0
         return x.narrow(ROWS, top, x.shape[ROWS] - top - bottom)
 
-    def _all_gather(self, output: torch.Tensor, local: torch.Tensor, what: str) -> None:
-        with waiting_for(f"{what} from the other ranks of the parallel VAE decode"):
-            all_gather_into(output.view(-1), local.view(-1), self.group)

@@ -4,9 +4,10 @@ F.scaled_dot_product_attention directly.
 
 The model patchifies its latents inside forward; we do that first (same function), so that image tokens,
 their position ids and HiDream's own padding mask are split on entry like Flux's, and `img_sizes` become
-Python ints (no host sync in unpatchify). The MoE runs sync-free and grouped (xstage_dit.sp.moe.grouped), with every
-expert on every rank or, with `expert_parallel=True`, E/N per rank, the token copies travelling over collectives
-(an all-gather of the group's tokens, a reduce-scatter of their sums)."""
+Python ints (no host sync in unpatchify). The MoE runs sync-free and grouped (xstage_dit.sp.moe.token_choice), each
+token's contributions summed in expert order (the same bits every call), with every expert on every rank or, with
+`expert_parallel=True`, E/N per rank, the token copies travelling over collectives (an all-gather of the group's
+tokens, a reduce-scatter of their sums)."""
 from __future__ import annotations
 
 import inspect
@@ -18,8 +19,8 @@ from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwa
 from torch import nn
 
 from ...cfg.plan import BATCH, CfgPlan
-from ...sp.moe.grouped import GroupedSwiGLUExperts, dispatch
 from ...sp.moe.choice import gather_tokens, reduce_tokens
+from ...sp.moe.token_choice import GroupedSwiGLUExperts, dispatch
 from ...sp.attention import routing
 from ...sp.plan import PlanContext, SequenceParallelPlan
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
 from ...sp.attention import routing
+from ...sp.moe.layer import ExpertChoiceCall
 from ...sp.moe.modes import ExpertModes
 from ...sp.moe.ops import expert_choice
 from ...sp.plan import PlanContext, SequenceParallelPlan
@@ -40,18 +41,16 @@ class ExactExpertChoice:
         self.layer = layer
         self.shard = context.shard
         # a degree that does not divide the experts (refused where they are sharded) runs replicated
-        self.modes = context.experts if layer.num_experts % self.shard.degree == 0 else ExpertModes()
-        self.schedule = schedule or ExpertSchedule(waves=0)  # 0 waves: the planner's schedule
-        self._modes = ",".join(mode.value for mode in self.modes.allowed)  # as the op takes them
-        self._group_name = self.shard.group.group_name if self.shard.group is not None else ""
+        modes = context.experts if layer.num_experts % self.shard.degree == 0 else ExpertModes()
         share = layer.num_experts // self.shard.degree
-        self.own = slice(self.shard.rank * share, (self.shard.rank + 1) * share)
+        own = slice(self.shard.rank * share, (self.shard.rank + 1) * share)
+        self.call = ExpertChoiceCall(layer.capacity_factor, layer.route_scale, modes, own, schedule)
         self._whole: dict[str, torch.Tensor] = {}
-        if self.modes.sharded:
+        if modes.sharded:
             for name in ("gate_up_proj", "down_proj"):
                 weight = getattr(layer.experts, name)
                 self._whole[name] = weight.data.to("cpu")
-                weight.data = weight.data[self.own].clone()
+                weight.data = weight.data[own].clone()
         layer.forward = self.forward
 
     def remove(self) -> None:
@@ -70,11 +69,8 @@ class ExactExpertChoice:
         logits = layer.gate(router_input)
         activation = torch.sigmoid if layer.use_sigmoid else lambda x: F.softmax(x, dim=-1)
         scores = activation(logits.float()).to(logits.dtype)
-        return expert_choice(
-            hidden_states, layer.shared_expert(hidden_states), scores, layer.experts.gate_up_proj,
-            layer.experts.down_proj, layer.capacity_factor, layer.route_scale, shard.seq_len, shard.degree, shard.rank,
-            self._group_name, self._modes, self.own.start, self.own.stop, self.schedule.waves,
-            self.schedule.interleaved)
+        return expert_choice(hidden_states, layer.shared_expert(hidden_states), scores, layer.experts.gate_up_proj,
+                             layer.experts.down_proj, self.call, shard)
 
 
 class _TablesOnTheDevice:

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ...runtime.distributed import all_gather_into, waiting_for
+from ...runtime.distributed import all_gather_stacked, waiting_for
 from ..fabric import fabric_of, gather_steps, run_in_lockstep
 from ..sharding import SequenceShard
+from .grouped import sort_by_expert
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,20 @@ def gather_scores(scores: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     if fabric is not None:
         (whole,) = run_in_lockstep([gather_steps(local, fabric, "expert-choice router scores")], fabric.barrier)
     else:
-        whole = local.new_empty((shard.degree * batch * local_len, num_experts))
-        with waiting_for(lambda: "the other ranks' expert-choice router scores"):
-            all_gather_into(whole, local, shard.group)
+        whole = all_gather_stacked(local, shard.degree, shard.group,
+                                   lambda: "the other ranks' expert-choice router scores")
     return whole.view(shard.degree, batch, local_len, num_experts).transpose(0, 1).flatten(1, 2)[:, :shard.seq_len]
+
+
+def capacity_of(capacity_factor: float, seq_len: int, num_experts: int) -> int:
+    """C: the tokens each expert takes of each sample's `seq_len`."""
+    return max(1, math.ceil(capacity_factor * seq_len / num_experts))
 
 
 def select(whole: torch.Tensor, capacity_factor: float) -> Selection:
     """One process's expert choice over router scores (B, S, E) of whole sequences."""
     batch, seq_len, num_experts = whole.shape
-    capacity = max(1, math.ceil(capacity_factor * seq_len / num_experts))
+    capacity = capacity_of(capacity_factor, seq_len, num_experts)
     affinity = whole.transpose(1, 2)  # (B, E, S)
     top = torch.topk(affinity, k=capacity, dim=-1)
     gating = affinity.gather(-1, top.indices)  # (B, E, C)
@@ -93,10 +98,9 @@ def choose_tokens(selection: Selection, local_len: int, rank: int) -> ExpertChoi
     mine = (local >= 0) & (local < local_len)
     rows = torch.where(mine, selection.sample * local_len + local, 0)
     expert = torch.arange(num_experts, device=device).repeat_interleave(token.numel() // num_experts)
-    order = torch.where(mine, expert, num_experts).argsort(stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).index_add_(0, expert, mine.long())
-    return ExpertChoice(rows=rows[order], experts=expert[order], mine=mine[order],
-                        weights=selection.weights[order], counts=counts)
+    order = sort_by_expert(expert, mine, num_experts)
+    return ExpertChoice(rows=rows[order.order], experts=expert[order.order], mine=mine[order.order],
+                        weights=selection.weights[order.order], counts=order.counts)
 
 
 def choose_for_experts(selection: Selection, local_len: int, experts: slice) -> ExpertChoice:
@@ -115,23 +119,10 @@ def choose_for_experts(selection: Selection, local_len: int, experts: slice) -> 
                                           device=token.device))
 
 
-def slot_table(rows: torch.Tensor, experts: torch.Tensor, valid: torch.Tensor | None, tokens: int,
-               num_experts: int) -> torch.Tensor:
-    """(tokens, num_experts) int32: which selection (its index in `rows`) each expert made of each token, -1
-    where it made none; selection i took token rows[i] for expert experts[i], where valid[i] (None: all)."""
-    spill = tokens  # invalid selections all land in one extra row, dropped
-    table = torch.full((tokens + 1, num_experts), -1, dtype=torch.int32, device=rows.device)
-    where = rows if valid is None else torch.where(valid, rows, spill)
-    table[where, experts] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
-    return table[:tokens]
-
-
 def gather_tokens(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """Every rank's (B, L, C) tokens, as (N * B * L, C) rows, rank-major."""
-    whole = x.new_empty((shard.degree * x.shape[0], *x.shape[1:]))
-    with waiting_for(lambda: "the other ranks' tokens for its experts"):
-        all_gather_into(whole, x.contiguous(), shard.group)
-    return whole.flatten(0, 1)
+    whole = all_gather_stacked(x, shard.degree, shard.group, lambda: "the other ranks' tokens for its experts")
+    return whole.flatten(0, 2)
 
 
 def reduce_tokens(partial: torch.Tensor, shard: SequenceShard, batch: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...burst_gap.planner import ExpertSchedule
-from .choice import slot_table
+from .grouped import slot_table
 from ..fabric import Fabric, Steps, run_in_lockstep
 
 
@@ -59,7 +59,7 @@ def expert_steps(tokens: torch.Tensor, shared: torch.Tensor, routes: SlotRoutes,
     """One rank's expert-parallel MoE over `fabric`: `tokens` and `shared` (B * L, D) this rank's tokens and their
     shared-expert output; `scale` (E * B * C,) each slot's gate weight; `gate_up` (E_r, D, 2F) and `down`
     (E_r, F, D) this rank's experts, E_r = E / N. Returns the (B * L, D) output."""
-    from ...kernels.experts import ExpertOperands, run_experts, store_rows, sum_contributions  # Triton: used here
+    from ...kernels.experts import Combine, ExpertOperands, run_experts, store_rows, sum_contributions  # Triton
 
     dim, width = tokens.shape[1], down.shape[1]
     slots = routes.owner.numel()
@@ -70,9 +70,10 @@ def expert_steps(tokens: torch.Tensor, shared: torch.Tensor, routes: SlotRoutes,
     yield "the expert dispatch"
     mine = slice(fabric.rank * per_rank, (fabric.rank + 1) * per_rank)
     operands = ExpertOperands(received=received.tensor, gate_up=gate_up, down=down,
-                              act=tokens.new_empty((per_rank, width)), scale=scale[mine].contiguous(),
-                              owner=routes.owner[mine].contiguous(), combine=combine.tensor,
-                              destinations=combine.destinations, slot0=mine.start)
+                              act=tokens.new_empty((per_rank, width)),
+                              combine=Combine(buffer=combine.tensor, destinations=combine.destinations,
+                                              scale=scale[mine].contiguous(), owner=routes.owner[mine].contiguous(),
+                                              slot0=mine.start))
     for up_experts, down_experts in schedule.launches(gate_up.shape[0]):
         run_experts(operands, up_experts, down_experts, schedule.interleaved)
     yield "the expert combine"

@@ -1,7 +1,7 @@
 """One expert-choice MoE layer call across the Ulysses group: the shared expert's output plus the routed experts',
 for this rank's tokens, in the mode chosen for the call's shape (sp/moe/modes.py).
 
-It runs inside the custom op xstage::expert_choice (sp/attention/ops.py), so that a compiled model holds the whole routed
+It runs inside the custom op xstage::expert_choice (sp/moe/ops.py), so that a compiled model holds the whole routed
 part as one node: the mode and the stores mode's schedule are chosen on the host per shape (reading the
 machine's calibration, logging the choice), which a compiler must not trace."""
 from __future__ import annotations
@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels import triton_runs_on
-from .grouped import packed_swiglu_experts
+from .grouped import add_contributions, packed_swiglu_experts, slot_table
 from ...burst_gap.planner import ExpertMode, ExpertSchedule, ExpertShape
-from .choice import choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select, slot_table
+from .choice import choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select
 from .exchange import expert_exchange, route_slots
 from .modes import ExpertModes
 from ..fabric import fabric_of
@@ -68,14 +67,3 @@ def run_expert_choice(hidden: torch.Tensor, shared: torch.Tensor, scores: torch.
         return out.reshape(batch, local_len, dim)
     return shared + reduce_tokens(add_contributions(torch.zeros_like(rows), routed, slots), shard, batch)
 
-
-def add_contributions(base: torch.Tensor, contributions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """base (T, D) plus each token's rows of `contributions` summed in expert order (`slots`: slot_table's), in
-    float32, rounded once: the Triton kernel where Triton runs, else the same sum in torch."""
-    if triton_runs_on(base.device):
-        from ...kernels.experts import sum_contributions
-
-        return sum_contributions(base, contributions, slots)
-    # index -1 (no contribution) picks the zero row appended last
-    rows = torch.cat([contributions, contributions.new_zeros(1, contributions.shape[1])])[slots.long()]
-    return (base.float() + rows.float().sum(1)).to(base.dtype)
