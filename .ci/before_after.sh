@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Before/after of a change, side by side on one GPU machine: an old tree and this checkout, alternating, FLUX.1-dev
+# 1024^2 at degree 1 compiled + graphs (PARTS e2e), then bench_kernels.py's parts $KPARTS (default loopback; PARTS
+# kernels). The old tree is made here and carried (.dev is in .git/info/exclude):
+#   git archive REV | tar -x -C .dev/before           then, on the device (carry .whl and .dev):
+#   [TESTS_K="pytest -k expr"] [PARTS="e2e kernels"] [KPARTS="loopback"] bash .ci/before_after.sh
+# The old tree is installed without csrc/ (the benchmarks do not use the probes). Results go to $OUT.
+set -uo pipefail
+source .ci/device_setup.sh
+XSTAGE_SKIP_CUDA_EXT=1 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site_before \
+  "$REPO/.dev/before" > "$OUT/install-before.log" 2>&1 || { tail -20 "$OUT/install-before.log"; exit 1; }
+run() {  # run TREE SITE LABEL ARGS...
+  local tree=$1 site=$2 label=$3; shift 3
+  echo "== $label"
+  PYTHONPATH=$site:/tmp/site timeout "${RUN_S:-280}" python3 "$tree/examples/$1" "${@:2}" 2>&1 | grep -v Warning | tail -4
+}
+if [ -n "${TESTS_K:-}" ]; then
+  t0=$(date +%s)
+  timeout "${TESTS_S:-200}" python3 -m pytest -v -m "gpu and not calibration" -p no:cacheprovider --timeout 150 \
+    --durations=0 --durations-min=1 -k "$TESTS_K" "$REPO/tests" > "$OUT/pytest-touched2.log" 2>&1
+  echo "tests: $(( $(date +%s) - t0 )) s"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-touched2.log" | tail -12
+fi
+if [[ "${PARTS:-kernels e2e}" == *e2e* ]]; then
+  E="--config flux-dev --steps 8 --repeats 2 --backend auto --modes compiled+graphs"
+  run "$REPO/.dev/before" /tmp/site_before e2e-before bench_e2e.py $E --out "$OUT/eb"
+  run "$REPO" /tmp/site e2e-after bench_e2e.py $E --out "$OUT/ea"
+fi
+if [[ "${PARTS:-kernels e2e}" == *kernels* ]]; then
+  K="--parts ${KPARTS:-loopback}"
+  run "$REPO/.dev/before" /tmp/site_before kernels-before bench_kernels.py $K --out "$OUT/kb${KSUFFIX:-}"
+  run "$REPO" /tmp/site kernels-after bench_kernels.py $K --out "$OUT/ka${KSUFFIX:-}"
+fi
+ls -la "$OUT"
