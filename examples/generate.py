@@ -58,7 +58,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--backend", default="auto", choices=xstage_dit.available_backends())
-    parser.add_argument("--ulysses-degree", type=int, help="default: the ranks of each CFG group")
+    parser.add_argument("--ulysses-degree", type=int,
+                        help="default: as wide as divides the heads within a node (the rest of a CFG group's ranks "
+                             "form a ring)")
+    parser.add_argument("--ring-degree", type=int, help="default: the CFG group's ranks / the Ulysses degree")
     parser.add_argument("--expert-parallel", choices=EXPERT_PARALLEL, default="auto",
                         help="a mixture of experts (NucleusMoE-Image, HiDream): on: split over the Ulysses group; "
                              "off: every expert on every rank; auto: every expert kept, the mode picked per layer "
@@ -152,8 +155,8 @@ def main() -> None:
     output = output or output_path(args, is_video=hasattr(pipe, "video_processor"))
     if image is not None:
         call["image"] = image
-    xstage_dit.enable(pipe, backend=args.backend, ulysses_degree=args.ulysses_degree, cfg_degree=args.cfg_degree,
-                      expert_parallel=EXPERT_PARALLEL[args.expert_parallel])
+    xstage_dit.enable(pipe, backend=args.backend, ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
+                      cfg_degree=args.cfg_degree, expert_parallel=EXPERT_PARALLEL[args.expert_parallel])
 
     timer = StepTimer(device)
     with reporting_steps(pipe, timer) as step_callback:

@@ -65,10 +65,12 @@ def test_unsupported_transformer_names_supported_families():
 
 
 @pytest.mark.parametrize("size, kwargs, message", [
-    (8, {}, r"12 attention heads, which splitting them over all 8 ranks cannot split; in a world of 8 ranks "
-            r"these work: cfg_degree=2 \(Ulysses over 4 ranks\)$"),
-    (5, {}, r"12 attention heads.*no split of 5 ranks works"),
-    (10, {"ulysses_degree": 5, "cfg_degree": 2}, r"which ulysses_degree=5 cannot split; .*no split of 10 ranks"),
+    (8, {"ulysses_degree": 8}, r"12 attention heads, which ulysses_degree=8 cannot split; over these 8 ranks these "
+                               r"work: ulysses_degree=1 x ring_degree=8, ulysses_degree=2 x ring_degree=4, "
+                               r"ulysses_degree=4 x ring_degree=2$"),
+    (5, {"ulysses_degree": 5}, r"12 attention heads.*these work: ulysses_degree=1 x ring_degree=5$"),
+    (10, {"ulysses_degree": 5, "cfg_degree": 2}, r"which ulysses_degree=5 cannot split; over these 5 ranks these "
+                                                 r"work: ulysses_degree=1 x ring_degree=5$"),
 ])
 def test_heads_that_cannot_be_split_name_working_splits(flux_pipe, world, size, kwargs, message):
     world(size)  # tiny-flux has 12 heads
@@ -77,13 +79,14 @@ def test_heads_that_cannot_be_split_name_working_splits(flux_pipe, world, size, 
 
 
 def test_z_image_heads_name_the_degrees_they_allow(world):
-    """Z-Image's 30 heads (its own config key, `n_heads`): 4 ranks only as 2 CFG groups of 2."""
+    """Z-Image's 30 heads (its own config key, `n_heads`): 4 ranks split them as Ulysses 2 x ring 2, not 4."""
     world(4)
     model = diffusers.ZImageTransformer2DModel(dim=30 * 16, n_heads=30, n_kv_heads=30, n_layers=1,
                                                n_refiner_layers=1, in_channels=4, cap_feat_dim=32,
                                                axes_dims=[4, 6, 6])
-    with pytest.raises(ValueError, match=r"30 attention heads, .* these work: cfg_degree=2 \(Ulysses over 2 ranks\)$"):
-        xstage_dit.enable(model)
+    with pytest.raises(ValueError, match=r"30 attention heads, .* these work: ulysses_degree=1 x ring_degree=4, "
+                                         r"ulysses_degree=2 x ring_degree=2$"):
+        xstage_dit.enable(model, ulysses_degree=4)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +94,7 @@ def test_z_image_heads_name_the_degrees_they_allow(world):
     [
         ({"cfg_degree": 4}, "cfg_degree must be 1 or 2"),
         ({"cfg_degree": 0}, "cfg_degree must be 1 or 2"),
-        ({"ulysses_degree": 8}, r"ulysses_degree=8 does not fit the world size 4: .* must be 4$"),
+        ({"ulysses_degree": 8}, r"ulysses_degree=8 does not fit the world size 4: .* so it must divide 4$"),
         ({"ulysses_degree": 4, "cfg_degree": 2}, r"ulysses_degree=4 does not fit the world size 4 with cfg_degree=2"),
         ({"backend": "nope"}, "unknown xstage_dit backend 'nope'"),
         ({"backend": "fused"}, "backend 'fused' needs CUDA GPUs"),
@@ -214,7 +217,7 @@ def test_enable_takes_a_config_whole_or_its_knobs_as_keywords(flux_pipe, world):
         xstage_dit.enable(flux_pipe, config=xstage_dit.XStageConfig(cfg_degree=2))
     with pytest.raises(ValueError, match=message):
         xstage_dit.enable(flux_pipe, config=xstage_dit.XStageConfig(), cfg_degree=2)
-    with pytest.raises(TypeError, match=r"unknown keyword\(s\) ulysses; its knobs are ulysses_degree, cfg_degree"):
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) ulysses; its knobs are ulysses_degree, ring_degree, cfg_degree"):
         xstage_dit.enable(flux_pipe, ulysses=2)
     with pytest.raises(TypeError, match=r"config must be an xstage_dit.XStageConfig, got dict"):
         xstage_dit.enable(flux_pipe, config={"cfg_degree": 2})

@@ -86,7 +86,7 @@ def _compiled_graphs(model: torch.nn.Module, mode: str, inputs: dict) -> tuple[t
 
 
 def _compile_and_compare(family: str, mode: str, extra_graphs: int, backend: str = "reference",
-                         device: str = "cpu") -> None:
+                         device: str = "cpu", degrees: dict | None = None) -> None:
     """Compiled with xstage_dit enabled: as many graphs as stock diffusers compiles (plus `extra_graphs`), equal
     to the eager output; after `disable` the stock model's output again."""
     cls, config = DEEP[family]
@@ -97,7 +97,7 @@ def _compile_and_compare(family: str, mode: str, extra_graphs: int, backend: str
     with torch.no_grad():
         stock = model(**inputs)[0]
     _, stock_graphs = _compiled_graphs(model, mode, inputs)
-    xstage_dit.enable(model, backend=backend, timeout_s=120)
+    xstage_dit.enable(model, backend=backend, timeout_s=120, **(degrees or {}))
     with torch.no_grad():
         eager = model(**inputs)[0]
     out, graphs = _compiled_graphs(model, mode, inputs)
@@ -118,8 +118,8 @@ def test_real_depth_compiles_as_often_as_stock_in_one_process(family, mode):
     _compile_and_compare(family, mode, extra_graphs=0)
 
 
-def _ranks_worker(family: str, mode: str, extra_graphs: int) -> None:
-    _compile_and_compare(family, mode, extra_graphs)
+def _ranks_worker(family: str, mode: str, extra_graphs: int, degrees: dict | None = None) -> None:
+    _compile_and_compare(family, mode, extra_graphs, degrees=degrees)
 
 
 @pytest.mark.parametrize("family, mode, world_size",

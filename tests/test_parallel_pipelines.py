@@ -84,7 +84,7 @@ def _first_attention(pipe) -> list[torch.nn.Module]:
 
 
 def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, backend: str = "reference",
-                     expert_parallel: bool = False, every_case: bool = True) -> None:
+                     expert_parallel: bool = False, every_case: bool = True, degrees: dict | None = None) -> None:
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     # query rows that reach each transformer's first routed attention, per call: proves the sequence is split
@@ -111,7 +111,8 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
     stock = {case: generate(*case) for case in cases}
 
     every_expert = _routed_expert_weights(pipe.transformer)
-    xstage_dit.enable(pipe, cfg_degree=cfg_degree, backend=backend, timeout_s=120, expert_parallel=expert_parallel)
+    xstage_dit.enable(pipe, cfg_degree=cfg_degree, backend=backend, timeout_s=120, expert_parallel=expert_parallel,
+                      **(degrees or {}))
     if expert_parallel:  # this rank's share of the experts is all its device holds
         degree = torch.distributed.get_world_size() // cfg_degree
         assert _routed_expert_weights(pipe.transformer) * degree == every_expert
@@ -143,10 +144,11 @@ def _routed_expert_weights(model: torch.nn.Module) -> int:
 
 
 def _pipelines_worker(names: list[str], cfg_degree: int = 1, guidance: float = 3.0,
-                      backend: str = "reference", expert_parallel: bool = False, every_case: bool = True) -> None:
+                      backend: str = "reference", expert_parallel: bool = False, every_case: bool = True,
+                      degrees: dict | None = None) -> None:
     """One spawn of ranks checks several pipelines in turn (a spawn's start-up costs more than a tiny pipeline)."""
     for name in names:
-        _pipeline_worker(name, cfg_degree, guidance, backend, expert_parallel, every_case)
+        _pipeline_worker(name, cfg_degree, guidance, backend, expert_parallel, every_case, degrees)
 
 
 # pipelines that take images: Kontext's and Qwen-Image Edit's reference tokens are split with the image tokens,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,6 +23,7 @@ from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import GraphUse
 from .runtime.distributed import local_device, world_group
 from .sp.attention.backends import needs_fabric, resolve_backend
+from .sp.attention.masks import QueryKeyMasks
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.moe.modes import ExpertModes
 from .sp.sharding import SequenceShard
@@ -43,29 +45,49 @@ def _transformers_of(target: Any) -> list[nn.Module]:
     return found
 
 
-def _ulysses_degree(world_size: int, config: XStageConfig) -> int:
-    """The Ulysses degree the job runs: the one given, checked against the world, else world / cfg_degree."""
+@dataclass(frozen=True)
+class Degrees:
+    """How the ranks of one sequence are split: Ulysses groups of `ulysses` consecutive ranks, `ring` of them in a
+    ring."""
+
+    ulysses: int
+    ring: int
+
+
+def _degrees(world_size: int, config: XStageConfig, heads: list[int]) -> Degrees:
+    """The degrees the job runs: the ones given, checked against the world and the heads; with none given, Ulysses
+    as wide as divides every model's heads within a node (LOCAL_WORLD_SIZE), the ring for the rest."""
     if world_size % config.cfg_degree:
         raise ValueError(f"cfg_degree={config.cfg_degree} does not divide the world size {world_size}")
-    fits = world_size // config.cfg_degree
-    if config.ulysses_degree is not None and config.ulysses_degree != fits:
-        with_cfg = f" with cfg_degree={config.cfg_degree}" if config.cfg_degree != 1 else ""
-        raise ValueError(f"ulysses_degree={config.ulysses_degree} does not fit the world size {world_size}"
-                         f"{with_cfg}: the ranks are split into cfg_degree x ulysses_degree, so it must be {fits}")
-    return fits
+    ranks = world_size // config.cfg_degree
+    ulysses, ring = config.ulysses_degree, config.ring_degree
+    with_cfg = f" with cfg_degree={config.cfg_degree}" if config.cfg_degree != 1 else ""
+    for name, degree in (("ulysses_degree", ulysses), ("ring_degree", ring)):
+        if degree is not None and ranks % degree:
+            raise ValueError(f"{name}={degree} does not fit the world size {world_size}{with_cfg}: the ranks are "
+                             f"split into cfg_degree x ring_degree x ulysses_degree, so it must divide {ranks}")
+    if ulysses is not None and ring is not None and ulysses * ring != ranks:
+        raise ValueError(f"ulysses_degree={ulysses} x ring_degree={ring} does not fit the world size "
+                         f"{world_size}{with_cfg}: their product must be {ranks}")
+    if ulysses is None:
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+        ulysses = ranks // ring if ring is not None else max(
+            d for d in range(1, ranks + 1) if ranks % d == 0 and d <= node and all(h % d == 0 for h in heads))
+        if ring is None and ulysses < ranks:
+            logger.info("xstage_dit: %d ranks a sequence as Ulysses %d x ring %d (the heads %s, %d ranks a node)",
+                        ranks, ulysses, ranks // ulysses, "/".join(map(str, sorted(set(heads)))), node)
+    return Degrees(ulysses, ranks // ulysses)
 
 
-def _check_heads(model: nn.Module, heads: int, degree: int, given: bool, world_size: int) -> None:
-    """Heads must split over the Ulysses degree; otherwise say which splits of this world would work."""
-    if heads % degree == 0:
+def _check_heads(model: nn.Module, heads: int, degrees: Degrees) -> None:
+    """Heads must split over the Ulysses degree; otherwise say which Ulysses degrees of this split would work."""
+    if heads % degrees.ulysses == 0:
         return
-    asked = f"ulysses_degree={degree}" if given else f"splitting them over all {world_size} ranks"
-    working = [f"cfg_degree={c} (Ulysses over {world_size // c} ranks)" for c in (1, 2)
-               if world_size % c == 0 and heads % (world_size // c) == 0]
-    hint = (f"in a world of {world_size} ranks these work: {', '.join(working)}" if working else
-            f"no split of {world_size} ranks works: the Ulysses degree (the world size, or half of it with "
-            f"cfg_degree=2) must divide {heads}")
-    raise ValueError(f"{type(model).__name__} has {heads} attention heads, which {asked} cannot split; {hint}")
+    ranks = degrees.ulysses * degrees.ring
+    working = [f"ulysses_degree={d} x ring_degree={ranks // d}" for d in range(1, ranks + 1)
+               if ranks % d == 0 and heads % d == 0]
+    raise ValueError(f"{type(model).__name__} has {heads} attention heads, which ulysses_degree={degrees.ulysses} "
+                     f"cannot split; over these {ranks} ranks these work: {', '.join(working)}")
 
 
 def _cuda_graphs(asked: bool | None, device: torch.device) -> bool:
@@ -126,14 +148,19 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
     """The config with every default that depends on the job filled in, checked against the job and the models,
     before any collective."""
     world_size, _ = world_from_env()
-    degree = _ulysses_degree(world_size, config)
-    for model in models:
-        plan = patches.plan_for(model)
+    plans = [patches.plan_for(model) for model in models]
+    for model, plan in zip(models, plans):
         if plan.check_model is not None:
             plan.check_model(model)
-        _check_heads(model, plan.num_heads(model), degree, config.ulysses_degree is not None, world_size)
+    degrees = _degrees(world_size, config, [plan.num_heads(model) for model, plan in zip(models, plans)])
+    for model, plan in zip(models, plans):
+        _check_heads(model, plan.num_heads(model), degrees)
+        if degrees.ring > 1 and plan.query_key_masks is QueryKeyMasks.PAIR_BIAS:
+            raise NotImplementedError(f"xstage_dit: ring attention does not take {type(model).__name__}'s "
+                                      f"pair-bias masks yet; run it with ring_degree=1")
     resolve_backend(config.backend, local_device())
-    return dataclasses.replace(config, ulysses_degree=degree,
+    degree = degrees.ulysses * degrees.ring
+    return dataclasses.replace(config, ulysses_degree=degrees.ulysses, ring_degree=degrees.ring,
                                cuda_graphs=_cuda_graphs(config.cuda_graphs, local_device()),
                                parallel_vae=_parallel_vae(config.parallel_vae, getattr(pipe, "vae", None)),
                                expert_parallel=_expert_parallel(config.expert_parallel, models, degree))
@@ -198,11 +225,11 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     if config.check_inputs:  # before the groups: a rank with other degrees would build other groups
         check_agreement(_fingerprint(models, config), "xstage_dit.enable's arguments and models",
                         world_group(config.timeout_s))
-    groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s)
+    groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s, config.ring_degree)
     _move_to_rank_device(pipe, models, groups.device)
     choice = resolve_backend(config.backend, groups.device)
     fabric = None
-    if needs_fabric(choice, groups.device) and groups.ulysses_group is not None:
+    if needs_fabric(choice, groups.device) and groups.ulysses_group is not None and groups.ring_degree == 1:
         # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
         from .sp.fabric import open_fabric
 
@@ -210,17 +237,19 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)
-        shard = SequenceShard(groups.ulysses_degree, groups.ulysses_rank, groups.ulysses_group)
-        attention = UlyssesAttention(shard, choice, text_first=plan.text_first, query_key_masks=plan.query_key_masks)
-        experts = ExpertModes.resolve(config.expert_parallel, groups.ulysses_degree, fabric_ready=fabric is not None)
+        shard = SequenceShard(groups.sequence_degree, groups.sequence_rank, groups.sequence_group)
+        attention = UlyssesAttention(shard, choice, text_first=plan.text_first, query_key_masks=plan.query_key_masks,
+                                     ulysses=groups.ulysses, ring=groups.ring)
+        experts = ExpertModes.resolve(config.expert_parallel, shard.degree, fabric_ready=fabric is not None)
         job = ModelJob(model=model, plan=plan, config=config, groups=groups, shard=shard, attention=attention,
                        experts=experts, fabric=fabric, pairs=pairs)
         _install(model, MODEL_LAYERS, job)
         setattr(model, _STATE_ATTR, Enabled(config, pairs, [id(pipe)]))
     _enable_pipeline(pipe, models, config, pairs)
     logger.info(
-        "xstage_dit enabled on %s: ulysses_degree=%d, cfg_degree=%d, backend=%s, layers: %s",
-        ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.cfg_degree, config.backend,
+        "xstage_dit enabled on %s: ulysses_degree=%d, ring_degree=%d, cfg_degree=%d, backend=%s, layers: %s",
+        ", ".join(type(m).__name__ for m in models), config.ulysses_degree, config.ring_degree, config.cfg_degree,
+        config.backend,
         ", ".join(installed_layers(pipe)),
     )
     return pipe

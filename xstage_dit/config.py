@@ -18,9 +18,11 @@ class XStageConfig:
     value's type and range is checked here, and `enable` resolves the defaults that depend on the job (`None`) before
     any collective.
 
-    ulysses_degree: ranks that split one sequence (Ulysses sequence parallelism); None: the world size divided by
-        cfg_degree.
-    cfg_degree: groups of ranks that split the classifier-free-guidance branches (1 or 2).
+    ulysses_degree: ranks that split one sequence's heads (Ulysses sequence parallelism); None: see ring_degree.
+    ring_degree: Ulysses groups that split one sequence further as a ring (ring attention: the keys and values
+        travel around the ring, sp/attention/ring.py), the Ulysses groups innermost (consecutive ranks, one node);
+        None with ulysses_degree None: the planner picks both from the world, the heads and the node size (Ulysses
+        as wide as divides the heads within a node, the ring for the rest), else world / cfg_degree / ulysses.
     backend: how Ulysses moves data; see `xstage_dit.available_backends()`.
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
     fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU); in
@@ -40,6 +42,7 @@ class XStageConfig:
     """
 
     ulysses_degree: int | None = None
+    ring_degree: int | None = None
     cfg_degree: int = 1
     backend: str = "auto"
     timeout_s: float = 600.0
@@ -51,8 +54,10 @@ class XStageConfig:
     expert_parallel: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.ulysses_degree is not None and not (_is_int(self.ulysses_degree) and self.ulysses_degree >= 1):
-            raise TypeError(f"ulysses_degree must be None or an int >= 1, got {self.ulysses_degree!r}")
+        for name in ("ulysses_degree", "ring_degree"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise TypeError(f"{name} must be None or an int >= 1, got {value!r}")
         if not (_is_int(self.cfg_degree) and self.cfg_degree in (1, 2)):
             raise ValueError(f"cfg_degree must be 1 or 2 (guidance has two branches), got {self.cfg_degree!r}")
         if not isinstance(self.backend, str):

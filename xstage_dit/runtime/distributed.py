@@ -16,9 +16,20 @@ from ..logging_utils import logger
 
 
 @dataclass(frozen=True)
+class Axis:
+    """One axis of the sequence split: its degree, this rank's index on it, its group (None at degree 1)."""
+
+    degree: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+
+
+@dataclass(frozen=True)
 class ParallelGroups:
-    """The ranks this process works with: world = cfg_degree x ulysses_degree, Ulysses groups of consecutive
-    ranks. Groups are None in a single process."""
+    """The ranks this process works with, laid out as the mesh (cfg, ring, ulysses), Ulysses innermost: world =
+    cfg_degree x ring_degree x ulysses_degree; Ulysses groups of consecutive ranks (one node), ring groups of ranks
+    ulysses_degree apart, and the sequence group (ring x ulysses, within one CFG group) whose ranks split one
+    sequence. Groups are None where their degree is 1 (and in a single process)."""
 
     world_size: int
     rank: int
@@ -29,6 +40,27 @@ class ParallelGroups:
     cfg_rank: int
     cfg_group: dist.ProcessGroup | None
     device: torch.device
+    ring_degree: int = 1
+    ring_rank: int = 0
+    ring_group: dist.ProcessGroup | None = None
+    sequence_group: dist.ProcessGroup | None = None
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.ring_degree * self.ulysses_degree
+
+    @property
+    def sequence_rank(self) -> int:
+        """This rank's shard of the sequence: ring blocks in order, Ulysses shards inside each."""
+        return self.ring_rank * self.ulysses_degree + self.ulysses_rank
+
+    @property
+    def ulysses(self) -> Axis:
+        return Axis(self.ulysses_degree, self.ulysses_rank, self.ulysses_group)
+
+    @property
+    def ring(self) -> Axis:
+        return Axis(self.ring_degree, self.ring_rank, self.ring_group)
 
 
 def world_from_env() -> tuple[int, int]:
@@ -137,18 +169,30 @@ def world_group(timeout_s: float) -> dist.ProcessGroup | None:
     return _subgroup(list(range(dist.get_world_size())), timeout_s)
 
 
-def build_groups(cfg_degree: int, ulysses_degree: int, timeout_s: float) -> ParallelGroups:
-    """This rank's Ulysses and CFG groups, their collectives bounded by `timeout_s`. Degrees were validated by the
-    caller before any collective; every rank creates every group, in the same order, as torch.distributed
-    requires."""
+def build_groups(cfg_degree: int, ulysses_degree: int, timeout_s: float, ring_degree: int = 1) -> ParallelGroups:
+    """This rank's groups on the mesh (cfg, ring, ulysses), their collectives bounded by `timeout_s`. Degrees were
+    validated by the caller before any collective; every rank creates every group, in the same order, as
+    torch.distributed requires."""
     world_size, rank = world_from_env()
     device = local_device()
     if world_size == 1:
         return ParallelGroups(1, 0, 1, 0, None, 1, 0, None, device)
-    ulysses_groups = [_subgroup(list(range(c * ulysses_degree, (c + 1) * ulysses_degree)), timeout_s)
-                      if ulysses_degree > 1 else None for c in range(cfg_degree)]
-    cfg_groups = [_subgroup(list(range(u, world_size, ulysses_degree)), timeout_s)
-                  if cfg_degree > 1 else None for u in range(ulysses_degree)]
-    cfg_rank, ulysses_rank = divmod(rank, ulysses_degree)
-    return ParallelGroups(world_size, rank, ulysses_degree, ulysses_rank, ulysses_groups[cfg_rank],
-                          cfg_degree, cfg_rank, cfg_groups[ulysses_rank], device)
+    sequence = ring_degree * ulysses_degree
+    cfg_rank, sequence_rank = divmod(rank, sequence)
+    ring_rank, ulysses_rank = divmod(sequence_rank, ulysses_degree)
+
+    def groups(degree: int, members) -> list:
+        """One group per combination of the other axes (all created, in order), or None at degree 1."""
+        return [_subgroup(ranks, timeout_s) if degree > 1 else None for ranks in members]
+
+    blocks = [range(c * sequence, (c + 1) * sequence) for c in range(cfg_degree)]
+    ulysses = groups(ulysses_degree, [list(block[r * ulysses_degree:(r + 1) * ulysses_degree])
+                                      for block in blocks for r in range(ring_degree)])
+    rings = groups(ring_degree, [list(block[u::ulysses_degree]) for block in blocks for u in range(ulysses_degree)])
+    sequences = groups(sequence, [list(block) for block in blocks]) if ring_degree > 1 else ulysses[::ring_degree]
+    cfgs = groups(cfg_degree, [list(range(s, world_size, sequence)) for s in range(sequence)])
+    return ParallelGroups(world_size=world_size, rank=rank, ulysses_degree=ulysses_degree, ulysses_rank=ulysses_rank,
+                          ulysses_group=ulysses[cfg_rank * ring_degree + ring_rank], cfg_degree=cfg_degree,
+                          cfg_rank=cfg_rank, cfg_group=cfgs[sequence_rank], device=device, ring_degree=ring_degree,
+                          ring_rank=ring_rank, ring_group=rings[cfg_rank * ulysses_degree + ulysses_rank],
+                          sequence_group=sequences[cfg_rank])

@@ -28,6 +28,8 @@ class UlyssesLayout:
     rank: int
     text_first: bool = True
     text_queries: bool = True
+    ring_degree: int = 1
+    ring_rank: int = 0
 
     @property
     def query_text_len(self) -> int:
@@ -50,6 +52,10 @@ class UlyssesLayout:
     def key_len(self) -> int:
         """Keys attention sees: the padding at the tail of the gathered sequence is not one."""
         return self.text_len + self.seq_len
+
+    def block_keys(self, block: int) -> int:
+        """True tokens of ring block `block` (the padding sits at the tail of the whole sequence)."""
+        return max(0, min(self.padded_len, self.seq_len - block * self.padded_len))
 
     def image_row0(self, text_rows: int) -> int:
         """This rank's first image row in a head-sharded tensor that starts with `text_rows` text rows."""

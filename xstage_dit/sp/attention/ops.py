@@ -36,19 +36,22 @@ from ..fabric import fabric_of
 from .layout import UlyssesLayout
 from .local import diffusers_attention, sdpa_bshd
 from .reference import serial_exchange
+from .ring import ring_exchange
 from ..sharding import SequenceShard
 
 
 def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
-                      text_mask: torch.Tensor | None, backend: str, group: dist.ProcessGroup, scale: float | None,
-                      attention_backend: str | None, pair_bias: bool = False) -> torch.Tensor:
+                      text_mask: torch.Tensor | None, backend: str, group: dist.ProcessGroup | None,
+                      scale: float | None, attention_backend: str | None, pair_bias: bool = False,
+                      ring_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Ulysses attention of q, k and v as their joint tokens (1 or 2 parts (B, rows, H, D) each), through
     xstage::ulysses_attention. Where q and k come with a NormRope (both, sharing the tables and `across_heads`:
     a joint-attention processor's prologue), a backend with a joint entry (the fused one) applies it in its stores
     and any other gets it applied first (the norm + RoPE kernel, a concatenation). `backend` names the choice
     (sp/attention/backends.py) that picks the backend for this call; `attention_backend`, the diffusers attention
     backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor of a pair
-    bias (masks.QueryKeyMasks.PAIR_BIAS), which only the reference backend attends with."""
+    bias (masks.QueryKeyMasks.PAIR_BIAS), which only the reference backend attends with. `group`: the Ulysses
+    group (None at Ulysses degree 1); `ring_group`: the ring's, where `layout.ring_degree` is above 1 (ring.py)."""
     query_norm, key_norm = query.norm_rope, key.norm_rope
     return ulysses_attention_op(
         query_parts=list(query.parts), key_parts=list(key.parts), value_parts=list(value.parts),
@@ -60,7 +63,9 @@ def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, 
         norm_across_heads=query_norm is not None and query_norm.across_heads, text_mask=text_mask,
         text_len=layout.text_len, seq_len=layout.seq_len, local_len=layout.local_len, degree=layout.degree,
         rank=layout.rank, text_first=layout.text_first, text_queries=layout.text_queries, backend=backend,
-        group_name=group.group_name, scale=scale, attention_backend=attention_backend, pair_bias=pair_bias)
+        group_name="" if group is None else group.group_name, scale=scale, attention_backend=attention_backend,
+        pair_bias=pair_bias, ring_degree=layout.ring_degree, ring_rank=layout.ring_rank,
+        ring_group_name="" if ring_group is None else ring_group.group_name)
 
 
 @torch.library.custom_op("xstage::ulysses_attention", mutates_args=())
@@ -89,11 +94,15 @@ def ulysses_attention_op(
     scale: float | None,
     attention_backend: str | None,
     pair_bias: bool,
+    ring_degree: int,
+    ring_rank: int,
+    ring_group_name: str,
 ) -> torch.Tensor:
     """`ulysses_attention` with its records as a custom op's arguments (tensors, scalars, lists): q's and k's
-    NormRope where `cos` is given, the layout's fields, the group's name."""
+    NormRope where `cos` is given, the layout's fields, the groups' names."""
     layout = UlyssesLayout(text_len=text_len, seq_len=seq_len, local_len=local_len, degree=degree, rank=rank,
-                           text_first=text_first, text_queries=text_queries)
+                           text_first=text_first, text_queries=text_queries, ring_degree=ring_degree,
+                           ring_rank=ring_rank)
 
     def tokens(parts: list[torch.Tensor], weights: list[torch.Tensor], eps: list[float]) -> JointTokens:
         return JointTokens(tuple(parts), None if cos is None else NormRope(tuple(weights), tuple(eps), cos, sin,
@@ -102,6 +111,13 @@ def ulysses_attention_op(
     query = tokens(query_parts, query_norm_weights, query_norm_eps)
     key = tokens(key_parts, key_norm_weights, key_norm_eps)
     value = JointTokens(tuple(value_parts))
+    if ring_degree > 1:
+        if backend not in (FALLBACK, "auto"):
+            warn_once(f"xstage_dit: with a ring degree above 1 attention runs the ring's reference path, not "
+                      f"backend {backend!r}")
+        return ring_exchange(_joined(query), _joined(key), _joined(value), layout,
+                             _resolve_process_group(group_name) if group_name else None,
+                             _resolve_process_group(ring_group_name), scale, text_mask)
     chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
     group = _resolve_process_group(group_name)
     if pair_bias:
@@ -121,7 +137,8 @@ def ulysses_attention_op(
 @ulysses_attention_op.register_fake
 def _(query_parts, key_parts, value_parts, query_norm_weights, key_norm_weights, cos, sin, text_mask, *,
       query_norm_eps, key_norm_eps, norm_across_heads, text_len, seq_len, local_len, degree, rank, text_first,
-      text_queries, backend, group_name, scale, attention_backend, pair_bias):
+      text_queries, backend, group_name, scale, attention_backend, pair_bias, ring_degree, ring_rank,
+      ring_group_name):
     batch, _, heads, head_dim = query_parts[0].shape
     return query_parts[0].new_empty(batch, sum(part.shape[1] for part in query_parts), heads, head_dim)
 

@@ -10,18 +10,23 @@ from .local import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
 from .ops import (gathered_keys_attention, local_attention, prologue_kernels_run, say_pair_bias_fallback,
     ulysses_attention)
+from ...runtime.distributed import Axis
 from ..sharding import SequenceShard
 
 
 class UlyssesAttention:
-    """Ulysses attention for one model: knows the model's token split and the backend choice, not the model."""
+    """Ulysses attention for one model: knows the model's token split and the backend choice, not the model. The
+    split's ranks may form a ring of Ulysses groups (`ring`, ring.py); by default they are one Ulysses group."""
 
     def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
-                 query_key_masks: QueryKeyMasks | None = None) -> None:
+                 query_key_masks: QueryKeyMasks | None = None, ulysses: Axis | None = None,
+                 ring: Axis = Axis()) -> None:
         self.shard = shard
         self.choice = choice
         self.text_first = text_first
         self.query_key_masks = query_key_masks
+        self.ulysses = Axis(shard.degree, shard.rank, shard.group) if ulysses is None else ulysses
+        self.ring = ring
 
     def routes(self, keys: int) -> bool:
         """Whether a call over `keys` keys is this attention's: not one within a prefix every rank holds whole
@@ -58,8 +63,9 @@ class UlyssesAttention:
             return local_attention(query, key, value, attn_mask, backend=choice, scale=scale)
         layout = self._layout(query.shape[1], key.shape[1])
         return ulysses_attention(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout,
-                                 text_mask=text_key_mask(attn_mask, layout), backend=choice, group=shard.group,
-                                 scale=scale, attention_backend=attention_backend, pair_bias=pair_bias)
+                                 text_mask=text_key_mask(attn_mask, layout), backend=choice,
+                                 group=self.ulysses.group, scale=scale, attention_backend=attention_backend,
+                                 pair_bias=pair_bias, ring_group=self.ring.group)
 
     def joint(self, query: JointTokens, key: JointTokens, value: JointTokens, attn_mask: torch.Tensor | None = None,
               scale: float | None = None, attention_backend: str | None = None) -> torch.Tensor | None:
@@ -70,13 +76,13 @@ class UlyssesAttention:
             return None
         layout = self._layout(query.rows, key.rows)
         return ulysses_attention(query, key, value, layout, text_mask=text_key_mask(_four_dims(attn_mask), layout),
-                                 backend=self.choice.name, group=self.shard.group, scale=scale,
+                                 backend=self.choice.name, group=self.ulysses.group, scale=scale,
                                  attention_backend=attention_backend)
 
     def takes_joint_tokens(self, device: torch.device) -> bool:
         """What `joint` asks before it looks at the tensors: a Ulysses degree above 1, no masks over query-key
         pairs, and a backend of the choice that takes JointTokens on `device`."""
-        return (self.shard.degree > 1 and self.query_key_masks is None
+        return (self.shard.degree > 1 and self.ring.degree == 1 and self.query_key_masks is None
                 and may_take_joint_tokens(self.choice, device))
 
     def _layout(self, query_rows: int, key_rows: int) -> UlyssesLayout:
@@ -87,10 +93,12 @@ class UlyssesAttention:
             text_len=key_rows - local_len,
             seq_len=shard.text_len + shard.seq_len,
             local_len=local_len,
-            degree=shard.degree,
-            rank=shard.rank,
+            degree=self.ulysses.degree,
+            rank=self.ulysses.rank,
             text_first=self.text_first,
             text_queries=query_rows == key_rows,
+            ring_degree=self.ring.degree,
+            ring_rank=self.ring.rank,
         )
 
 

@@ -1,0 +1,121 @@
+"""Sequence parallelism past the head count: ring attention (sp/attention/ring.py) and Ulysses inside each ring
+step, on the mesh (cfg, ring, ulysses). The parallel result equals one process's (CPU, float32, < 1e-4)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+
+import xstage_dit
+import zoo
+from dist_harness import run_on_ranks
+from test_compile import _ranks_worker
+from test_parallel_pipelines import TOLERANCE, _bare_transformer_inputs, _pipelines_worker, _relative_error
+from xstage_dit import api
+from xstage_dit.config import XStageConfig
+from xstage_dit.runtime.distributed import free_port
+
+
+@pytest.mark.parametrize("world, given, heads, node, expected", [
+    (4, {}, [6], 4, (2, 2)),        # 6 heads: Ulysses 2 is the widest that splits them
+    (4, {}, [5], 4, (1, 4)),        # 5 heads: a ring of 4
+    (8, {}, [12], 8, (4, 2)),
+    (8, {}, [24], 4, (4, 2)),       # Ulysses stays inside a node of 4
+    (16, {}, [24], 8, (8, 2)),      # 2 nodes x 8 GPUs
+    (8, {"cfg_degree": 2}, [30], 4, (2, 2)),
+    (4, {"ulysses_degree": 2}, [12], 4, (2, 2)),
+    (4, {"ring_degree": 4}, [12], 4, (1, 4)),
+    (4, {}, [12], 4, (4, 1)),       # Ulysses alone where it splits the heads
+])
+def test_the_degrees_the_job_runs(monkeypatch, world, given, heads, node, expected):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(node))
+    degrees = api._degrees(world, XStageConfig(**given), heads)
+    assert (degrees.ulysses, degrees.ring) == expected
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"ulysses_degree": 3}, r"ulysses_degree=3 does not fit the world size 4: .* so it must divide 4$"),
+    ({"ring_degree": 3}, r"ring_degree=3 does not fit the world size 4"),
+    ({"ulysses_degree": 2, "ring_degree": 1}, r"ulysses_degree=2 x ring_degree=1 does not fit .* must be 4$"),
+])
+def test_degrees_that_do_not_fit_are_refused(given, message):
+    with pytest.raises(ValueError, match=message):
+        api._degrees(4, XStageConfig(**given), [12])
+
+
+def _heads_worker() -> None:
+    """Models whose head counts 4 ranks cannot split by Ulysses alone: the degrees are chosen by themselves."""
+    for heads, expected in ((6, (2, 2)), (5, (1, 4))):
+        torch.manual_seed(0)
+        model = FluxTransformer2DModel(**{**zoo.ZOO["tiny-flux"].transformer, "num_attention_heads": heads}).eval()
+        inputs = _bare_transformer_inputs("tiny-flux", torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            ref = model(**inputs).sample
+            xstage_dit.enable(model, backend="reference", timeout_s=120)
+            config = model._xstage_dit_applied.config
+            out = model(**inputs).sample
+        assert (config.ulysses_degree, config.ring_degree) == expected, config
+        error = _relative_error(out, ref)
+        assert error < TOLERANCE, f"{heads} heads as {expected}: relative error {error:.2e}"
+        xstage_dit.disable(model)
+
+
+def test_heads_that_ulysses_cannot_split_run_on_a_ring() -> None:
+    run_on_ranks(4, _heads_worker)
+
+
+# every family over 4 ranks, as a ring of 4 and as Ulysses 2 x ring 2 (uneven tokens, batch 2)
+FAMILIES = ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-flux2", "tiny-hunyuan-video", "tiny-ltx", "tiny-sd3.5",
+            "tiny-cogvideox", "tiny-hidream", "tiny-nucleusmoe", "tiny-zimage", "tiny-ltx2", "tiny-hunyuan-video15",
+            "tiny-wan-vace", "tiny-qwenimage21"]
+
+
+@pytest.mark.parametrize("degrees", [{"ring_degree": 4}, {"ulysses_degree": 2, "ring_degree": 2}],
+                         ids=["ring-4", "ulysses-2-ring-2"])
+def test_every_family_on_a_ring_matches_single_process(degrees: dict) -> None:
+    run_on_ranks(4, _pipelines_worker, FAMILIES, 1, 3.0, "reference", False, False, degrees, deadline_s=900)
+
+
+def test_cfg_parallel_around_a_ring_matches_single_process() -> None:
+    """cfg_degree=2 x ring_degree=2: each CFG group's two ranks hold one sequence as a ring."""
+    run_on_ranks(4, _pipelines_worker, ["tiny-flux", "tiny-wan"], 2, 3.0, "reference", False, False,
+                 {"ring_degree": 2}, deadline_s=600)
+
+
+@pytest.mark.parametrize("family, degrees, extra_graphs", [
+    ("flux", {"ulysses_degree": 2, "ring_degree": 2}, 0),
+    ("wan", {"ring_degree": 4}, 1),  # Wan's token split sits on its first block, a graph of its own (as under Ulysses)
+])
+def test_compiled_blocks_on_a_ring_compile_as_often_as_under_ulysses(family, degrees, extra_graphs) -> None:
+    """compile_repeated_blocks(fullgraph=True) at real depth: as many graphs as stock (plus the split's own, as
+    under Ulysses), compiled equal to eager, eager equal to one process."""
+    run_on_ranks(4, _ranks_worker, family, "blocks", extra_graphs, degrees, deadline_s=600)
+
+
+def test_two_nodes_run_ulysses_inside_and_a_ring_across() -> None:
+    """Two torchrun agents on this machine (--nnodes 2 --nproc-per-node 2, c10d rendezvous on localhost): with no
+    degrees given, Ulysses spans each pretend node's 2 ranks and the ring the 2 nodes; equal to one process."""
+    port = free_port()
+    job = Path(__file__).with_name("two_node_job.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "xstage-two-nodes",
+               "--max-restarts", "0", str(job)]
+    repository = str(Path(__file__).resolve().parents[1])  # the checkout under test, not an installed copy
+    environment = {**os.environ, "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [repository, os.environ.get("PYTHONPATH")]))}
+    agents = [subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for _ in range(2)]
+    outputs = []
+    try:
+        for agent in agents:
+            outputs.append(agent.communicate(timeout=300)[0])
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert all(agent.returncode == 0 for agent in agents), "\n".join(outputs)[-3000:]
+    assert "two nodes: ulysses 2 x ring 2" in "".join(outputs), "\n".join(outputs)[-3000:]
