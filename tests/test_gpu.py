@@ -75,7 +75,7 @@ def test_degree_one_on_gpu_matches_stock(name):
 
 
 def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
-                     expert_parallel: bool | None = None) -> None:
+                     expert_parallel: bool | None = None, degrees: dict | None = None) -> None:
     # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness;
     # symmetric memory's CUDA backend maps the ranks' buffers into each other on the shared GPU
     share_one_gpu()
@@ -85,7 +85,7 @@ def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     stock = _generate(pipe, name, SIZES[name], batch=2)
-    xstage_dit.enable(pipe, backend=backend, timeout_s=60, expert_parallel=expert_parallel)
+    xstage_dit.enable(pipe, backend=backend, timeout_s=60, expert_parallel=expert_parallel, **(degrees or {}))
     error = _relative_error(_generate(pipe, name, SIZES[name], batch=2), stock)
     world = dist.get_world_size()
     assert error < PIPELINE_TOLERANCE, f"{name}, {backend}, {world} ranks on one GPU: relative error {error:.2e}"

@@ -15,6 +15,7 @@ import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
 from test_compile import _ranks_worker
+from test_gpu import _same_gpu_worker
 from test_parallel_pipelines import TOLERANCE, _bare_transformer_inputs, _pipelines_worker, _relative_error
 from xstage_dit import api
 from xstage_dit.config import XStageConfig
@@ -95,6 +96,17 @@ def test_compiled_blocks_on_a_ring_compile_as_often_as_under_ulysses(family, deg
     """compile_repeated_blocks(fullgraph=True) at real depth: as many graphs as stock (plus the split's own, as
     under Ulysses), compiled equal to eager, eager equal to one process."""
     run_on_ranks(4, _ranks_worker, family, "blocks", extra_graphs, degrees, deadline_s=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, world_size, degrees", [
+    ("tiny-flux-d64", 2, {"ring_degree": 2}), ("tiny-flux-d64", 4, {"ulysses_degree": 2, "ring_degree": 2}),
+    ("tiny-wan-d64", 4, {"ring_degree": 4}), ("tiny-nucleusmoe", 4, {"ulysses_degree": 2, "ring_degree": 2}),
+])
+def test_a_ring_of_ranks_sharing_one_gpu_matches_one_gpu(name, world_size, degrees) -> None:
+    """bf16 on one GPU (gloo between the processes), against the same pipeline on one GPU, within the tolerance
+    of tests/test_gpu.py's same-GPU tests."""
+    run_on_ranks(world_size, _same_gpu_worker, name, "auto", None, None, degrees, deadline_s=300)
 
 
 def test_two_nodes_run_ulysses_inside_and_a_ring_across() -> None:

@@ -34,6 +34,7 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         if mask is not None:  # the kernel takes a bias of the full (B, H, queries, keys) shape
             mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, scale=scale)[:2]
+        lse = lse[..., :q.shape[2]]  # the kernel pads the queries of its log-sum-exp to a multiple of 32
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2), lse.float()
@@ -55,11 +56,16 @@ class _Merged:
 
 
 class _RingPass:
-    """One block's keys and values, packed, sent to the next ring rank while the previous rank's comes in."""
+    """One block's keys and values, packed, sent to the next ring rank while the previous rank's comes in. A gloo
+    group (ranks sharing a GPU, in tests) sends and receives through host copies: its point-to-point sends take
+    CPU tensors only."""
 
     def __init__(self, block: torch.Tensor, incoming_rows: int, group: dist.ProcessGroup, rank: int,
                  degree: int, what: Callable[[], str]) -> None:
-        self._what = what
+        self._what, self._device = what, block.device
+        staged = block.is_cuda and "gloo" in str(dist.get_backend(group))
+        if staged:
+            block = block.cpu()
         self._recv = block.new_empty((*block.shape[:2], incoming_rows, *block.shape[3:]))
         ops = []
         if block.shape[2]:
@@ -73,7 +79,7 @@ class _RingPass:
         with waiting_for(self._what):
             for work in self._works:
                 work.wait()
-        return self._recv
+        return self._recv.to(self._device, non_blocking=True)
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
