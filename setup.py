@@ -52,7 +52,7 @@ setup(
         "video": ["imageio", "imageio-ffmpeg", "av"],
         "bench": ["matplotlib"],
         # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
-        "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4"],
+        "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft"],
     },
     license="MIT",
     license_files=["LICENSE"],

@@ -19,6 +19,7 @@ from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwa
 from torch import nn
 
 from ...cfg.plan import BATCH, CfgPlan
+from ...fusions.plain import say_fallback
 from ...sp.moe.choice import gather_tokens, reduce_tokens
 from ...sp.moe.token_choice import GroupedSwiGLUExperts, dispatch
 from ...sp.attention import routing
@@ -48,6 +49,11 @@ class _PatchifyFirst:
         return (), arguments
 
 
+_SHARDED_ADAPTERS = ("expert_parallel=True cannot run (each rank holds only its own experts' weights): merge and "
+                     "unload the adapter before enable (pipe.fuse_lora(); pipe.unload_lora_weights()), or enable "
+                     "with expert_parallel=False")
+
+
 class _GroupedMoE:
     """Replaces one MoE layer's `moe_infer` (a Python loop sized by `.cpu()` counts) with the grouped one; with
     the experts sharded, this rank holds E/N experts, computes their share of the group's gathered tokens, and the
@@ -64,6 +70,12 @@ class _GroupedMoE:
         top_k = layer.num_activated_experts
 
         def moe_infer(x: torch.Tensor, expert_index: torch.Tensor, expert_weight: torch.Tensor) -> torch.Tensor:
+            why = experts.why_not_plain()
+            if why is not None:
+                if held is not None:
+                    raise NotImplementedError(f"xstage_dit: HiDream's {why}, which {_SHARDED_ADAPTERS}")
+                say_fallback(f"HiDream's grouped MoE: {why}")
+                return type(layer).moe_infer(layer, x, expert_index, expert_weight)
             if held is None:
                 return experts(x, dispatch(expert_index, expert_weight.view(-1), top_k, experts.num_experts))
             tokens = gather_tokens(x.unsqueeze(0), shard)

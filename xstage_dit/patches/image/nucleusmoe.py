@@ -22,6 +22,7 @@ from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMo
 from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
+from ...fusions.plain import say_fallback, why_not_plain
 from ...sp.attention import routing
 from ...sp.moe.layer import ExpertChoiceCall
 from ...sp.moe.modes import ExpertModes
@@ -35,7 +36,9 @@ class ExactExpertChoice:
     """Replaces one MoE layer's forward with whole-sequence expert choice over the plan's split, in the mode the
     context allows and the planner picks per call (sp/moe/modes.py). Where the experts are sharded, the other
     ranks' expert weights move to the host, so the GPU holds only this rank's; `remove()` gives the layer its
-    forward and weights back. `schedule` fixes the stores mode's schedule (default: the planner's)."""
+    forward and weights back. `schedule` fixes the stores mode's schedule (default: the planner's). Experts that
+    are not a plain module (an adapter's layer, hooks: fusions/plain.py) run diffusers' forward in one process;
+    across ranks, whose whole-sequence choice only the grouped path makes, they are refused."""
 
     def __init__(self, layer: NucleusMoELayer, context: PlanContext, schedule: ExpertSchedule | None = None) -> None:
         self.layer = layer
@@ -62,6 +65,14 @@ class ExactExpertChoice:
     def forward(self, hidden_states: torch.Tensor, hidden_states_unmodulated: torch.Tensor,
                 timestep: torch.Tensor | None = None) -> torch.Tensor:
         layer, shard = self.layer, self.shard
+        why = why_not_plain(layer.experts, transformer_nucleusmoe_image.SwiGLUExperts)
+        if why is not None:
+            if shard.degree > 1:
+                raise NotImplementedError(f"xstage_dit: NucleusMoE-Image's routed-experts module {why}, which its "
+                                          "expert choice across ranks cannot run: merge and unload the adapter "
+                                          "before enable")
+            say_fallback(f"NucleusMoE-Image's expert choice: its routed-experts module {why}")
+            return type(layer).forward(layer, hidden_states, hidden_states_unmodulated, timestep)
         local_len = hidden_states.shape[1]
         router_input = hidden_states_unmodulated
         if timestep is not None:

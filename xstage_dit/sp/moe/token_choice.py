@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...fusions.plain import why_not_plain
 from .grouped import packed_swiglu_experts, slot_table, sort_by_expert
 from .ops import expert_sum
 
@@ -50,7 +51,7 @@ class GroupedSwiGLUExperts:
     packed layout: one stack of [w1; w3] per expert, one of w2.
 
     The experts' own parameters are re-pointed at views of the stacks, so the model's memory does not grow and
-    the experts still work as plain modules."""
+    the experts still work as plain modules (an adapter merged into them in place lands in the stacks)."""
 
     def __init__(self, experts: nn.ModuleList, held: slice | None = None) -> None:
         """`held`: the experts kept on the device (expert parallel); the others' weights move to the host until
@@ -76,6 +77,19 @@ class GroupedSwiGLUExperts:
         # as packed_swiglu_experts takes them: (E, D, 2F) and (E, F, D), views of the (out, in) stacks
         self.gate_up, self.down = gate_up.transpose(1, 2), down.transpose(1, 2)
         self.num_experts = len(experts)
+        self._expert_type = type(experts[0])
+
+    def why_not_plain(self) -> str | None:
+        """Why the stacks cannot compute the experts this call: an expert, or its w1, w3 or w2, that is no longer
+        the plain module (an adapter's layer, hooks: fusions/plain.py); None where they can."""
+        for index, expert in enumerate(self.experts):
+            parts = [("", expert, self._expert_type), *((f".{name}", getattr(expert, name), nn.Linear)
+                                                         for name in ("w1", "w3", "w2"))]
+            for name, module, kind in parts:
+                why = why_not_plain(module, kind)
+                if why is not None:
+                    return f"routed expert {index}{name} {why}"
+        return None
 
     def restore(self) -> None:
         """The experts moved to the host back on the device."""
