@@ -84,7 +84,8 @@ def _first_attention(pipe) -> list[torch.nn.Module]:
 
 
 def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, backend: str = "reference",
-                     expert_parallel: bool = False, every_case: bool = True, degrees: dict | None = None) -> None:
+                     expert_parallel: bool = False, every_case: bool | None = True,
+                     degrees: dict | None = None) -> None:
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     # query rows that reach each transformer's first routed attention, per call: proves the sequence is split
@@ -105,9 +106,10 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
         return [out for out in outs if isinstance(out, torch.Tensor)], dict(tokens_seen)
 
     batches = BATCHES.get(name, (1, 2))
-    # every batch at every size; or each batch and each size once (the largest batch at the uneven size)
+    # every batch at every size; or each batch and each size once (the largest batch at the uneven size); or
+    # (every_case None) that last case alone
     cases = ([(batch, size) for batch in batches for size in ("even", "uneven")] if every_case
-             else [(batches[0], "even"), (batches[-1], "uneven")])
+             else [(batches[0], "even"), (batches[-1], "uneven")][every_case is None:])
     stock = {case: generate(*case) for case in cases}
 
     every_expert = _routed_expert_weights(pipe.transformer)
@@ -144,7 +146,7 @@ def _routed_expert_weights(model: torch.nn.Module) -> int:
 
 
 def _pipelines_worker(names: list[str], cfg_degree: int = 1, guidance: float = 3.0,
-                      backend: str = "reference", expert_parallel: bool = False, every_case: bool = True,
+                      backend: str = "reference", expert_parallel: bool = False, every_case: bool | None = True,
                       degrees: dict | None = None) -> None:
     """One spawn of ranks checks several pipelines in turn (a spawn's start-up costs more than a tiny pipeline)."""
     for name in names:
