@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
-from diffusers import ModelMixin
 from torch import nn
 
 from .cfg.plan import PAIRS
@@ -215,7 +214,7 @@ def _pipeline_call(job: PipelineJob) -> list[Change]:
     config, pipe, cfg = job.config, job.pipe, job.plan.cfg
     paired = config.cfg_degree > 1 and cfg.mode == PAIRS
     check = config.check_inputs and job.world_size > 1
-    if isinstance(pipe, ModelMixin) or not (paired or check):
+    if not (paired or check):
         return []
     what = f"the arguments of a {type(pipe).__name__} call"
     group = world_group(config.timeout_s) if check else None  # created here: all ranks are in enable
