@@ -86,9 +86,16 @@ class Liveness:
         self.rank, self.world, self.silent_after_s, self.on_silent = rank, world, silent_after_s, on_silent
         self._deadline: float | None = None
         self._store = _store() if world > 1 else None
+        self._stop = threading.Event()
         self._prefix = f"xstage_serve/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/" \
                        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/beat/"
-        threading.Thread(target=self._run, name="xstage-serve-liveness", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="xstage-serve-liveness", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5 * BEAT_S)
+        self._store = None
 
     def arm(self, seconds: float, what: str) -> None:
         self._deadline, self._what = time.monotonic() + seconds, what
@@ -99,7 +106,7 @@ class Liveness:
     def _run(self) -> None:
         seen = {r: (0, time.monotonic()) for r in range(self.world) if r != self.rank}
         reported = False
-        while True:
+        while not self._stop.is_set():
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline:
                 logger.critical("rank %d: %s ran past its bound; exiting", self.rank, self._what)
@@ -110,7 +117,7 @@ class Liveness:
                     reported = self._beat(seen)
                 except (RuntimeError, dist.DistError) as error:  # the store is gone: the job is ending
                     logger.debug("rank %d: heartbeat failed: %s", self.rank, error)
-            time.sleep(BEAT_S)
+            self._stop.wait(BEAT_S)
 
     def _beat(self, seen: dict[int, tuple[int, float]]) -> bool:
         """Bump this rank's counter; on rank 0, read the others'. True once a silent rank was reported."""

@@ -75,6 +75,7 @@ class Service:
             if self.state is State.DRAINING:
                 self._answer_all(self.queue.clear(), Answer(503, error=self.reason))
                 self.channel.command(Command("stop"))
+                self.liveness.stop()
                 return 0
             batch = self.queue.take(IDLE_S)
             self.metrics.queue_depth.set(len(self.queue))
@@ -171,6 +172,7 @@ def follow(loaded: LoadedPipeline, channel: SideChannel, timeout_s: float) -> in
         while True:
             command = channel.command()
             if command.kind == "stop":
+                liveness.stop()
                 return 0
             if command.kind == "run":
                 _, error = call_on_this_rank(loaded, list(command.batch), liveness, timeout_s)
