@@ -61,7 +61,8 @@ def _launch(log: Path, *args: str) -> ServiceJob:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SERVE_JOB),
                "--port", str(port), "--timeout-s", str(TIMEOUT_S), *args]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1",
+    # as a user runs it: not with the Triton interpreter that conftest.py turns on for the kernel tests
+    environment = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(command, env=environment, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                start_new_session=True)
@@ -107,8 +108,11 @@ def server(jobs) -> ServiceJob:
     return jobs[0]
 
 
+HTTP = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=16))  # one client: no TLS set-up per request
+
+
 def _generate(url: str, timeout: float = 60, **body) -> httpx.Response:
-    return httpx.post(f"{url}/v1/images/generations", json={"prompt": "a lighthouse", **body}, timeout=timeout)
+    return HTTP.post(f"{url}/v1/images/generations", json={"prompt": "a lighthouse", **body}, timeout=timeout)
 
 
 def _pixels(payload: bytes) -> np.ndarray:
@@ -121,7 +125,7 @@ def _images(response: httpx.Response) -> list[np.ndarray]:
 
 
 def _metric(url: str, line_start: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = HTTP.get(f"{url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
 
 
@@ -150,14 +154,14 @@ def _until(condition, what: str, timeout_s: float = 30) -> None:
 
 
 def test_health_models_metrics_and_an_image(server: ServiceJob) -> None:
-    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    health = HTTP.get(f"{server.url}/health", timeout=10).json()
     assert health["status"] == "ready" and health["ranks"] == 2 and health["model"] == "tiny-flux"
-    models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
+    models = HTTP.get(f"{server.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny-flux"]
     first, again = _generate(server.url, seed=7), _generate(server.url, seed=7, response_format="url")
     [image] = _images(first)
     assert image.shape == (32, 48, 3) and first.json()["data"][0]["seed"] == 7
-    fetched = httpx.get(again.json()["data"][0]["url"], timeout=10)
+    fetched = HTTP.get(again.json()["data"][0]["url"], timeout=10)
     assert fetched.headers["content-type"] == "image/png"
     assert np.array_equal(_pixels(fetched.content), image), "the same seed gave another image"
     assert not np.array_equal(_images(_generate(server.url, seed=8))[0], image)
@@ -169,7 +173,7 @@ def test_health_models_metrics_and_an_image(server: ServiceJob) -> None:
 
 def test_progress_streams_step_by_step(server: ServiceJob) -> None:
     body = {"prompt": "a lighthouse", "seed": 7, "num_inference_steps": 3, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
+    with HTTP.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = list(_events(response))
     assert [data for name, data in events if name == "progress"] == [{"step": i, "steps": 3} for i in (1, 2, 3)]
@@ -200,10 +204,10 @@ def test_bad_input_is_refused_naming_the_field(server: ServiceJob, body: dict, s
 
 
 def test_a_malformed_body_and_the_wrong_endpoint_are_refused(server: ServiceJob) -> None:
-    malformed = httpx.post(f"{server.url}/v1/images/generations", content=b"{not json",
+    malformed = HTTP.post(f"{server.url}/v1/images/generations", content=b"{not json",
                            headers={"content-type": "application/json"}, timeout=10)
     assert malformed.status_code == 422
-    video = httpx.post(f"{server.url}/v1/videos/generations", json={"prompt": "a wave"}, timeout=10)
+    video = HTTP.post(f"{server.url}/v1/videos/generations", json={"prompt": "a wave"}, timeout=10)
     assert video.status_code == 400 and video.json()["error"]["param"] == "model"
 
 
@@ -212,7 +216,7 @@ def test_a_failure_inside_a_call_answers_500_and_the_service_goes_on(server: Ser
     assert failed.status_code == 500 and "a failure inside the pipeline call" in failed.json()["error"]["message"]
     assert "rank 1" in failed.json()["error"]["message"]
     assert len(_images(_generate(server.url, seed=3))) == 1
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert HTTP.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def _long_call(url: str) -> tuple[threading.Thread, list]:
@@ -221,7 +225,7 @@ def _long_call(url: str) -> tuple[threading.Thread, list]:
 
     def stream() -> None:
         body = {"prompt": "a lighthouse", "num_inference_steps": LONG_STEPS, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/images/generations", json=body, timeout=60) as response:
+        with HTTP.stream("POST", f"{url}/v1/images/generations", json=body, timeout=60) as response:
             for event in _events(response):
                 running.set()
                 box[:] = [event]
@@ -244,7 +248,7 @@ def test_batched_equals_unbatched_and_a_full_queue_answers_429(server: ServiceJo
     for seed, n in seeds:
         waiting.append(_in_thread(_generate, server.url, seed=seed, n=n))
         time.sleep(0.05)  # arrival order
-    _until(lambda: httpx.get(f"{server.url}/health", timeout=5).json()["queue"] == QUEUE_BOUND, "a full queue")
+    _until(lambda: HTTP.get(f"{server.url}/health", timeout=5).json()["queue"] == QUEUE_BOUND, "a full queue")
     refused = _generate(server.url, seed=50)
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     for thread, _ in [(long_call, long_box), *waiting]:
@@ -281,12 +285,12 @@ def test_sigterm_drains_the_running_request_and_the_ranks_exit_0(server: Service
     """SIGTERM to every rank (what torchrun sends them when it is stopped): the running request answers 200,
     a new one 503, and the job exits 0. Ends the shared job."""
     body = {"prompt": "a lighthouse", "num_inference_steps": LONG_STEPS, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
+    with HTTP.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
         events = _events(response)
         assert next(events)[0] == "progress"
         for pid in server.rank_pids().values():
             os.kill(pid, signal.SIGTERM)
-        _until(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 503, "/health to fail")
+        _until(lambda: HTTP.get(f"{server.url}/health", timeout=5).status_code == 503, "/health to fail")
         assert _generate(server.url).status_code == 503
         assert list(events)[-1][0] == "completed"
     assert server.process.wait(timeout=EXIT_S) == 0, server.output()
@@ -296,7 +300,7 @@ def test_a_rank_killed_mid_request_fails_the_request_and_the_job(jobs) -> None:
     doomed = jobs[1]
     body = {"prompt": "a lighthouse", "num_inference_steps": 100, "stream": True}
     started = time.monotonic()
-    with httpx.stream("POST", f"{doomed.url}/v1/images/generations", json=body, timeout=60) as response:
+    with HTTP.stream("POST", f"{doomed.url}/v1/images/generations", json=body, timeout=60) as response:
         events = _events(response)
         assert next(events)[0] == "progress"
         os.kill(doomed.rank_pids()[1], signal.SIGKILL)
