@@ -46,8 +46,9 @@ def zoo() -> ModuleType:
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """--model, --config, --dtype and `enable`'s knobs."""
     parser.add_argument("--model", help="hub id or local path of a diffusers pipeline with real weights")
-    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(zoo().ZOO),
-                        help="random-weight config used when --model is not given")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(zoo().ZOO), metavar="NAME",
+                        help="random-weight config of examples/zoo.py used when --model is not given (default: "
+                             f"{DEFAULT_CONFIG})")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--backend", default="auto", choices=available_backends())
     parser.add_argument("--ulysses-degree", type=int,
