@@ -34,6 +34,7 @@ class Sample:
     status: int
     latency_s: float
     queue_s: float | None
+    call_s: float | None  # its pipeline call, as the service reports it
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,9 +82,10 @@ def send(client: httpx.Client, args: argparse.Namespace, index: int, start: floa
         body["num_inference_steps"] = args.steps
     sent = time.monotonic()
     response = client.post("/v1/images/generations", json=body)
-    queue = response.headers.get("x-queue-seconds")
-    return Sample(sent - start, response.status_code, time.monotonic() - sent,
-                  float(queue) if queue is not None else None)
+    latency = time.monotonic() - sent
+    queue, call = (response.headers.get(f"x-{name}-seconds") for name in ("queue", "call"))
+    return Sample(sent - start, response.status_code, latency, float(queue) if queue is not None else None,
+                  float(call) if call is not None else None)
 
 
 def closed_loop(client: httpx.Client, args: argparse.Namespace, clients: int, requests: int) -> list[Sample]:
@@ -132,7 +134,10 @@ def summary(samples: list[Sample], load: dict) -> dict:
     return {**load, "requests": len(samples), "answered": statuses,
             "throughput_rps": len(answered) / span if span > 0 else 0.0,
             "latency_s": _percentiles([s.latency_s for s in answered]),
-            "queue_s": _percentiles([s.queue_s for s in answered if s.queue_s is not None])}
+            "queue_s": _percentiles([s.queue_s for s in answered if s.queue_s is not None]),
+            # what the service adds to a request that does not wait: HTTP, queue, broadcast, encoding
+            "overhead_s": _percentiles([s.latency_s - s.queue_s - s.call_s for s in answered
+                                        if s.queue_s is not None and s.call_s is not None])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,20 +165,24 @@ def main(argv: list[str] | None = None) -> None:
     records = [{**common, **run} for run in runs]
     write_records(records, args.out, "Generation service under load",
                   "Latency: from sending a request to its answer, as the client saw it; queue: from admission to "
-                  "the start of the request's pipeline call, as the service reports it (x-queue-seconds); both "
-                  "over the requests answered 200. Throughput: answered requests per second from the first "
-                  "send to the last answer. The capacity row is one client in a loop.", table(records))
+                  "the start of the request's pipeline call, as the service reports it (x-queue-seconds); "
+                  "overhead: latency less queue less the pipeline call (x-call-seconds), i.e. HTTP, validation, "
+                  "the broadcast to the ranks and encoding; all over the requests answered 200. Throughput: "
+                  "answered requests per second from the first send to the last answer. The capacity row is one "
+                  "client in a loop; the Poisson rows offer that many times its throughput.", table(records))
 
 
 def table(records: list[dict]) -> list[str]:
     lines = ["| load | requests | answered | throughput (req/s) | latency p50 / p90 / p99 (s) | "
-             "queue p50 / p99 (s) |", "|---|---|---|---|---|---|"]
+             "queue p50 / p99 (s) | overhead p50 (s, % of latency) |", "|---|---|---|---|---|---|---|"]
     for r in records:
-        latency, queue = r["latency_s"], r["queue_s"]
+        latency, queue, overhead = r["latency_s"], r["queue_s"], r["overhead_s"]
         answered = ", ".join(f"{status}: {count}" for status, count in sorted(r["answered"].items()))
         lines.append(f"| {r['load']} | {r['requests']} | {answered} | {r['throughput_rps']:.3f} | "
                      + (f"{latency['p50']:.3f} / {latency['p90']:.3f} / {latency['p99']:.3f}" if latency else "-")
-                     + " | " + (f"{queue['p50']:.3f} / {queue['p99']:.3f}" if queue else "-") + " |")
+                     + " | " + (f"{queue['p50']:.3f} / {queue['p99']:.3f}" if queue else "-")
+                     + " | " + (f"{overhead['p50']:.4f} ({100 * overhead['p50'] / latency['p50']:.2f} %)"
+                                if overhead else "-") + " |")
     return lines
 
 

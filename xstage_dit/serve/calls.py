@@ -18,11 +18,13 @@ StepReport = Callable[[int, int, float], None]  # (steps done, steps in all, sec
 
 @dataclass(frozen=True)
 class Outputs:
-    """One request's outputs: PNG or MP4 bytes, one per seed."""
+    """One request's outputs: PNG or MP4 bytes, one per seed; `call_s`: the pipeline call that made them (of its
+    whole batch, without encoding)."""
 
     request_id: str
     files: list[bytes]
     seeds: list[int]
+    call_s: float
 
 
 def run_batch(loaded: LoadedPipeline, batch: list[GenerationRequest], on_step: StepReport | None = None,
@@ -31,11 +33,13 @@ def run_batch(loaded: LoadedPipeline, batch: list[GenerationRequest], on_step: S
     (only the rank that answers needs them)."""
     call = loaded.call_kwargs(generation_of(batch))
     generators = [torch.Generator().manual_seed(seed) for request in batch for seed in request.seeds]
+    started = time.perf_counter()
     result = loaded.pipe(**call, generator=generators, output_type="pil", **_step_callback(loaded, on_step, call))
+    call_s = time.perf_counter() - started
     outputs, index = [], 0
     for request in batch:
         files = [encoded(result, index + i, loaded.fps, loaded.pipe) for i in range(request.n)] if encode else []
-        outputs.append(Outputs(request.id, files, request.seeds))
+        outputs.append(Outputs(request.id, files, request.seeds, call_s))
         index += request.n
     return outputs
 
