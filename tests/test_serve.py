@@ -3,6 +3,7 @@
 mid-request. Every wait is bounded."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -19,10 +20,17 @@ import httpx
 import numpy as np
 import PIL.Image
 import pytest
+import torch
 
 import bench_serve
 from serve_job import FAIL_PROMPT
 from xstage_dit.runtime.distributed import free_port
+from xstage_dit.serve import loading, media
+from xstage_dit.serve.__main__ import model_card
+from xstage_dit.serve.app import create_app
+from xstage_dit.serve.metrics import ServiceMetrics
+from xstage_dit.serve.ranks import SideChannel
+from xstage_dit.serve.service import ServeOptions, Service
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SERVE_JOB = Path(__file__).with_name("serve_job.py")
@@ -278,6 +286,7 @@ def test_a_short_load_benchmark(server: ServiceJob, tmp_path: Path) -> None:
     [record] = json.loads(prefix.with_suffix(".json").read_text())
     assert record["answered"] == {"200": 4} and record["ranks"] == 2 and record["model"] == "tiny-flux"
     assert 0 < record["latency_s"]["p50"] <= record["latency_s"]["p99"] and record["throughput_rps"] > 0
+    assert 0 <= record["overhead_s"]["p50"] < record["latency_s"]["p50"]
     assert "p99" in prefix.with_suffix(".md").read_text()
 
 
@@ -308,3 +317,35 @@ def test_a_rank_killed_mid_request_fails_the_request_and_the_job(jobs) -> None:
     assert name == "error" and data["error"]["code"] == 503, (name, data)
     assert doomed.process.wait(timeout=TIMEOUT_S) != 0
     assert time.monotonic() - started < TIMEOUT_S
+
+
+VIDEO_EXTRA = pytest.mark.skipif(not media.can_write_mp4(), reason="the video extra is not installed")
+
+
+@VIDEO_EXTRA
+def test_a_video_model_answers_an_mp4_in_one_process() -> None:
+    """The tiny random Wan served in this process (one rank; the app called through httpx's ASGI transport, no
+    server): the video endpoint answers an MP4, the image endpoint names the model, a drain ends the loop with 0."""
+    loaded = loading.load_pipeline(None, "tiny-wan", loading.family_of(None, "tiny-wan"), torch.device("cpu"),
+                                   torch.float32)
+    loaded.pipe.set_progress_bar_config(disable=True)
+    service = Service(loaded, model_card(loaded, "tiny-wan"), ServeOptions(timeout_s=TIMEOUT_S),
+                      SideChannel(TIMEOUT_S), ServiceMetrics())
+
+    async def ask() -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://service", timeout=120) as client:
+            video = await client.post("/v1/videos/generations", json={"prompt": "a wave", "num_frames": 5, "seed": 2})
+            return video, await client.post("/v1/images/generations", json={"prompt": "a wave"})
+
+    loop, box = _in_thread(service.run)
+    try:
+        video, image = asyncio.run(ask())
+    finally:
+        service.drain(signal.SIGTERM, None)
+        loop.join(timeout=30)
+    assert video.status_code == 200, video.text
+    assert video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
+    assert video.headers["x-seed"] == "2"
+    assert image.status_code == 400 and image.json()["error"]["param"] == "model"
+    assert box == [0]
