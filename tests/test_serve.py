@@ -37,7 +37,7 @@ SERVE_JOB = Path(__file__).with_name("serve_job.py")
 START_S = 240  # two jobs start side by side on a busy CPU
 EXIT_S = 60
 LONG_STEPS = 40  # a call long enough (about a second on CPU) to hold the queue behind it
-QUEUE_BOUND, MAX_BATCH, TIMEOUT_S = 3, 4, 60
+QUEUE_BOUND, MAX_BATCH, TIMEOUT_S = 4, 4, 60  # four clients at once all wait
 
 
 @dataclass
@@ -245,9 +245,9 @@ def _long_call(url: str) -> tuple[threading.Thread, list]:
 
 
 def test_batched_equals_unbatched_and_a_full_queue_answers_429(server: ServiceJob) -> None:
-    """Behind a long call, three compatible requests wait (the bound) and run as one call of 4 outputs; a fourth
-    is refused. Each output equals the same seed run alone."""
-    seeds = [(20, 2), (30, 1), (40, 1)]  # (seed, n): seeds 20, 21, 30, 40
+    """Behind a long call, four compatible requests wait (the bound): the first three run as one call of 4
+    outputs (the most), the fourth after them; a fifth is refused. Each output equals the same seed run alone."""
+    seeds = [(20, 2), (30, 1), (40, 1), (50, 1)]  # (seed, n): seeds 20, 21, 30, 40, 50
     alone = {seed + i: _images(_generate(server.url, seed=seed + i))[0] for seed, n in seeds for i in range(n)}
     calls_of_4 = 'xstage_batch_outputs_bucket{le="4.0"}', 'xstage_batch_outputs_bucket{le="2.0"}'
     before = _metric(server.url, calls_of_4[0]) - _metric(server.url, calls_of_4[1])
@@ -257,7 +257,7 @@ def test_batched_equals_unbatched_and_a_full_queue_answers_429(server: ServiceJo
         waiting.append(_in_thread(_generate, server.url, seed=seed, n=n))
         time.sleep(0.05)  # arrival order
     _until(lambda: HTTP.get(f"{server.url}/health", timeout=5).json()["queue"] == QUEUE_BOUND, "a full queue")
-    refused = _generate(server.url, seed=50)
+    refused = _generate(server.url, seed=60)
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     for thread, _ in [(long_call, long_box), *waiting]:
         thread.join(timeout=60)
@@ -266,14 +266,14 @@ def test_batched_equals_unbatched_and_a_full_queue_answers_429(server: ServiceJo
         for i, image in enumerate(_images(box[0])):
             assert np.abs(image - alone[seed + i]).max() <= 1, f"seed {seed + i}: batched differs from alone"
     after = _metric(server.url, calls_of_4[0]) - _metric(server.url, calls_of_4[1])
-    assert after == before + 1, "the three waiting requests did not run as one call of 4 outputs"
+    assert after == before + 1, "the first three waiting requests did not run as one call of 4 outputs"
 
 
 def test_a_waiting_request_whose_client_left_is_dropped(server: ServiceJob) -> None:
     dropped = _metric(server.url, 'xstage_requests_total{outcome="dropped"}')
     long_call, box = _long_call(server.url)
     with pytest.raises(httpx.ReadTimeout):
-        _generate(server.url, timeout=0.5, seed=60)
+        _generate(server.url, timeout=0.5, seed=70)
     long_call.join(timeout=60)
     assert box[0][0] == "completed"
     _until(lambda: _metric(server.url, 'xstage_requests_total{outcome="dropped"}') == dropped + 1,
