@@ -9,6 +9,7 @@ and how many got each status; writes PREFIX.json and PREFIX.md.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     with httpx.Client(base_url=args.url, timeout=REQUEST_TIMEOUT_S,
                       limits=httpx.Limits(max_connections=max(args.requests, 8) + 4)) as client:
         health = wait_ready(client, args.wait_ready)
+        [model] = client.get("/v1/models").json()["data"]
         runs: list[dict] = []
         if args.concurrency is not None:
             runs.append(summary(closed_loop(client, args, args.concurrency, args.requests),
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs.append(summary(poisson(client, args, factor * capacity, args.requests),
                                     {"load": f"Poisson {factor:g}x capacity", "rate_rps": factor * capacity}))
     common = {**provenance(), "ranks": health["ranks"], "model": health["model"], "size": args.size,
-              "steps": args.steps}
+              "steps": args.steps, "service": model["service"]}
     records = [{**common, **run} for run in runs]
     write_records(records, args.out, "Generation service under load",
                   "Latency: from sending a request to its answer, as the client saw it; queue: from admission to "
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                   "overhead: latency less queue less the pipeline call (x-call-seconds), i.e. HTTP, validation, "
                   "the broadcast to the ranks and encoding; all over the requests answered 200. Throughput: "
                   "answered requests per second from the first send to the last answer. The capacity row is one "
-                  "client in a loop; the Poisson rows offer that many times its throughput.", table(records))
+                  "client in a loop; the Poisson rows offer that many times its throughput. The service: "
+                  f"{json.dumps(model['service'])}.", table(records))
 
 
 def table(records: list[dict]) -> list[str]:

@@ -166,6 +166,7 @@ def test_health_models_metrics_and_an_image(server: ServiceJob) -> None:
     assert health["status"] == "ready" and health["ranks"] == 2 and health["model"] == "tiny-flux"
     models = HTTP.get(f"{server.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny-flux"]
+    assert models["data"][0]["service"]["max_batch"] == MAX_BATCH
     first, again = _generate(server.url, seed=7), _generate(server.url, seed=7, response_format="url")
     [image] = _images(first)
     assert image.shape == (32, 48, 3) and first.json()["data"][0]["seed"] == 7
@@ -285,6 +286,7 @@ def test_a_short_load_benchmark(server: ServiceJob, tmp_path: Path) -> None:
     bench_serve.main(["--url", server.url, "--concurrency", "2", "--requests", "4", "--out", str(prefix)])
     [record] = json.loads(prefix.with_suffix(".json").read_text())
     assert record["answered"] == {"200": 4} and record["ranks"] == 2 and record["model"] == "tiny-flux"
+    assert record["service"]["queue_bound"] == QUEUE_BOUND
     assert 0 < record["latency_s"]["p50"] <= record["latency_s"]["p99"] and record["throughput_rps"] > 0
     assert 0 <= record["overhead_s"]["p50"] < record["latency_s"]["p50"]
     assert "p99" in prefix.with_suffix(".md").read_text()

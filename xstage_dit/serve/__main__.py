@@ -104,7 +104,8 @@ def _serve(loaded: loading.LoadedPipeline, args: argparse.Namespace, channel: Si
 
     options = ServeOptions(host=args.host, port=args.port, queue_bound=args.queue_bound, max_batch=args.max_batch,
                            timeout_s=args.timeout_s,
-                           limits=Limits(args.max_n, args.max_steps, args.max_pixels, args.max_frames))
+                           limits=Limits(args.max_n, args.max_steps, args.max_pixels, args.max_frames),
+                           enable={**loading.enable_knobs(args), "dtype": str(loaded.dtype)})
     service = Service(loaded, model_card(loaded, args.model or args.config), options, channel, ServiceMetrics())
     server = uvicorn.Server(uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
                                            lifespan="off", timeout_graceful_shutdown=5))

@@ -74,8 +74,9 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": card.id, "object": "model", "owned_by": "xstage_dit",
-                                            "video": card.video, "takes_image": card.takes_image}]}
+        return {"object": "list", "data": [{
+            "id": card.id, "object": "model", "owned_by": "xstage_dit", "video": card.video,
+            "takes_image": card.takes_image, "service": service.options.describe(service.channel.world)}]}
 
     @app.get("/v1/files/{name}")
     async def file(name: str) -> Response:

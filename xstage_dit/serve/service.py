@@ -10,8 +10,9 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from .admission import Answer, Job, JobQueue
 from .calls import Outputs, StepReport, run_batch
@@ -35,6 +36,11 @@ class ServeOptions:
     max_batch: int = 1
     timeout_s: float = 600.0
     limits: Limits = Limits()
+    enable: dict[str, Any] = field(default_factory=dict)  # what `enable` was given, for /v1/models to report
+
+    def describe(self, ranks: int) -> dict[str, Any]:
+        return {"ranks": ranks, "queue_bound": self.queue_bound, "max_batch": self.max_batch,
+                "timeout_s": self.timeout_s, "enable": self.enable}
 
 
 class State(Enum):
