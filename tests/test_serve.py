@@ -351,3 +351,11 @@ def test_a_video_model_answers_an_mp4_in_one_process() -> None:
     assert video.headers["x-seed"] == "2"
     assert image.status_code == 400 and image.json()["error"]["param"] == "model"
     assert box == [0]
+
+
+def test_the_console_script_takes_the_services_arguments(capsys) -> None:
+    from xstage_dit import cli
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["serve", "--help"])
+    assert exit.value.code == 0 and "--queue-bound" in capsys.readouterr().out

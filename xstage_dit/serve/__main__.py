@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import signal
+import socket
+import sys
 import threading
 import time
 
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if is_main_process() else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if is_main_process():
+        _check_address(args.host, args.port)
     device = local_device()
     family = loading.family_of(args.model, args.config)
     loaded = loading.load_pipeline(args.model, args.config, family, device, loading.default_dtype(args, device))
@@ -91,10 +94,22 @@ def main(argv: list[str] | None = None) -> int:
         code = _serve(loaded, args, channel)
     else:
         code = follow(loaded, channel, args.timeout_s)
+    if code != 0:  # the ranks are out of step: no collective may run again
+        return code
     disable(loaded.pipe)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return code
+
+
+def _check_address(host: str, port: int) -> None:
+    """Before minutes of loading: the address is free to listen on (uvicorn binds it again once every rank is
+    ready)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        raise SystemExit(f"xstage_dit.serve: cannot listen on {host}:{port}: {error}") from error
 
 
 def _serve(loaded: loading.LoadedPipeline, args: argparse.Namespace, channel: SideChannel) -> int:

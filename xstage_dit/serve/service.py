@@ -173,7 +173,8 @@ def call_on_this_rank(loaded: LoadedPipeline, requests: list[GenerationRequest],
 def follow(loaded: LoadedPipeline, channel: SideChannel, timeout_s: float) -> int:
     """Every rank but 0: run rank 0's commands until it says stop (0); exit 1 when it stops answering."""
     liveness = Liveness(channel.rank, channel.world, timeout_s)
-    signal.signal(signal.SIGTERM, _leave_to_rank_0)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _leave_to_rank_0)
     try:
         while True:
             command = channel.command()
