@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
-import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,17 +24,22 @@ ZOO_STEPS = 4  # random weights: a few steps show the run; more add nothing
 DEFAULT_CONFIG = "tiny-flux"
 _ZOO_FILE = Path(__file__).resolve().parents[2] / "examples" / "zoo.py"
 
-logger = logging.getLogger(__name__)
-
 
 def zoo() -> ModuleType:
     """examples/zoo.py of this source checkout, imported once as `zoo` (the module the examples and tests import):
     the random-weight configs are not part of the installed library."""
+    module = _zoo_if_present()
+    if module is None:
+        raise SystemExit(f"--config needs the repository's examples/zoo.py (not found at {_ZOO_FILE}); run from a "
+                         f"source checkout, or pass --model")
+    return module
+
+
+def _zoo_if_present() -> ModuleType | None:
     if "zoo" in sys.modules:
         return sys.modules["zoo"]
     if not _ZOO_FILE.is_file():
-        raise SystemExit(f"--config needs the repository's examples/zoo.py (not found at {_ZOO_FILE}); run from a "
-                         f"source checkout, or pass --model")
+        return None
     spec = importlib.util.spec_from_file_location("zoo", _ZOO_FILE)
     module = importlib.util.module_from_spec(spec)
     sys.modules["zoo"] = module
@@ -46,7 +50,9 @@ def zoo() -> ModuleType:
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """--model, --config, --dtype and `enable`'s knobs."""
     parser.add_argument("--model", help="hub id or local path of a diffusers pipeline with real weights")
-    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(zoo().ZOO), metavar="NAME",
+    models = _zoo_if_present()  # an installed copy without the examples serves --model only
+    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(models.ZOO) if models else None,
+                        metavar="NAME",
                         help="random-weight config of examples/zoo.py used when --model is not given (default: "
                              f"{DEFAULT_CONFIG})")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
@@ -178,10 +184,14 @@ class LoadedPipeline:
 
 
 def family_of(model: str | None, config: str) -> Any:
-    """The zoo family of the pipeline asked for (None for a pipeline class the zoo does not know)."""
-    models = zoo()
+    """The zoo family of the pipeline asked for (None for a pipeline class the zoo does not know, or without the
+    zoo)."""
     if not model:
+        models = zoo()
         return models.FAMILIES[models.ZOO[config].family]
+    models = _zoo_if_present()
+    if models is None:
+        return None
     from diffusers import DiffusionPipeline
 
     class_name = DiffusionPipeline.load_config(model)["_class_name"]
