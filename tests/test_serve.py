@@ -24,6 +24,7 @@ import torch
 
 import bench_serve
 from serve_job import FAIL_PROMPT
+import xstage_dit
 from xstage_dit.runtime.distributed import free_port
 from xstage_dit.serve import loading, media
 from xstage_dit.serve.__main__ import model_card
@@ -324,32 +325,62 @@ def test_a_rank_killed_mid_request_fails_the_request_and_the_job(jobs) -> None:
 VIDEO_EXTRA = pytest.mark.skipif(not media.can_write_mp4(), reason="the video extra is not installed")
 
 
-@VIDEO_EXTRA
-def test_a_video_model_answers_an_mp4_in_one_process() -> None:
-    """The tiny random Wan served in this process (one rank; the app called through httpx's ASGI transport, no
-    server): the video endpoint answers an MP4, the image endpoint names the model, a drain ends the loop with 0."""
-    loaded = loading.load_pipeline(None, "tiny-wan", loading.family_of(None, "tiny-wan"), torch.device("cpu"),
-                                   torch.float32)
+def _serve_in_process(config: str, device: torch.device, ask) -> tuple[list, int]:
+    """`config` served in this process (one rank; the app called through httpx's ASGI transport, no server):
+    `ask(client)`'s answers and the loop's exit code after a drain."""
+    loaded = loading.load_pipeline(None, config, loading.family_of(None, config), device, torch.float32)
     loaded.pipe.set_progress_bar_config(disable=True)
-    service = Service(loaded, model_card(loaded, "tiny-wan"), ServeOptions(timeout_s=TIMEOUT_S),
+    if device.type == "cuda":
+        xstage_dit.enable(loaded.pipe, timeout_s=TIMEOUT_S)
+    service = Service(loaded, model_card(loaded, config), ServeOptions(timeout_s=TIMEOUT_S),
                       SideChannel(TIMEOUT_S), ServiceMetrics())
 
-    async def ask() -> tuple[httpx.Response, httpx.Response]:
+    async def answers() -> list:
         transport = httpx.ASGITransport(app=create_app(service))
         async with httpx.AsyncClient(transport=transport, base_url="http://service", timeout=120) as client:
-            video = await client.post("/v1/videos/generations", json={"prompt": "a wave", "num_frames": 5, "seed": 2})
-            return video, await client.post("/v1/images/generations", json={"prompt": "a wave"})
+            return await ask(client)
 
     loop, box = _in_thread(service.run)
     try:
-        video, image = asyncio.run(ask())
+        return asyncio.run(answers()), box
     finally:
         service.drain(signal.SIGTERM, None)
         loop.join(timeout=30)
+        if device.type == "cuda":
+            xstage_dit.disable(loaded.pipe)
+
+
+@VIDEO_EXTRA
+def test_a_video_model_answers_an_mp4_in_one_process() -> None:
+    """The tiny random Wan: the video endpoint answers an MP4, the image endpoint names the model, a drain ends
+    the loop with 0."""
+    async def ask(client: httpx.AsyncClient) -> list:
+        video = await client.post("/v1/videos/generations", json={"prompt": "a wave", "num_frames": 5, "seed": 2})
+        return [video, await client.post("/v1/images/generations", json={"prompt": "a wave"})]
+
+    (video, image), box = _serve_in_process("tiny-wan", torch.device("cpu"), ask)
     assert video.status_code == 200, video.text
     assert video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
     assert video.headers["x-seed"] == "2"
     assert image.status_code == 400 and image.json()["error"]["param"] == "model"
+    assert box == [0]
+
+
+@pytest.mark.gpu
+def test_the_service_on_a_gpu() -> None:
+    """The tiny random Flux enabled on one GPU: streamed progress, the same seed twice, a batch of two."""
+    async def ask(client: httpx.AsyncClient) -> list:
+        body = {"prompt": "a lighthouse", "seed": 5, "num_inference_steps": 3}
+        streamed = await client.post("/v1/images/generations", json={**body, "stream": True})
+        return [streamed, await client.post("/v1/images/generations", json=body),
+                await client.post("/v1/images/generations", json={**body, "n": 2})]
+
+    (streamed, alone, batch), box = _serve_in_process("tiny-flux", torch.device("cuda"), ask)
+    assert streamed.text.count("event: progress") == 3 and "event: completed" in streamed.text
+    completed = json.loads(streamed.text.split("event: completed\ndata: ", 1)[1].split("\n", 1)[0])
+    first = _pixels(base64.b64decode(completed["data"][0]["b64_json"]))
+    assert np.array_equal(_images(alone)[0], first)
+    assert np.abs(_images(batch)[0] - first).max() <= 1
     assert box == [0]
 
 
