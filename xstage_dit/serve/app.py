@@ -122,11 +122,12 @@ def create_app(service: Service) -> FastAPI:
             return error_response(499, "the client went away")
         if answer.status != 200:
             return error_response(answer.status, answer.error)
+        files = await asyncio.to_thread(answer.outputs.files)  # the ranks' loop goes on meanwhile
         headers = {"x-request-id": checked.id, **_timing(job, answer)}
-        if checked.video and not body.stream:
-            return Response(answer.outputs.files[0], media_type="video/mp4",
-                            headers={**headers, "x-seed": str(answer.outputs.seeds[0])})
-        return JSONResponse(_result(answer, body, request), headers=headers)
+        if checked.video:
+            headers["x-seed"] = str(answer.outputs.seeds[0])
+            return Response(files[0], media_type="video/mp4", headers=headers)
+        return JSONResponse(_result(files, answer, body, request), headers=headers)
 
     async def _wait(job: Job, request: Request) -> Answer | None:
         """The job's answer; None (and the job dropped, if it has not started) when the client goes away."""
@@ -151,17 +152,18 @@ def create_app(service: Service) -> FastAPI:
                 yield _event("progress", {"step": progress.step, "steps": progress.steps})
             answer = job.answer.result()
             if answer.status == 200:
-                yield _event("completed", {**_result(answer, body, request), **_timing(job, answer)})
+                files = await asyncio.to_thread(answer.outputs.files)
+                yield _event("completed", {**_result(files, answer, body, request), **_timing(job, answer)})
             else:
                 yield _event("error", {"error": {"message": answer.error, "code": answer.status}})
         finally:
             if not job.answer.done():
                 job.gone = True
 
-    def _result(answer: Answer, body: ImageBody, request: Request) -> dict[str, Any]:
+    def _result(encoded: list[bytes], answer: Answer, body: ImageBody, request: Request) -> dict[str, Any]:
         suffix = "mp4" if isinstance(body, VideoBody) else "png"
         data = []
-        for payload, seed in zip(answer.outputs.files, answer.outputs.seeds):
+        for payload, seed in zip(encoded, answer.outputs.seeds):
             if body.response_format == "url":
                 data.append({"url": f"{request.base_url}v1/files/{files.put(payload, suffix)}", "seed": seed})
             else:

@@ -18,19 +18,25 @@ StepReport = Callable[[int, int, float], None]  # (steps done, steps in all, sec
 
 @dataclass(frozen=True)
 class Outputs:
-    """One request's outputs: PNG or MP4 bytes, one per seed; `call_s`: the pipeline call that made them (of its
-    whole batch, without encoding)."""
+    """One request's outputs: items `indices` of its batch's pipeline output `result`, one per seed; `call_s`: the
+    pipeline call that made them (of the whole batch). Encoded by `files`, away from the ranks' loop."""
 
     request_id: str
-    files: list[bytes]
+    result: Any
+    indices: list[int]
     seeds: list[int]
     call_s: float
+    fps: int
+    pipe: Any
+
+    def files(self) -> list[bytes]:
+        """PNG or MP4 bytes, one per seed."""
+        return [encoded(self.result, index, self.fps, self.pipe) for index in self.indices]
 
 
-def run_batch(loaded: LoadedPipeline, batch: list[GenerationRequest], on_step: StepReport | None = None,
-              encode: bool = True) -> list[Outputs]:
-    """Generate `batch` (requests with one batch key) in one pipeline call; with `encode`, each output's file
-    (only the rank that answers needs them)."""
+def run_batch(loaded: LoadedPipeline, batch: list[GenerationRequest], on_step: StepReport | None = None
+              ) -> list[Outputs]:
+    """Generate `batch` (requests with one batch key) in one pipeline call."""
     call = loaded.call_kwargs(generation_of(batch))
     generators = [torch.Generator().manual_seed(seed) for request in batch for seed in request.seeds]
     started = time.perf_counter()
@@ -38,8 +44,8 @@ def run_batch(loaded: LoadedPipeline, batch: list[GenerationRequest], on_step: S
     call_s = time.perf_counter() - started
     outputs, index = [], 0
     for request in batch:
-        files = [encoded(result, index + i, loaded.fps, loaded.pipe) for i in range(request.n)] if encode else []
-        outputs.append(Outputs(request.id, files, request.seeds, call_s))
+        indices = list(range(index, index + request.n))
+        outputs.append(Outputs(request.id, result, indices, request.seeds, call_s, loaded.fps, loaded.pipe))
         index += request.n
     return outputs
 

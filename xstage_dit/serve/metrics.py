@@ -21,12 +21,13 @@ class ServiceMetrics:
                                 "before its request started)", ["outcome"], registry=self.registry)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        self.latency = Histogram("xstage_request_seconds", "admission to answer, of requests answered 200",
+        self.latency = Histogram("xstage_request_seconds", "admission to the end of the pipeline call, of requests "
+                                 "answered 200 (encoding not included)",
                                  buckets=_SECONDS, registry=self.registry)
         self.queue_time = Histogram("xstage_queue_seconds", "admission to the start of the request's call",
                                     buckets=_SECONDS, registry=self.registry)
-        self.step_time = Histogram("xstage_step_seconds", "one denoising step of a pipeline call, between the host's step ends (the "
-                                   "GPU's step time once its queue is full)",
+        self.step_time = Histogram("xstage_step_seconds", "one denoising step of a pipeline call, between the "
+                                   "host's step ends (the GPU's step time once its queue is full)",
                                    buckets=_STEP_SECONDS, registry=self.registry)
         self.batch_size = Histogram("xstage_batch_outputs", "outputs made by one pipeline call",
                                     buckets=(1, 2, 4, 8, 16, 32), registry=self.registry)

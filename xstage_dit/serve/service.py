@@ -114,8 +114,7 @@ class Service:
             for job in jobs:
                 job.report(step, steps)
 
-        outputs, error = call_on_this_rank(self.loaded, requests, self.liveness, self.options.timeout_s,
-                                           on_step=on_step, encode=True)
+        outputs, error = call_on_this_rank(self.loaded, requests, self.liveness, self.options.timeout_s, on_step)
         statuses = self.channel.statuses(CallStatus(0, error))
         self.running = []
         self.queue.service_s = time.monotonic() - started
@@ -157,12 +156,11 @@ class Service:
 
 
 def call_on_this_rank(loaded: LoadedPipeline, requests: list[GenerationRequest], liveness: Liveness,
-                      timeout_s: float, on_step: StepReport | None = None, encode: bool = False
-                      ) -> tuple[list[Outputs], str | None]:
+                      timeout_s: float, on_step: StepReport | None = None) -> tuple[list[Outputs], str | None]:
     """This rank's share of one batch, bounded by `timeout_s`: (outputs, None), or ([], what it raised)."""
     liveness.arm(timeout_s, f"the pipeline call for requests {[r.id for r in requests]}")
     try:
-        return run_batch(loaded, requests, on_step, encode=encode), None
+        return run_batch(loaded, requests, on_step), None
     except Exception as error:  # the call's error is the request's answer; the service goes on
         logger.exception("rank %d: the pipeline call failed", liveness.rank)
         return [], f"{type(error).__name__}: {error}"
