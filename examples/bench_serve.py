@@ -48,7 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="Poisson arrivals at these multiples of the capacity measured first")
     parser.add_argument("--requests", type=int, default=16, help="requests per run")
     parser.add_argument("--capacity-requests", type=int, default=4,
-                        help="sequential requests that measure the capacity (after one warm-up)")
+                        help="sequential requests that measure the capacity")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="sequential requests sent first and not counted (compilation, CUDA graph capture)")
     parser.add_argument("--size", help="WIDTHxHEIGHT (default: the model's)")
     parser.add_argument("--steps", type=int, help="default: the model's")
     parser.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the requests")
@@ -132,7 +134,8 @@ def summary(samples: list[Sample], load: dict) -> dict:
     for s in samples:
         statuses[str(s.status)] = statuses.get(str(s.status), 0) + 1
     span = max(s.sent + s.latency_s for s in samples) - min(s.sent for s in samples)
-    return {**load, "requests": len(samples), "answered": statuses,
+    lost = sum(count for status, count in statuses.items() if status not in ("200", "429"))
+    return {**load, "requests": len(samples), "answered": statuses, "lost": lost,
             "throughput_rps": len(answered) / span if span > 0 else 0.0,
             "latency_s": _percentiles([s.latency_s for s in answered]),
             "queue_s": _percentiles([s.queue_s for s in answered if s.queue_s is not None]),
@@ -147,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
                       limits=httpx.Limits(max_connections=max(args.requests, 8) + 4)) as client:
         health = wait_ready(client, args.wait_ready)
         [model] = client.get("/v1/models").json()["data"]
+        for index in range(args.warmup):
+            send(client, args, index, time.monotonic())
         runs: list[dict] = []
         if args.concurrency is not None:
             runs.append(summary(closed_loop(client, args, args.concurrency, args.requests),
@@ -155,13 +160,15 @@ def main(argv: list[str] | None = None) -> None:
             runs.append(summary(poisson(client, args, args.rate, args.requests),
                                 {"load": f"Poisson {args.rate:.3g}/s", "rate_rps": args.rate}))
         else:
-            send(client, args, 0, time.monotonic())  # warm-up
             measured = summary(closed_loop(client, args, 1, args.capacity_requests), {"load": "capacity"})
             capacity = measured["throughput_rps"]
             runs.append(measured)
+            # the bound on an admitted request under overload: the queue's bound of calls before it, + 10 %
+            target = 1.1 * model["service"]["queue_bound"] / capacity
             for factor in args.capacity_factors:
                 runs.append(summary(poisson(client, args, factor * capacity, args.requests),
-                                    {"load": f"Poisson {factor:g}x capacity", "rate_rps": factor * capacity}))
+                                    {"load": f"Poisson {factor:g}x capacity", "rate_rps": factor * capacity,
+                                     "p99_target_s": target}))
     common = {**provenance(), "ranks": health["ranks"], "model": health["model"], "size": args.size,
               "steps": args.steps, "service": model["service"]}
     records = [{**common, **run} for run in runs]
@@ -171,18 +178,21 @@ def main(argv: list[str] | None = None) -> None:
                   "overhead: latency less queue less the pipeline call (x-call-seconds), i.e. HTTP, validation, "
                   "the broadcast to the ranks and encoding; all over the requests answered 200. Throughput: "
                   "answered requests per second from the first send to the last answer. The capacity row is one "
-                  "client in a loop; the Poisson rows offer that many times its throughput. The service: "
+                  "client in a loop; the Poisson rows offer that many times its throughput. p99 target: the queue "
+                  "bound times the capacity row's time per request, + 10 %. Answered: requests by HTTP status (a "
+                  "request lost would be anything but 200 or 429). The service: "
                   f"{json.dumps(model['service'])}.", table(records))
 
 
 def table(records: list[dict]) -> list[str]:
-    lines = ["| load | requests | answered | throughput (req/s) | latency p50 / p90 / p99 (s) | "
-             "queue p50 / p99 (s) | overhead p50 (s, % of latency) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| load | requests | answered | throughput (req/s) | latency p50 / p90 / p99 (s) | p99 target (s) | "
+             "queue p50 / p99 (s) | overhead p50 (s, % of latency) |", "|---|---|---|---|---|---|---|---|"]
     for r in records:
         latency, queue, overhead = r["latency_s"], r["queue_s"], r["overhead_s"]
         answered = ", ".join(f"{status}: {count}" for status, count in sorted(r["answered"].items()))
         lines.append(f"| {r['load']} | {r['requests']} | {answered} | {r['throughput_rps']:.3f} | "
                      + (f"{latency['p50']:.3f} / {latency['p90']:.3f} / {latency['p99']:.3f}" if latency else "-")
+                     + " | " + (f"{r['p99_target_s']:.3f}" if "p99_target_s" in r else "-")
                      + " | " + (f"{queue['p50']:.3f} / {queue['p99']:.3f}" if queue else "-")
                      + " | " + (f"{overhead['p50']:.4f} ({100 * overhead['p50'] / latency['p50']:.2f} %)"
                                 if overhead else "-") + " |")
