@@ -20,7 +20,7 @@ import torch
 
 from ..api import disable, enable, is_main_process
 from ..runtime.distributed import local_device
-from . import loading
+from . import loading, media
 from .metrics import ServiceMetrics
 from .ranks import CallStatus, SideChannel
 from .schema import Limits, ModelCard
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     device = local_device()
     family = loading.family_of(args.model, args.config)
     loaded = loading.load_pipeline(args.model, args.config, family, device, loading.default_dtype(args, device))
+    if loaded.is_video and not media.can_write_mp4():
+        raise SystemExit(f"xstage_dit.serve: {args.model or args.config} makes videos, answered as MP4s: that needs "
+                         f"imageio, imageio-ffmpeg and PyAV (pip install 'xstage_dit[video]')")
     loaded.pipe.set_progress_bar_config(disable=True)  # progress is the service's (SSE, metrics)
     enable(loaded.pipe, timeout_s=args.timeout_s, **loading.enable_knobs(args))
     channel = SideChannel(args.timeout_s)
