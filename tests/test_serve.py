@@ -16,22 +16,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 import PIL.Image
 import pytest
 import torch
 
-import bench_serve
-from serve_job import FAIL_PROMPT
-import xstage_dit
-from xstage_dit.runtime.distributed import free_port
-from xstage_dit.serve import loading, media
-from xstage_dit.serve.__main__ import model_card
-from xstage_dit.serve.app import create_app
-from xstage_dit.serve.metrics import ServiceMetrics
-from xstage_dit.serve.ranks import SideChannel
-from xstage_dit.serve.service import ServeOptions, Service
+for _package in ("fastapi", "uvicorn", "prometheus_client", "httpx"):  # the `serve` extra (a GPU machine may lack it)
+    pytest.importorskip(_package)
+
+import httpx  # noqa: E402
+import bench_serve  # noqa: E402
+from serve_job import FAIL_PROMPT  # noqa: E402
+import xstage_dit  # noqa: E402
+from xstage_dit.runtime.distributed import free_port  # noqa: E402
+from xstage_dit.serve import loading, media  # noqa: E402
+from xstage_dit.serve.__main__ import model_card  # noqa: E402
+from xstage_dit.serve.app import create_app  # noqa: E402
+from xstage_dit.serve.metrics import ServiceMetrics  # noqa: E402
+from xstage_dit.serve.ranks import SideChannel  # noqa: E402
+from xstage_dit.serve.service import ServeOptions, Service  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SERVE_JOB = Path(__file__).with_name("serve_job.py")

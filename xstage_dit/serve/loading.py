@@ -36,10 +36,11 @@ def zoo() -> ModuleType:
 
 
 def _zoo_if_present() -> ModuleType | None:
+    """The checkout's examples/zoo.py; for an installed copy, a `zoo` on the path (examples/ put there)."""
     if "zoo" in sys.modules:
         return sys.modules["zoo"]
     if not _ZOO_FILE.is_file():
-        return None
+        return importlib.import_module("zoo") if importlib.util.find_spec("zoo") is not None else None
     spec = importlib.util.spec_from_file_location("zoo", _ZOO_FILE)
     module = importlib.util.module_from_spec(spec)
     sys.modules["zoo"] = module
