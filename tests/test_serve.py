@@ -31,9 +31,11 @@ import xstage_dit  # noqa: E402
 from xstage_dit.runtime.distributed import free_port  # noqa: E402
 from xstage_dit.serve import loading, media  # noqa: E402
 from xstage_dit.serve.__main__ import model_card  # noqa: E402
+from xstage_dit.serve.admission import Job, JobQueue, QueueFull  # noqa: E402
 from xstage_dit.serve.app import create_app  # noqa: E402
 from xstage_dit.serve.metrics import ServiceMetrics  # noqa: E402
 from xstage_dit.serve.ranks import SideChannel  # noqa: E402
+from xstage_dit.serve.schema import GenerationRequest  # noqa: E402
 from xstage_dit.serve.service import ServeOptions, Service  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -369,6 +371,25 @@ def test_a_video_model_answers_an_mp4_in_one_process() -> None:
     assert box == [0]
 
 
+def test_an_input_image_reaches_a_kontext_pipeline() -> None:
+    """The tiny random Flux Kontext in this process: the request's image is the pipeline's input (another image,
+    another output); an image that does not decode is refused naming the field."""
+    def png(seed: int) -> str:
+        buffer = io.BytesIO()
+        loading.zoo().random_image(40, 56, seed).save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    async def ask(client: httpx.AsyncClient) -> list:
+        body = {"prompt": "a lighthouse", "seed": 1, "num_inference_steps": 2}
+        return [await client.post("/v1/images/generations", json={**body, "image": png(seed)}) for seed in (1, 2)] \
+            + [await client.post("/v1/images/generations", json={**body, "image": "bm90IGFuIGltYWdl"})]
+
+    (first, second, broken), box = _serve_in_process("tiny-flux-kontext", torch.device("cpu"), ask)
+    assert _images(first)[0].shape == (32, 48, 3) and not np.array_equal(_images(first)[0], _images(second)[0])
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "image"
+    assert box == [0]
+
+
 @pytest.mark.gpu
 def test_the_service_on_a_gpu() -> None:
     """The tiny random Flux enabled on one GPU: streamed progress, the same seed twice, a batch of two."""
@@ -385,6 +406,32 @@ def test_the_service_on_a_gpu() -> None:
     assert np.array_equal(_images(alone)[0], first)
     assert np.abs(_images(batch)[0] - first).max() <= 3  # batched kernels round differently; another draw differs
     assert box == [0]
+
+
+def test_the_queue_batches_compatible_requests_in_arrival_order() -> None:
+    """JobQueue alone: the oldest request first, with the later ones of its batch key up to the most outputs; a
+    request with an image alone; a request whose client left dropped; the bound."""
+    loop, dropped = asyncio.new_event_loop(), []
+    queue = JobQueue(bound=5, max_batch=4, on_drop=dropped.append)
+
+    def job(name: str, n: int = 1, steps: int = 4, image: PIL.Image.Image | None = None) -> Job:
+        request = GenerationRequest(id=name, prompt=name, n=n, seed=0, video=False, steps=steps, image=image)
+        queue.put(made := Job(request, loop))
+        return made
+
+    job("a", n=2), job("b", steps=8), job("c")
+    gone = job("gone")
+    gone.gone = True
+    job("d", n=2)
+    with pytest.raises(QueueFull):
+        job("over the bound")
+    assert [j.request.id for j in queue.take(0)] == ["a", "c"]  # "d" would make 5 outputs
+    assert dropped == [gone]
+    assert [j.request.id for j in queue.take(0)] == ["b"]
+    job("e", image=PIL.Image.new("RGB", (8, 8)))
+    assert [j.request.id for j in queue.take(0)] == ["d"]
+    assert [j.request.id for j in queue.take(0)] == ["e"] and queue.take(0) == []
+    loop.close()
 
 
 def test_the_console_script_takes_the_services_arguments(capsys) -> None:
