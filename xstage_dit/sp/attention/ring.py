@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.distributed import waiting_for
+from ...sizes import ceil_div
 from .exchange import all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
 from .masks import with_image_keys
@@ -31,8 +32,10 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     if q.is_cuda:
-        if mask is not None:  # the kernel takes a bias of the full (B, H, queries, keys) shape
-            mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        if mask is not None:  # the kernel takes a (B, H, queries, keys) bias whose strides are multiples of 8
+            keys = k.shape[2]
+            aligned = mask.new_empty(*mask.shape[:-1], ceil_div(keys, 8) * 8)[..., :keys]
+            mask = aligned.copy_(mask).expand(q.shape[0], q.shape[1], q.shape[2], keys)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, scale=scale)[:2]
         lse = lse[..., :q.shape[2]]  # the kernel pads the queries of its log-sum-exp to a multiple of 32
     else:
