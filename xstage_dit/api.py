@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from diffusers import ModelMixin
 from torch import nn
 
@@ -21,7 +22,7 @@ from .patches.vaes import supported_vaes, vae_rule_for
 from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import GraphUse
-from .runtime.distributed import local_device, world_group
+from .runtime.distributed import local_device, ranks_on_one_node, world_group
 from .sp.attention.backends import needs_fabric, resolve_backend
 from .sp.attention.masks import QueryKeyMasks
 from .sp.attention.ulysses import UlyssesAttention
@@ -186,6 +187,18 @@ def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.dev
         target.to(device)
 
 
+def _open_ring_fabric(ring_group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+    """The ring group's symmetric memory, over which the ring's blocks travel by remote stores (sp/attention/ring.py
+    finds it by the group's name), where its ranks share a node; across nodes they travel by point-to-point sends."""
+    from .sp.fabric import open_fabric
+
+    if ranks_on_one_node(ring_group):
+        open_fabric(ring_group, device, timeout_s)
+        logger.info("xstage_dit: the ring's key blocks travel by remote stores (its ranks share a node)")
+    else:
+        logger.info("xstage_dit: the ring spans nodes: its key blocks travel by point-to-point sends")
+
+
 def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     """Run `pipe`'s transformer(s) with Ulysses sequence parallelism across the job's ranks; returns `pipe`.
 
@@ -234,6 +247,8 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
         from .sp.fabric import open_fabric
 
         fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+    if needs_fabric(choice, groups.device) and groups.ring_group is not None:
+        _open_ring_fabric(groups.ring_group, groups.device, config.timeout_s)
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)

@@ -146,6 +146,12 @@ def ranks_share_gpus() -> bool:
             or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count())
 
 
+def ranks_on_one_node(group: dist.ProcessGroup) -> bool:
+    """The group's ranks all run on one node (torchrun gives each node LOCAL_WORLD_SIZE consecutive ranks)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return len({rank // per_node for rank in dist.get_process_group_ranks(group)}) == 1
+
+
 _group_cache: dict[tuple, dist.ProcessGroup] = {}
 
 

@@ -112,9 +112,9 @@ def ulysses_attention_op(
     key = tokens(key_parts, key_norm_weights, key_norm_eps)
     value = JointTokens(tuple(value_parts))
     if ring_degree > 1:
-        if backend not in (FALLBACK, "auto"):
-            warn_once(f"xstage_dit: with a ring degree above 1 attention runs the ring's reference path, not "
-                      f"backend {backend!r}")
+        if backend not in (FALLBACK, "auto", "fused"):
+            warn_once(f"xstage_dit: with a ring degree above 1 attention runs the ring (its blocks by remote stores "
+                      f"where its ranks share a node), not backend {backend!r}")
         return ring_exchange(_joined(query), _joined(key), _joined(value), layout,
                              _resolve_process_group(group_name) if group_name else None,
                              _resolve_process_group(ring_group_name), scale, text_mask)

@@ -1,5 +1,4 @@
-"""Ring attention over the ring axis of the sequence split, exact (the reference path; any backend choice runs it
-where the ring degree is above 1).
+"""Ring attention over the ring axis of the sequence split, exact.
 
 The sequence is split into ring blocks, each held by one Ulysses group (a block is `degree` ranks' tokens). Inside
 a ring step Ulysses runs as usual: one all-to-all gives this rank its heads of its group's block, with the text.
@@ -7,7 +6,12 @@ Each rank keeps those queries; the block's image keys and values travel around t
 the next block in flight while the current one attends, and the partial outputs merge by their log-sum-exp. The
 text keys every rank holds are attended once, at the first step, with their padding mask. Only a block's true
 tokens travel (the padding sits at the tail of the whole sequence, in the last blocks), and a block of padding
-alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back."""
+alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back.
+
+The blocks travel one of two ways: point-to-point sends over the ring group (`ring_attention`, any backend choice,
+and across nodes), or, where `enable` opened the ring group's symmetric-memory fabric (its ranks share a node and
+the backend choice may store into a fabric), remote stores issued by a forward kernel beside the attention
+(`stored_ring_steps`, the X-Stage ring)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -17,9 +21,13 @@ import torch.distributed as dist
 
 from ...runtime.distributed import waiting_for
 from ...sizes import ceil_div
+from ..fabric import Fabric, Steps, fabric_of, run_in_lockstep
 from .exchange import all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
 from .masks import with_image_keys
+
+# programs of the forward kernel: few enough to leave the attention its SMs, enough to drain a block under it
+FORWARD_PROGRAMS = 16
 
 
 def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -31,7 +39,9 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-    if q.is_cuda:
+    if q.is_cuda and mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+    elif q.is_cuda:
         if mask is not None:  # the kernel takes a (B, H, queries, keys) bias whose strides are multiples of 8
             keys = k.shape[2]
             aligned = mask.new_empty(*mask.shape[:-1], ceil_div(keys, 8) * 8)[..., :keys]
@@ -85,11 +95,27 @@ class _RingPass:
         return self._recv.to(self._device, non_blocking=True)
 
 
+def _attend_own(merged: _Merged, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                layout: UlyssesLayout, scale: float | None, text_mask: torch.Tensor | None) -> None:
+    """The first step's keys: the text, with its padding mask, and this rank's own block."""
+    own = layout.block_keys(layout.ring_rank)
+    if layout.text_len or own:
+        keys = slice(0, layout.text_len + own)
+        merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], with_image_keys(text_mask, own), scale))
+
+
+def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
+    """This rank's block's true image keys and values, stacked: (2, B, rows, h_kv, D), contiguous."""
+    rows = slice(layout.text_len, layout.text_len + layout.block_keys(layout.ring_rank))
+    return torch.stack([key[:, rows], value[:, rows]])
+
+
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                    group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of this rank's gathered queries, (B, Tq + P, h, D) with P = layout.padded_len rows of its ring
-    block, over the text keys and every ring block's keys: k and v (B, T + P, h_kv, D), text first."""
-    text_len, degree, rank = layout.text_len, layout.ring_degree, layout.ring_rank
+    block, over the text keys and every ring block's keys: k and v (B, T + P, h_kv, D), text first. The blocks
+    travel by point-to-point sends."""
+    degree, rank = layout.ring_degree, layout.ring_rank
 
     def what() -> str:  # described only when a wait fails
         return f"the ring attention's key blocks from ring rank {(rank - 1) % degree} (ring group ranks " \
@@ -101,18 +127,90 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             return None
         return _RingPass(block, layout.block_keys((rank - step - 1) % degree), group, rank, degree, what)
 
-    own = layout.block_keys(rank)
-    in_flight = send_on(torch.stack([key[:, text_len:text_len + own], value[:, text_len:text_len + own]]), 0)
+    in_flight = send_on(_own_block(key, value, layout), 0)
     merged = _Merged(query)
-    if text_len or own:  # while the first block travels
-        keys = slice(0, text_len + own)
-        merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], with_image_keys(text_mask, own), scale))
+    _attend_own(merged, query, key, value, layout, scale, text_mask)  # while the first block travels
     for step in range(1, degree):
         block = in_flight.wait()
         in_flight = send_on(block, step)  # passed on while it attends
         if block.shape[2]:
             merged.add(*attention_with_lse(query, block[0], block[1], None, scale))
     return merged.out.to(query.dtype)
+
+
+class _Beside:
+    """Work issued on a side stream of the current device, beside the current stream's, until `join`; inline where
+    there is no stream (CPU)."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = None
+        if device.type == "cuda":
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            self.stream = self._streams[device]
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    def __enter__(self) -> "_Beside":
+        if self.stream is not None:
+            self._context = torch.cuda.stream(self.stream)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is not None:
+            self._context.__exit__(*exc)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                      fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
+                      programs: int = FORWARD_PROGRAMS) -> Steps[torch.Tensor]:
+    """ring_attention with the blocks delivered by remote stores (the X-Stage ring), one rank over `fabric` (the
+    ring group's), paused before each barrier. Every rank holds two slots for incoming blocks: while a step
+    attends its block, the forward kernel stores that block into the next ring rank's other slot, beside the
+    attention on a side stream; the barrier that ends the step says every rank's block has landed and every rank is
+    done with the slot the next step overwrites."""
+    from ...kernels.ring import forward_block  # Triton: imported where a fabric is in use
+
+    degree, rank = layout.ring_degree, layout.ring_rank
+    batch, _, heads, head_dim = key.shape
+    slots = fabric.buffer("ring_kv", (2, 2 * batch * layout.padded_len * heads * head_dim), key.dtype)
+    block = _own_block(key, value, layout)
+    merged = _Merged(query)
+    for step in range(degree):
+        forward = _Beside(query.device)
+        if step + 1 < degree:
+            with forward:
+                if forward.stream is not None:  # the step after next may free it while the stores still read it
+                    block.record_stream(forward.stream)
+                forward_block(block.reshape(-1), slots.tensor[(step + 1) % 2], slots.destinations,
+                              (rank + 1) % degree, programs)
+        if step == 0:
+            _attend_own(merged, query, key, value, layout, scale, text_mask)
+        elif block.shape[2]:
+            merged.add(*attention_with_lse(query, block[0], block[1], None, scale))
+        forward.join()
+        source = (rank - step - 1) % degree
+        yield f"ring block {step + 2} of {degree} (ring rank {source}'s keys)" if step + 1 < degree else \
+            "every ring rank to be done with its blocks"
+        rows = layout.block_keys(source)
+        block = slots.tensor[(step + 1) % 2, :2 * batch * rows * heads * head_dim].view(2, batch, rows, heads,
+                                                                                         head_dim)
+    return merged.out.to(query.dtype)
+
+
+def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                          fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
+                          programs: int = FORWARD_PROGRAMS) -> torch.Tensor:
+    """One rank's stored_ring_steps over `fabric`."""
+    (out,) = run_in_lockstep([stored_ring_steps(query, key, value, layout, fabric, scale, text_mask, programs)],
+                             fabric.barrier)
+    return out
 
 
 def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
@@ -127,7 +225,11 @@ def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         q, k, v = finish_scatter(start_scatter(qkv, layout, transport, every_head), qkv, layout, every_head)
     else:
         q, k, v = (torch.cat(layout.split(t), dim=1) for t in qkv)  # text first
-    out = ring_attention(q, k, v, layout, ring_group, scale, text_mask)
+    stores = fabric_of(ring_group.group_name) if query.is_cuda else None
+    if stores is not None:
+        out = stored_ring_attention(q, k, v, layout, stores, scale, text_mask)
+    else:
+        out = ring_attention(q, k, v, layout, ring_group, scale, text_mask)
     if layout.degree > 1:
         return finish_gather(start_gather(out, layout, transport), layout)
     return layout.join(out[:, :layout.query_text_len], out[:, layout.query_text_len:])
