@@ -11,6 +11,7 @@ from diffusers import ModelMixin
 from torch import nn
 
 from . import patches
+from .burst_gap.planner import widest_ulysses
 from .cfg.plan import PAIRS
 from .cfg.split import PairedCalls
 from .config import XStageConfig
@@ -71,8 +72,7 @@ def _degrees(world_size: int, config: XStageConfig, heads: list[int]) -> Degrees
                          f"{world_size}{with_cfg}: their product must be {ranks}")
     if ulysses is None:
         node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
-        ulysses = ranks // ring if ring is not None else max(
-            d for d in range(1, ranks + 1) if ranks % d == 0 and d <= node and all(h % d == 0 for h in heads))
+        ulysses = ranks // ring if ring is not None else widest_ulysses(ranks, heads, node)
         if ring is None and ulysses < ranks:
             logger.info("xstage_dit: %d ranks a sequence as Ulysses %d x ring %d (the heads %s, %d ranks a node)",
                         ranks, ulysses, ranks // ulysses, "/".join(map(str, sorted(set(heads)))), node)
