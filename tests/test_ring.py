@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
 
 import xstage_dit
@@ -19,7 +21,7 @@ from test_gpu import _same_gpu_worker
 from test_parallel_pipelines import TOLERANCE, _bare_transformer_inputs, _pipelines_worker, _relative_error
 from xstage_dit import api
 from xstage_dit.config import XStageConfig
-from xstage_dit.runtime.distributed import free_port
+from xstage_dit.runtime.distributed import build_groups, ensure_process_group, free_port
 
 
 @pytest.mark.parametrize("world, given, heads, node, expected", [
@@ -47,6 +49,31 @@ def test_the_degrees_the_job_runs(monkeypatch, world, given, heads, node, expect
 def test_degrees_that_do_not_fit_are_refused(given, message):
     with pytest.raises(ValueError, match=message):
         api._degrees(4, XStageConfig(**given), [12])
+
+
+def _mesh_worker() -> None:
+    """Each split's groups, from one device mesh, against the layout rank = (c R + r) U + u; each group's collectives
+    bounded by enable's timeout, not the default group's."""
+    ensure_process_group(120.0)
+    for cfg, ring, ulysses in ((1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1)):
+        groups = build_groups(cfg, ulysses, 37.0, ring)
+        c, r, u = groups.cfg_rank, groups.ring_rank, groups.ulysses_rank
+        assert dist.get_rank() == (c * ring + r) * ulysses + u
+        assert groups.mesh.mesh_dim_names == ("cfg", "ring", "ulysses")
+        expected = {"ulysses_group": [(c * ring + r) * ulysses + k for k in range(ulysses)],
+                    "ring_group": [(c * ring + k) * ulysses + u for k in range(ring)],
+                    "cfg_group": [(k * ring + r) * ulysses + u for k in range(cfg)],
+                    "sequence_group": [c * ring * ulysses + k for k in range(ring * ulysses)]}
+        for name, ranks in expected.items():
+            group = getattr(groups, name)
+            assert (group is None) == (len(ranks) == 1), (name, cfg, ring, ulysses)
+            if group is not None:
+                assert dist.get_process_group_ranks(group) == ranks, (name, cfg, ring, ulysses)
+                assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=37)
+
+
+def test_the_groups_come_from_one_device_mesh_with_enables_timeout() -> None:
+    run_on_ranks(4, _mesh_worker)
 
 
 def _heads_worker() -> None:
