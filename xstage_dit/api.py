@@ -230,10 +230,16 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     choice = resolve_backend(config.backend, groups.device)
     fabric = None
     if needs_fabric(choice, groups.device) and groups.ulysses_group is not None and groups.ring_degree == 1:
-        # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
-        from .sp.fabric import open_fabric
+        if groups.ulysses_within_node:
+            # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
+            from .sp.fabric import open_fabric
 
-        fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+            fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+        else:
+            warn_once("xstage_dit: the Ulysses group spans nodes and symmetric memory spans one: its exchanges run "
+                      "over NCCL (the reference and overlap backends), not the fused backend's stores")
+    if groups.ring_degree > 1 and not groups.ring_within_node:
+        logger.info("xstage_dit: the ring spans nodes: its key/value blocks travel by NCCL point-to-point")
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)

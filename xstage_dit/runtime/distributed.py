@@ -57,6 +57,16 @@ class ParallelGroups:
         return self.ring_rank * self.ulysses_degree + self.ulysses_rank
 
     @property
+    def ulysses_within_node(self) -> bool:
+        return within_node(self.ulysses_group)
+
+    @property
+    def ring_within_node(self) -> bool:
+        """Whether the ring's ranks share a node: the X-Stage paths (symmetric memory) span one node; across
+        nodes the ring's blocks travel by NCCL point-to-point."""
+        return within_node(self.ring_group)
+
+    @property
     def ulysses(self) -> Axis:
         return Axis(self.ulysses_degree, self.ulysses_rank, self.ulysses_group)
 
@@ -77,6 +87,18 @@ def local_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def node_of(rank: int) -> int:
+    """The node of global rank `rank`: torchrun gives each node LOCAL_WORLD_SIZE consecutive ranks; without it the
+    job is taken for one node."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world_from_env()[0]
+    return rank // per_node
+
+
+def within_node(group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank of `group` (None: this rank alone) sits on one node."""
+    return group is None or len({node_of(rank) for rank in dist.get_process_group_ranks(group)}) == 1
 
 
 _started_world_timeout_s: float | None = None  # the default group's timeout where this library started it
