@@ -24,7 +24,6 @@ from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import GraphUse
 from .runtime.distributed import local_device, world_group
 from .sp.attention.backends import needs_fabric, resolve_backend
-from .sp.attention.masks import QueryKeyMasks
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.moe.modes import ExpertModes
 from .sp.sharding import SequenceShard
@@ -155,9 +154,6 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
     degrees = _degrees(world_size, config, [plan.num_heads(model) for model, plan in zip(models, plans)])
     for model, plan in zip(models, plans):
         _check_heads(model, plan.num_heads(model), degrees)
-        if degrees.ring > 1 and plan.query_key_masks is QueryKeyMasks.PAIR_BIAS:
-            raise NotImplementedError(f"xstage_dit: ring attention does not take {type(model).__name__}'s "
-                                      f"pair-bias masks yet; run it with ring_degree=1")
     resolve_backend(config.backend, local_device())
     degree = degrees.ulysses * degrees.ring
     return dataclasses.replace(config, ulysses_degree=degrees.ulysses, ring_degree=degrees.ring,

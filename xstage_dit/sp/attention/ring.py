@@ -5,9 +5,9 @@ The sequence is split into ring blocks, each held by one Ulysses group (a block 
 a ring step Ulysses runs as usual: one all-to-all gives this rank its heads of its group's block, with the text.
 Each rank keeps those queries; the block's image keys and values travel around the ring by point-to-point sends,
 the next block in flight while the current one attends, and the partial outputs merge by their log-sum-exp. The
-text keys every rank holds are attended once, at the first step, with their padding mask. Only a block's true
-tokens travel (the padding sits at the tail of the whole sequence, in the last blocks), and a block of padding
-alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back."""
+text keys every rank holds are attended once, at the first step, with their padding mask (or a pair bias's
+factor: `ring_masks`). Only a block's true tokens travel (the padding sits at the tail of the whole sequence, in
+the last blocks), and a block of padding alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back."""
 from __future__ import annotations
 
 from typing import Callable
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ...runtime.distributed import waiting_for
 from .exchange import all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
-from .masks import with_image_keys
+from .masks import pair_bias, with_image_keys
 
 
 def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -82,10 +82,26 @@ class _RingPass:
         return self._recv.to(self._device, non_blocking=True)
 
 
+def ring_masks(text_mask: torch.Tensor | None, layout: UlyssesLayout, query_rows: int, own: int, text_factor: bool
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The SDPA masks of the first step (keys: the text and this rank's block of `own` keys) and of every other
+    block's keys. A key-padding mask masks text keys only; a pair bias's text factor (`text_factor`, Chroma) adds
+    m_q m_k: over the text keys as over the gathered tokens, and over image keys (m_k = 1) each query's own
+    factor, (B, 1, queries, 1) to broadcast over a block."""
+    if text_mask is None:
+        return None, None
+    if not text_factor:
+        return with_image_keys(text_mask, own), None
+    first = pair_bias(text_mask, layout, query_rows, layout.text_len + max(own, 1))
+    return first[..., :layout.text_len + own], first[..., -1:]
+
+
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
+                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None,
+                   text_factor: bool = False) -> torch.Tensor:
     """Attention of this rank's gathered queries, (B, Tq + P, h, D) with P = layout.padded_len rows of its ring
-    block, over the text keys and every ring block's keys: k and v (B, T + P, h_kv, D), text first."""
+    block, over the text keys and every ring block's keys: k and v (B, T + P, h_kv, D), text first. `text_factor`:
+    `text_mask` is the text tokens' factor of a pair bias (masks.QueryKeyMasks.PAIR_BIAS)."""
     text_len, degree, rank = layout.text_len, layout.ring_degree, layout.ring_rank
 
     def what() -> str:  # described only when a wait fails
@@ -101,22 +117,25 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     own = layout.block_keys(rank)
     in_flight = send_on(torch.stack([key[:, text_len:text_len + own], value[:, text_len:text_len + own]]), 0)
     merged = _Merged(query)
+    first_mask, block_mask = ring_masks(text_mask, layout, query.shape[1], own, text_factor)
     if text_len or own:  # while the first block travels
         keys = slice(0, text_len + own)
-        merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], with_image_keys(text_mask, own), scale))
+        merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], first_mask, scale))
     for step in range(1, degree):
         block = in_flight.wait()
         in_flight = send_on(block, step)  # passed on while it attends
         if block.shape[2]:
-            merged.add(*attention_with_lse(query, block[0], block[1], None, scale))
+            mask = None if block_mask is None else block_mask.expand(-1, -1, -1, block.shape[2])
+            merged.add(*attention_with_lse(query, block[0], block[1], mask, scale))
     return merged.out.to(query.dtype)
 
 
 def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                   ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup, scale: float | None,
-                  text_mask: torch.Tensor | None) -> torch.Tensor:
+                  text_mask: torch.Tensor | None, text_factor: bool = False) -> torch.Tensor:
     """Ulysses inside each ring step: this rank's (B, T + L, H, D) q, k, v (text first or last) exchanged over
-    its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back."""
+    its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back.
+    `text_factor`: `text_mask` is a pair bias's text factor (ring_masks)."""
     qkv = (query, key, value)
     if layout.degree > 1:
         transport = all_to_all(ulysses_group)
@@ -124,7 +143,7 @@ def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         q, k, v = finish_scatter(start_scatter(qkv, layout, transport, every_head), qkv, layout, every_head)
     else:
         q, k, v = (torch.cat(layout.split(t), dim=1) for t in qkv)  # text first
-    out = ring_attention(q, k, v, layout, ring_group, scale, text_mask)
+    out = ring_attention(q, k, v, layout, ring_group, scale, text_mask, text_factor)
     if layout.degree > 1:
         return finish_gather(start_gather(out, layout, transport), layout)
     return layout.join(out[:, :layout.query_text_len], out[:, layout.query_text_len:])
