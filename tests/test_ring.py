@@ -18,7 +18,10 @@ import zoo
 from dist_harness import run_on_ranks
 from test_compile import _ranks_worker
 from test_gpu import _same_gpu_worker
-from test_parallel_pipelines import TOLERANCE, _bare_transformer_inputs, _pipelines_worker, _relative_error
+from test_caches import STEPS, _caches
+from test_parallel_vae import _rows_seen
+from test_parallel_pipelines import (SIZES, TOLERANCE, _bare_transformer_inputs, _pipeline_worker,
+                                     _pipelines_worker, _relative_error)
 from xstage_dit import api
 from xstage_dit.config import XStageConfig
 from xstage_dit.runtime.distributed import build_groups, ensure_process_group, free_port
@@ -113,6 +116,38 @@ def test_cfg_parallel_around_a_ring_matches_single_process() -> None:
     """cfg_degree=2 x ring_degree=2: each CFG group's two ranks hold one sequence as a ring."""
     run_on_ranks(4, _pipelines_worker, ["tiny-flux", "tiny-wan"], 2, 3.0, "reference", False, False,
                  {"ring_degree": 2}, deadline_s=600)
+
+
+HYBRID = {"ulysses_degree": 2, "ring_degree": 2}
+
+
+def _combined_worker() -> None:
+    """Ulysses 2 x ring 2 with what users combine: NucleusMoE's expert choice with its experts sharded over the
+    sequence's ranks; a diffusers cache (enabled before enable) and the row-split VAE decode in one generation."""
+    _pipeline_worker("tiny-nucleusmoe", 1, 3.0, "reference", True, None, HYBRID)
+    pipe = zoo.build_pipeline("tiny-flux")
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate() -> torch.Tensor:
+        kwargs = zoo.call_kwargs("tiny-flux", **SIZES["tiny-flux"]["uneven"], steps=STEPS, guidance=1.0)
+        return pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=2), output_type="pt",
+                    generator=torch.Generator().manual_seed(8), return_dict=False)[0]
+
+    rows = _rows_seen(pipe.vae)
+    pipe.transformer.enable_cache(_caches(pipe, "tiny-flux")["FirstBlockCache"][1]())
+    stock = generate()
+    whole = max(rows)
+    xstage_dit.enable(pipe, backend="reference", timeout_s=120, **HYBRID)
+    rows.clear()
+    error = _relative_error(generate(), stock)
+    assert error < TOLERANCE, f"a cache and the decode on Ulysses 2 x ring 2: relative error {error:.2e}"
+    assert max(rows) < whole, f"the decoder saw {rows} of {whole} latent rows"
+    xstage_dit.disable(pipe)
+    pipe.transformer.disable_cache()
+
+
+def test_experts_the_decode_and_caches_on_a_ring_match_single_process() -> None:
+    run_on_ranks(4, _combined_worker, deadline_s=600)
 
 
 def test_compiled_blocks_on_a_ring_compile_as_often_as_under_ulysses() -> None:
