@@ -249,6 +249,21 @@ def test_hybrid_rings_split_the_heads_and_blocks():
         RingBlocks.of(shape, 2, 4)
 
 
+def test_the_ring_transport_is_the_faster_one_that_can_run():
+    from xstage_dit.sp.attention.layout import UlyssesLayout
+    from xstage_dit.sp.planner import ring_shape
+
+    layout = UlyssesLayout(text_len=0, seq_len=4 * 8192, local_len=8192, degree=1, rank=0, ring_degree=4)
+    shape = ring_shape(torch.empty(1, 8192, 24, 128, dtype=torch.bfloat16), layout)
+    assert shape == RING_SHAPE
+    slow = _slow_sends()
+    assert slow.ring_transport(shape, 4, 1) is RingTransport.FUSED
+    assert slow.ring_transport(shape, 4, 1, Nodes(2)) is RingTransport.OVERLAP  # the ring crosses nodes
+    planner = Planner(NVLINK_LIKE, COSTS)
+    predicted = {t: planner.ring_call(shape, 4, 1, t) for t in (RingTransport.OVERLAP, RingTransport.FUSED)}
+    assert planner.ring_transport(shape, 4, 1) is min(predicted, key=predicted.__getitem__)
+
+
 def test_layer_splits_keep_ulysses_in_a_node_and_the_fused_ring_off_the_network():
     planner = Planner(NVLINK_LIKE, COSTS)
     costs = costs_of(backends())

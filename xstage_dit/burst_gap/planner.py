@@ -535,6 +535,16 @@ class Planner:
             ring = sum(step + self.ring_drain(blocks, step, chunks, tile_rows) for step in passed) + last
         return self.ulysses_around_ring(blocks) + ring
 
+    def ring_transport(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int, nodes: Nodes | None = None
+                       ) -> RingTransport:
+        """The faster of the ring's runtime transports for `shape`: NCCL point-to-point (overlapped) or, where the
+        ring stays within a node, the fused ring (overlap on ties)."""
+        nodes = nodes or Nodes(shape.degree)
+        if nodes.ring_crosses(ulysses_degree, ring_degree):
+            return RingTransport.OVERLAP
+        return min((RingTransport.OVERLAP, RingTransport.FUSED),
+                   key=lambda transport: self.ring_call(shape, ring_degree, ulysses_degree, transport, nodes))
+
     def layer_splits(self, shape: AttentionShape, nodes: Nodes, ulysses_costs: Mapping[str, Cost]
                      ) -> list[SplitPrediction]:
         """Every way to run `shape` over its shape.degree ranks, fastest first: Ulysses U (dividing the heads,
