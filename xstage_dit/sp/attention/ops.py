@@ -117,7 +117,7 @@ def ulysses_attention_op(
                       f"where its ranks share a node), not backend {backend!r}")
         return ring_exchange(_joined(query), _joined(key), _joined(value), layout,
                              _resolve_process_group(group_name) if group_name else None,
-                             _resolve_process_group(ring_group_name), scale, text_mask)
+                             _resolve_process_group(ring_group_name), scale, text_mask, text_factor=pair_bias)
     chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
     group = _resolve_process_group(group_name)
     if pair_bias:

@@ -4,7 +4,8 @@ The sequence is split into ring blocks, each held by one Ulysses group (a block 
 a ring step Ulysses runs as usual: one all-to-all gives this rank its heads of its group's block, with the text.
 Each rank keeps those queries; the block's image keys and values travel around the ring by point-to-point sends,
 the next block in flight while the current one attends, and the partial outputs merge by their log-sum-exp. The
-text keys every rank holds are attended once, at the first step, with their padding mask. Only a block's true
+text keys every rank holds are attended once, at the first step, with their padding mask (or a pair bias's
+factor: `ring_masks`). Only a block's true
 tokens travel (the padding sits at the tail of the whole sequence, in the last blocks), and a block of padding
 alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back.
 
@@ -14,7 +15,7 @@ the backend choice may store into a fabric), remote stores issued by a forward k
 (`stored_ring_steps`, the X-Stage ring)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from ...sizes import ceil_div
 from ..fabric import Fabric, Steps, fabric_of, run_in_lockstep
 from .exchange import all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
-from .masks import with_image_keys
+from .masks import pair_bias, with_image_keys
 
 # programs of the forward kernel: few enough to leave the attention its SMs, enough to drain a block under it
 FORWARD_PROGRAMS = 16
@@ -95,13 +96,44 @@ class _RingPass:
         return self._recv.to(self._device, non_blocking=True)
 
 
+class RingMasks(NamedTuple):
+    """The SDPA masks of a ring's steps: `first` over the first step's keys (the text and this rank's block), and
+    `per_block`, (B, 1, queries, 1), over any other block's keys, broadcast to its rows (None: no mask)."""
+
+    first: torch.Tensor | None
+    per_block: torch.Tensor | None
+
+    def block(self, rows: int) -> torch.Tensor | None:
+        return None if self.per_block is None else self.per_block.expand(-1, -1, -1, rows)
+
+
+def ring_masks(text_mask: torch.Tensor | None, layout: UlyssesLayout, query_rows: int,
+               text_factor: bool) -> RingMasks:
+    """A key-padding mask masks text keys only; a pair bias's text factor (`text_factor`, Chroma) adds m_q m_k:
+    over the text keys as over the gathered tokens, and over image keys (m_k = 1) each query's own factor."""
+    own = layout.block_keys(layout.ring_rank)
+    if text_mask is None:
+        return RingMasks(None, None)
+    if not text_factor:
+        return RingMasks(with_image_keys(text_mask, own), None)
+    first = pair_bias(text_mask, layout, query_rows, layout.text_len + max(own, 1))
+    return RingMasks(first[..., :layout.text_len + own], first[..., -1:])
+
+
 def _attend_own(merged: _Merged, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                layout: UlyssesLayout, scale: float | None, text_mask: torch.Tensor | None) -> None:
-    """The first step's keys: the text, with its padding mask, and this rank's own block."""
+                layout: UlyssesLayout, scale: float | None, masks: RingMasks) -> None:
+    """The first step's keys: the text and this rank's own block."""
     own = layout.block_keys(layout.ring_rank)
     if layout.text_len or own:
         keys = slice(0, layout.text_len + own)
-        merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], with_image_keys(text_mask, own), scale))
+        merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], masks.first, scale))
+
+
+def _attend_block(merged: _Merged, query: torch.Tensor, block: torch.Tensor, scale: float | None,
+                  masks: RingMasks) -> None:
+    """Another rank's block, (2, B, rows, h_kv, D) keys and values; nothing where it holds no true token."""
+    if block.shape[2]:
+        merged.add(*attention_with_lse(query, block[0], block[1], masks.block(block.shape[2]), scale))
 
 
 def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
@@ -111,10 +143,12 @@ def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) ->
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
+                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None,
+                   text_factor: bool = False) -> torch.Tensor:
     """Attention of this rank's gathered queries, (B, Tq + P, h, D) with P = layout.padded_len rows of its ring
     block, over the text keys and every ring block's keys: k and v (B, T + P, h_kv, D), text first. The blocks
-    travel by point-to-point sends."""
+    travel by point-to-point sends. `text_factor`: `text_mask` is the text tokens' factor of a pair bias
+    (masks.QueryKeyMasks.PAIR_BIAS)."""
     degree, rank = layout.ring_degree, layout.ring_rank
 
     def what() -> str:  # described only when a wait fails
@@ -129,12 +163,12 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     in_flight = send_on(_own_block(key, value, layout), 0)
     merged = _Merged(query)
-    _attend_own(merged, query, key, value, layout, scale, text_mask)  # while the first block travels
+    masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
+    _attend_own(merged, query, key, value, layout, scale, masks)  # while the first block travels
     for step in range(1, degree):
         block = in_flight.wait()
         in_flight = send_on(block, step)  # passed on while it attends
-        if block.shape[2]:
-            merged.add(*attention_with_lse(query, block[0], block[1], None, scale))
+        _attend_block(merged, query, block, scale, masks)
     return merged.out.to(query.dtype)
 
 
@@ -168,7 +202,7 @@ class _Beside:
 
 
 def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                      fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
+                      fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None, text_factor: bool = False,
                       programs: int = FORWARD_PROGRAMS) -> Steps[torch.Tensor]:
     """ring_attention with the blocks delivered by remote stores (the X-Stage ring), one rank over `fabric` (the
     ring group's), paused before each barrier. Every rank holds two slots for incoming blocks: while a step
@@ -182,6 +216,7 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     slots = fabric.buffer("ring_kv", (2, 2 * batch * layout.padded_len * heads * head_dim), key.dtype)
     block = _own_block(key, value, layout)
     merged = _Merged(query)
+    masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
     for step in range(degree):
         forward = _Beside(query.device)
         if step + 1 < degree:
@@ -191,9 +226,9 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                 forward_block(block.reshape(-1), slots.tensor[(step + 1) % 2], slots.destinations,
                               (rank + 1) % degree, programs)
         if step == 0:
-            _attend_own(merged, query, key, value, layout, scale, text_mask)
-        elif block.shape[2]:
-            merged.add(*attention_with_lse(query, block[0], block[1], None, scale))
+            _attend_own(merged, query, key, value, layout, scale, masks)
+        else:
+            _attend_block(merged, query, block, scale, masks)
         forward.join()
         source = (rank - step - 1) % degree
         yield f"ring block {step + 2} of {degree} (ring rank {source}'s keys)" if step + 1 < degree else \
@@ -206,18 +241,19 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                           fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
-                          programs: int = FORWARD_PROGRAMS) -> torch.Tensor:
+                          text_factor: bool = False, programs: int = FORWARD_PROGRAMS) -> torch.Tensor:
     """One rank's stored_ring_steps over `fabric`."""
-    (out,) = run_in_lockstep([stored_ring_steps(query, key, value, layout, fabric, scale, text_mask, programs)],
-                             fabric.barrier)
+    (out,) = run_in_lockstep([stored_ring_steps(query, key, value, layout, fabric, scale, text_mask, text_factor,
+                                                programs)], fabric.barrier)
     return out
 
 
 def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                   ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup, scale: float | None,
-                  text_mask: torch.Tensor | None) -> torch.Tensor:
+                  text_mask: torch.Tensor | None, text_factor: bool = False) -> torch.Tensor:
     """Ulysses inside each ring step: this rank's (B, T + L, H, D) q, k, v (text first or last) exchanged over
-    its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back."""
+    its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back.
+    `text_factor`: `text_mask` is a pair bias's text factor (ring_masks)."""
     qkv = (query, key, value)
     if layout.degree > 1:
         transport = all_to_all(ulysses_group)
@@ -227,9 +263,9 @@ def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         q, k, v = (torch.cat(layout.split(t), dim=1) for t in qkv)  # text first
     stores = fabric_of(ring_group.group_name) if query.is_cuda else None
     if stores is not None:
-        out = stored_ring_attention(q, k, v, layout, stores, scale, text_mask)
+        out = stored_ring_attention(q, k, v, layout, stores, scale, text_mask, text_factor)
     else:
-        out = ring_attention(q, k, v, layout, ring_group, scale, text_mask)
+        out = ring_attention(q, k, v, layout, ring_group, scale, text_mask, text_factor)
     if layout.degree > 1:
         return finish_gather(start_gather(out, layout, transport), layout)
     return layout.join(out[:, :layout.query_text_len], out[:, layout.query_text_len:])
