@@ -33,12 +33,14 @@ block's keys and values:
   nodes;
 - overlap (sp/attention/ring.py): the send of block i+1 in flight while block i attends:
   sum_{i<R-1} max(A_i, P) + A_{R-1};
-- fused (X-Stage ring, one node only): the attention kernel's programs (K = min(#SMs, query tiles)) forward the
-  block they attend into the next rank's buffer in n bursts of V/n bytes, the gap G = A_i / n between them; each
-  burst after the first stalls them by max(0, T_iss - T0_iss), T_iss = max(T0_iss, V/(n R) - G), and the last
-  burst must land before the next step reads it: sum_{i<R-1} (A_i + store_train) + A_{R-1}, with our kernel's
-  attention rates. n (`ring_chunks`) is the fewest bursts whose drain hides under the gap as well as the best
-  count does (within 1 % of a step's attention).
+- fused (X-Stage ring, one node only, sp/attention/ring.py `stored_ring_steps`): beside each step's attention the
+  forward kernel's P = RING_FORWARD_PROGRAMS programs store the block into the next rank's slot (one destination:
+  its drain rate R), a train of one burst whose delivery D = delivery_time(V, P) overlaps the step: the step waits
+  for what outlasts it, max(0, D - A_i), and its attention loses the P programs' SMs while they run,
+  min(D, A_i) * P / #SMs: sum_{i<R-1} (A_i + `ring_forward`) + A_{R-1}.
+
+Every transport attends with the vendor's kernel (the ring merges by log-sum-exp, which our kernel does not
+return).
 
 `layer_splits` predicts every U x R of a layer's ranks (U dividing the heads, within a node) with each backend
 that can run it, fastest first; `xstage-dit plan` prints them and the pick.
@@ -193,15 +195,16 @@ class RingTransport(enum.Enum):
 
     SERIAL = "serial"  # attend a block, then send it on to the next rank (the baseline)
     OVERLAP = "overlap"  # NCCL point-to-point: a block in flight while the previous one attends (sp/attention/ring.py)
-    FUSED = "fused"  # X-Stage: the attention kernel stores the block it attends into the next rank's buffer
+    FUSED = "fused"  # X-Stage: a forward kernel beside the attention stores the block into the next rank's slot
 
 
 # bytes per second one GPU sends to another node: one 400 Gb/s NIC per GPU. An assumption, not a measurement: no
 # calibration measures the network between nodes.
 INTERNODE_RATE = 50e9
 
-# query rows of one program of the fused ring's attention kernel (its stores' producers are these programs)
-RING_TILE_ROWS = 128
+# programs of the fused ring's forward kernel (kernels/ring.py): few enough to leave the attention its SMs, enough
+# to drain a block under it
+RING_FORWARD_PROGRAMS = 16
 
 
 @dataclass(frozen=True)
@@ -261,9 +264,6 @@ class RingBlocks:
         """The float32 output the steps' log-sum-exp merge reads and writes."""
         s = self.shape
         return 4.0 * s.batch * self.query_rows * self.heads * s.head_dim
-
-    def tiles(self, tile_rows: int) -> int:
-        return self.shape.batch * self.heads * ceil_div(self.query_rows, tile_rows)
 
 
 @dataclass(frozen=True)
@@ -472,11 +472,12 @@ class Planner:
         return {mode: cost[mode](shape) for mode in modes}
 
     # -- rings: Ulysses inside each ring step, key/value blocks around the ring ------------------------------------
-    def ring_steps(self, blocks: RingBlocks, own: bool) -> list[float]:
-        """Each ring step's attention (the first over the text keys too) and the log-sum-exp merge after it."""
+    def ring_steps(self, blocks: RingBlocks) -> list[float]:
+        """Each ring step's attention (the first over the text keys too; the vendor's kernel) and the log-sum-exp
+        merge after it."""
         merge = self.copy(3 * blocks.merged_bytes())
         text = blocks.shape.text_tokens
-        return [self.costs.attention_time(blocks.flops(keys), keys, blocks.shape.head_dim, own) + merge
+        return [self.costs.attention_time(blocks.flops(keys), keys, blocks.shape.head_dim, False) + merge
                 for keys in [text + blocks.block_keys] + [blocks.block_keys] * (blocks.ring - 1)]
 
     def ring_send(self, blocks: RingBlocks, nodes: Nodes) -> float:
@@ -485,23 +486,11 @@ class Planner:
         rate = nodes.internode_rate if nodes.ring_crosses(blocks.ulysses, blocks.ring) else self.costs.alltoall_rate
         return self.costs.launch + blocks.block_bytes() / rate
 
-    def ring_drain(self, blocks: RingBlocks, step: float, chunks: int, tile_rows: int) -> float:
-        """What forwarding one block in `chunks` bursts of remote stores adds to a fused step of `step` seconds:
-        the attention's programs issue them (one destination, the next ring rank: its whole drain rate R), the
-        gap between bursts is the attention's compute."""
-        producers = min(self.costs.sms, blocks.tiles(tile_rows))
-        return store_train(self.model, step / chunks, blocks.block_bytes() / chunks, producers, chunks)
-
-    def ring_chunks(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int,
-                    tile_rows: int = RING_TILE_ROWS) -> int:
-        """Bursts (flagged sub-blocks of at least `tile_rows` keys) a fused ring step forwards its block in: the
-        fewest whose drain hides under the gap within 1 % of the step's attention of the best count."""
-        blocks = RingBlocks.of(shape, ring_degree, ulysses_degree)
-        step = self.ring_steps(blocks, own=True)[-1]
-        counts = [2**i for i in range(max(1, blocks.block_keys // tile_rows).bit_length())]
-        drains = {n: self.ring_drain(blocks, step, n, tile_rows) for n in counts}
-        best = min(drains.values())
-        return min(n for n in counts if drains[n] <= best + 0.01 * step)
+    def ring_forward(self, blocks: RingBlocks, step: float) -> float:
+        """What forwarding one block by the forward kernel's stores adds to a fused ring step of `step` seconds:
+        the delivery past the step's end, and the SMs its programs take from the attention while they run."""
+        delivery = self.model.delivery_time(blocks.block_bytes(), RING_FORWARD_PROGRAMS)
+        return max(0.0, delivery - step) + min(delivery, step) * RING_FORWARD_PROGRAMS / self.costs.sms
 
     def ulysses_around_ring(self, blocks: RingBlocks) -> float:
         """The Ulysses exchanges around the ring (q, k, v in, the output back: the reference path's all-to-alls),
@@ -512,8 +501,7 @@ class Planner:
         return 4 * self.exchange(nbytes, blocks.shape.text_tokens > 0)
 
     def ring_call(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int,
-                  transport: RingTransport | str, nodes: Nodes | None = None, tile_rows: int = RING_TILE_ROWS
-                  ) -> float:
+                  transport: RingTransport | str, nodes: Nodes | None = None) -> float:
         """Predicted seconds of one attention call of `shape` (shape.degree = ring_degree x ulysses_degree ranks)
         as Ulysses inside each step of a ring, its blocks moved by `transport` ("serial", "overlap" or "fused";
         see the module's docstring). `nodes` None: every rank on one node. The fused ring spans one node only."""
@@ -523,7 +511,7 @@ class Planner:
         if transport is RingTransport.FUSED and nodes.ring_crosses(ulysses_degree, ring_degree):
             raise ValueError(f"the fused ring spans one node; {ring_degree} x {ulysses_degree} ranks cross nodes of "
                              f"{nodes.ranks_per_node}")
-        steps = self.ring_steps(blocks, own=transport is RingTransport.FUSED)
+        steps = self.ring_steps(blocks)
         passed, last = steps[:-1], steps[-1]  # every step but the last sends its block on
         if transport is RingTransport.SERIAL:
             ring = sum(steps) + len(passed) * self.ring_send(blocks, nodes)
@@ -531,8 +519,7 @@ class Planner:
             send = self.ring_send(blocks, nodes)
             ring = sum(max(step, send) for step in passed) + last
         else:
-            chunks = self.ring_chunks(shape, ring_degree, ulysses_degree, tile_rows)
-            ring = sum(step + self.ring_drain(blocks, step, chunks, tile_rows) for step in passed) + last
+            ring = sum(step + self.ring_forward(blocks, step) for step in passed) + last
         return self.ulysses_around_ring(blocks) + ring
 
     def ring_transport(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int, nodes: Nodes | None = None

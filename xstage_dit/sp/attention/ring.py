@@ -15,20 +15,20 @@ the backend choice may store into a fabric), remote stores issued by a forward k
 (`stored_ring_steps`, the X-Stage ring)."""
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ...burst_gap.planner import RING_FORWARD_PROGRAMS, AttentionShape, Planner, RingTransport
 from ...runtime.distributed import waiting_for
 from ...sizes import ceil_div
 from ..fabric import Fabric, Steps, fabric_of, run_in_lockstep
+from ..planner import planner_for, ring_shape
 from .exchange import all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
 from .masks import pair_bias, with_image_keys
-
-# programs of the forward kernel: few enough to leave the attention its SMs, enough to drain a block under it
-FORWARD_PROGRAMS = 16
 
 
 def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -203,7 +203,7 @@ class _Beside:
 
 def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                       fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None, text_factor: bool = False,
-                      programs: int = FORWARD_PROGRAMS) -> Steps[torch.Tensor]:
+                      programs: int = RING_FORWARD_PROGRAMS) -> Steps[torch.Tensor]:
     """ring_attention with the blocks delivered by remote stores (the X-Stage ring), one rank over `fabric` (the
     ring group's), paused before each barrier. Every rank holds two slots for incoming blocks: while a step
     attends its block, the forward kernel stores that block into the next ring rank's other slot, beside the
@@ -241,19 +241,43 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                           fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
-                          text_factor: bool = False, programs: int = FORWARD_PROGRAMS) -> torch.Tensor:
+                          text_factor: bool = False, programs: int = RING_FORWARD_PROGRAMS) -> torch.Tensor:
     """One rank's stored_ring_steps over `fabric`."""
     (out,) = run_in_lockstep([stored_ring_steps(query, key, value, layout, fabric, scale, text_mask, text_factor,
                                                 programs)], fabric.barrier)
     return out
 
 
+@lru_cache(maxsize=256)
+def _stores_predicted_faster(planner: Planner | None, shape: AttentionShape, ring_degree: int,
+                             ulysses_degree: int) -> bool:
+    """Whether the planner predicts the stored ring faster than point-to-point sends for `shape` (without a
+    calibration: the stores)."""
+    return planner is None or planner.ring_transport(shape, ring_degree, ulysses_degree) is RingTransport.FUSED
+
+
+def ring_stores(backend: str, ring_group: dist.ProcessGroup, query: torch.Tensor,
+                layout: UlyssesLayout) -> Fabric | None:
+    """The fabric the ring's blocks travel over by stores, or None for point-to-point sends: the ring group's
+    fabric (opened by `enable` where its ranks share a node and the backend choice may store) under `fused`, and
+    under `auto` where the planner predicts the stores faster for this call's shape."""
+    fabric = fabric_of(ring_group.group_name) if query.is_cuda else None
+    if fabric is None or backend == "fused":
+        return fabric
+    ranks = layout.ring_degree * layout.degree
+    faster = _stores_predicted_faster(planner_for(query.device, ranks), ring_shape(query, layout),
+                                      layout.ring_degree, layout.degree)
+    return fabric if faster else None
+
+
 def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                   ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup, scale: float | None,
-                  text_mask: torch.Tensor | None, text_factor: bool = False) -> torch.Tensor:
+                  text_mask: torch.Tensor | None, text_factor: bool = False,
+                  stores: Fabric | None = None) -> torch.Tensor:
     """Ulysses inside each ring step: this rank's (B, T + L, H, D) q, k, v (text first or last) exchanged over
     its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back.
-    `text_factor`: `text_mask` is a pair bias's text factor (ring_masks)."""
+    `text_factor`: `text_mask` is a pair bias's text factor (ring_masks); `stores`: the fabric the blocks travel
+    over by stores (ring_stores), None for point-to-point sends."""
     qkv = (query, key, value)
     if layout.degree > 1:
         transport = all_to_all(ulysses_group)
@@ -261,7 +285,6 @@ def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         q, k, v = finish_scatter(start_scatter(qkv, layout, transport, every_head), qkv, layout, every_head)
     else:
         q, k, v = (torch.cat(layout.split(t), dim=1) for t in qkv)  # text first
-    stores = fabric_of(ring_group.group_name) if query.is_cuda else None
     if stores is not None:
         out = stored_ring_attention(q, k, v, layout, stores, scale, text_mask, text_factor)
     else:
