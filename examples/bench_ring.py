@@ -11,7 +11,9 @@ ring: every rank keeps all heads), four ways, each timed against the attention a
 Loopback: rank 0 of N simulated ranks; the other ranks' blocks are random rows already in rank 0's slots, its stores
 go to rank 1's slot in this GPU's memory. It shows what the kernels and their stores cost beside the attention on
 one GPU (SMs and HBM shared), not NVLink's drain, and nothing about scaling. Variants are timed in alternating
-rounds, back to back (no L2 flush: a block is far larger than L2). Writes OUT.json and OUT.md."""
+rounds, back to back (no L2 flush: a block is far larger than L2). Each row has the planner's prediction from this
+GPU's loopback calibration beside it. Writes OUT.json and OUT.md; `--predict OUT.json` (CPU) re-makes an earlier
+record's predictions from a calibration."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_calibration
+from xstage_dit.burst_gap.planner import RingBlocks
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.sp.attention.ring import _Merged, attention_with_lse, stored_ring_attention
 from xstage_dit.sp.fabric import LoopbackFabric
@@ -88,6 +92,22 @@ def _ms(fn) -> float:
     return start.elapsed_time(end) / CALLS
 
 
+def predicted_ms(planner: Planner, degree: int, tokens: int) -> dict[str, float]:
+    """The planner's time of each variant's steps (no Ulysses exchange or join around them: the rows have none)."""
+    shape = AttentionShape(1, degree * tokens, 0, HEADS, HEAD_DIM, degree)
+    around = planner.ulysses_around_ring(RingBlocks.of(shape, degree, 1))
+    ring = {name: (planner.ring_call(shape, degree, 1, name) - around) * 1e3 for name in ("serial", "overlap")}
+    return {"alone": sum(planner.ring_steps(RingBlocks.of(shape, degree, 1))) * 1e3, **ring,
+            "stored": (planner.ring_call(shape, degree, 1, "fused") - around) * 1e3}
+
+
+def with_predictions(records: list[dict], planner: Planner, calibration: Calibration) -> list[dict]:
+    for r in records:
+        r["predicted_ms"] = predicted_ms(planner, r["ring_degree"], r["tokens_per_rank"])[r["variant"]]
+        r["calibration"] = calibration.filename
+    return records
+
+
 def bench(degrees: tuple[int, ...], tokens: tuple[int, ...]) -> list[dict]:
     records = []
     for n in degrees:
@@ -114,10 +134,12 @@ def bench(degrees: tuple[int, ...], tokens: tuple[int, ...]) -> list[dict]:
 def write(records: list[dict], prefix: Path) -> None:
     prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
     env = records[0]
+    source = (f"predicted: the planner from `{env['calibration']}`" if "calibration" in env
+              else "no calibration: no predictions")
     lines = [f"# One rank of a ring, loopback: {env['card']}, {env['date']}", "",
              f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}; `{env['command']}`. "
              "Rank 0 of N simulated on one GPU: the stores stay in this GPU's memory (no NVLink, no scaling); the "
-             "overlap row's send is a copy-engine copy on a second stream, standing in for NCCL's.", "",
+             f"overlap row's send is a copy-engine copy on a second stream, standing in for NCCL's; {source}.", "",
              "| N | tokens per rank | variant | ms | vs alone | vs serial | predicted ms |", "|---|---|---|---|---|---|---|"]
     for r in records:
         predicted = f"{r['predicted_ms']:.2f}" if "predicted_ms" in r else "-"
@@ -132,9 +154,20 @@ def main() -> None:
     parser.add_argument("--out", default="bench-ring")
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--calibration", type=Path, help="default: this GPU's loopback calibration, if any")
+    parser.add_argument("--predict", type=Path, help="an earlier OUT.json: re-make its predictions, run nothing")
     args = parser.parse_args()
-    env = provenance()
-    write([{**r, **env} for r in bench(tuple(args.ranks), tuple(args.tokens))], Path(args.out))
+    card = json.loads(args.predict.read_text())[0]["card"] if args.predict else torch.cuda.get_device_name()
+    calibration = (Calibration.load(args.calibration) if args.calibration
+                   else find_calibration(card, 1, "loopback"))
+    if args.predict:
+        records = json.loads(args.predict.read_text())
+    else:
+        env = provenance()
+        records = [{**r, **env} for r in bench(tuple(args.ranks), tuple(args.tokens))]
+    if calibration is not None:
+        records = with_predictions(records, Planner.from_calibration(calibration), calibration)
+    write(records, args.predict.with_suffix("") if args.predict else Path(args.out))
 
 
 if __name__ == "__main__":

@@ -72,3 +72,20 @@ def test_ring_of_processes_sharing_one_gpu_matches_one_gpu(backend):
     forward kernel's stores), "reference" sends them point to point; bf16 against one GPU."""
     run_on_ranks(4, _same_gpu_worker, "tiny-flux-d64", backend, None, None, {"ulysses_degree": 2, "ring_degree": 2},
                  deadline_s=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_log_sum_exp_of_every_gpu_path_agrees(dtype):
+    """Unmasked half-precision blocks attend with cuDNN, masked ones with the efficient kernel: both give the same
+    output and log-sum-exp as float32 math (the merge of a ring's steps needs both)."""
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda") for _ in range(3))
+    want_out, want_lse = attention_with_lse(q, k, v, None, None)  # float32: the efficient kernel
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 128 ** 0.5
+    assert torch.allclose(want_lse, scores.logsumexp(-1), atol=1e-4)
+    out, lse = attention_with_lse(q.to(dtype), k.to(dtype), v.to(dtype), None, None)
+    assert ((out.float() - want_out).norm() / want_out.norm()).item() < 1e-2
+    assert torch.allclose(lse, want_lse, atol=2e-2)
+    masked_out, masked_lse = attention_with_lse(q.to(dtype), k.to(dtype), v.to(dtype),
+                                                torch.ones(2, 1, 1, 300, dtype=torch.bool, device="cuda"), None)
+    assert torch.allclose(masked_lse, want_lse, atol=2e-2)
