@@ -29,6 +29,7 @@ from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.sp.attention.ring import _Merged, attention_with_lse, stored_ring_attention
 from xstage_dit.sp.fabric import LoopbackFabric
 
+from bench_kernels import back_to_back_ms
 from provenance import provenance
 
 RANKS = (2, 4, 8)
@@ -82,16 +83,6 @@ class RingRank:
         return stored_ring_attention(self.query, self.key, self.value, self.layout, self.fabric, None, None)
 
 
-def _ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(CALLS):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / CALLS
-
-
 def predicted_ms(planner: Planner, degree: int, tokens: int) -> dict[str, float]:
     """The planner's time of each variant's steps (no Ulysses exchange or join around them: the rows have none)."""
     shape = AttentionShape(1, degree * tokens, 0, HEADS, HEAD_DIM, degree)
@@ -119,7 +110,7 @@ def bench(degrees: tuple[int, ...], tokens: tuple[int, ...]) -> list[dict]:
             samples = {name: [] for name in variants}
             for _ in range(ROUNDS):
                 for name, fn in variants.items():
-                    samples[name].append(_ms(fn))
+                    samples[name].append(back_to_back_ms(fn, CALLS))
             ms = {name: statistics.median(s) for name, s in samples.items()}
             for name in variants:
                 records.append({"variant": name, "ring_degree": n, "tokens_per_rank": t, "heads": HEADS,
