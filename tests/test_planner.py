@@ -4,6 +4,7 @@ run without a GPU."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 from xstage_dit.sp.attention.backends import backends, costs_of
 from xstage_dit.burst_gap import AttentionShape, BurstGapModel, Calibration, KernelCosts, Planner, find_calibration
 from xstage_dit.sp.moe.modes import ExpertModes
-from xstage_dit.burst_gap.planner import ExpertMode, ExpertSchedule, ExpertShape, TileOrder
+from xstage_dit.burst_gap.planner import (ExpertMode, ExpertSchedule, ExpertShape, Nodes, RingBlocks, RingTransport,
+                                         TileOrder)
 
 MiB = 2**20
 NVLINK_LIKE = BurstGapModel(issue_latency=0.8e-6, producer_rate=12e9, max_issue_rate=1.4e12, drain_rate=400e9,
@@ -174,18 +176,109 @@ def test_plan_command_prints_predictions_and_the_choice(tmp_path, capsys):
     assert all(f"{name}:" in printed for name in ("reference", "overlap", "fused"))
     assert "auto runs" in printed and "tile order: rotated" in printed
     with pytest.raises(SystemExit):
-        main(["plan", "--tokens", "4096", "--heads", "24", "--ranks", "5", "--calibration", str(path)])
+        main(["plan", "--tokens", "4096", "--heads", "24", "--ranks", "5", "--ulysses", "5", "--calibration",
+              str(path)])
     two = _calibration("nvlink", 2).save(tmp_path)
     main(["plan", "--tokens", "65536", "--heads", "24", "--ranks", "8", "--calibration", str(two)])
     assert "measured 2 rank(s); the predictions for 8 extrapolate" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="plans for this machine's GPU")
-def test_plan_command_without_a_gpu_names_the_shipped_calibrations():
+def test_plan_command_without_a_gpu_plans_for_the_shipped_h200(capsys):
+    """The README's example: 30 heads cannot split over 8 ranks by Ulysses alone; the plan is a split with a
+    ring, and what enable() runs with no degrees."""
     from xstage_dit.cli import main
 
-    with pytest.raises(SystemExit, match="calibration-h200-nvlink-n2.json"):
-        main(["plan", "--tokens", "4096", "--heads", "24", "--ranks", "2"])
+    main(["plan", "--ranks", "8", "--heads", "30", "--tokens", "4096"])
+    printed = capsys.readouterr().out
+    assert "shipped calibration-h200-nvlink-n2.json" in printed
+    assert "auto runs" not in printed  # no Ulysses-only split of 30 heads over 8 ranks
+    assert re.search(r"plan: Ulysses [12] x ring [48], backend (reference|fused), [0-9.]+ ms predicted", printed)
+    assert "enable() with no degrees runs Ulysses 2 x ring 4" in printed
+
+
+# -- rings ------------------------------------------------------------------------------------------------------
+RING_SHAPE = AttentionShape(1, 4 * 8192, 0, 24, 128, 4)  # a ring of 4, 8k tokens a rank
+
+
+def _slow_sends() -> Planner:
+    """Point-to-point far slower than a block's attention; the store path drains far faster."""
+    return Planner(replace(NVLINK_LIKE, drain_rate=4e12), replace(COSTS, alltoall_rate=2e9))
+
+
+@pytest.mark.parametrize("planner", [Planner(NVLINK_LIKE, COSTS), _slow_sends()], ids=["nvlink", "slow-sends"])
+def test_ring_transports_follow_their_formulas(planner):
+    blocks = RingBlocks.of(RING_SHAPE, 4, 1)
+    vendor = planner.ring_steps(blocks)
+    send, around = planner.ring_send(blocks, Nodes(8)), planner.ulysses_around_ring(blocks)
+    serial = planner.ring_call(RING_SHAPE, 4, 1, "serial")
+    overlap = planner.ring_call(RING_SHAPE, 4, 1, RingTransport.OVERLAP)
+    fused = planner.ring_call(RING_SHAPE, 4, 1, "fused")
+    assert serial == pytest.approx(around + sum(vendor) + 3 * send)
+    assert overlap == pytest.approx(around + sum(max(step, send) for step in vendor[:-1]) + vendor[-1])
+    assert overlap < serial
+    assert around + sum(vendor) <= fused  # the stores never make a step shorter
+    assert blocks.block_bytes() == 2 * 8192 * 24 * 128 * 2
+    if planner.costs.alltoall_rate < 1e10:  # sends longer than the attention: they set the pace
+        assert overlap == pytest.approx(around + 3 * send + vendor[-1])
+        assert fused < overlap  # the store path drains the block under the attention
+
+
+def test_fused_ring_hides_the_drain_under_the_attention():
+    planner = Planner(NVLINK_LIKE, COSTS)
+    shape = AttentionShape(1, 4 * 65536, 0, 24, 128, 4)
+    blocks = RingBlocks.of(shape, 4, 1)
+    steps = planner.ring_steps(blocks)
+    assert planner.ring_call(shape, 4, 1, "fused") / (planner.ulysses_around_ring(blocks) + sum(steps)) < 1.15
+    # a drain slower than the attention: the step waits for it
+    slow = Planner(replace(NVLINK_LIKE, drain_rate=5e9), COSTS)
+    step = slow.ring_steps(RingBlocks.of(RING_SHAPE, 4, 1))[-1]
+    assert slow.ring_forward(RingBlocks.of(RING_SHAPE, 4, 1), step) > 0.5 * step
+
+
+def test_hybrid_rings_split_the_heads_and_blocks():
+    shape = AttentionShape(2, 8 * 4096, 77, 30, 128, 8)
+    blocks = RingBlocks.of(shape, 4, 2)
+    assert (blocks.heads, blocks.block_keys, blocks.query_rows) == (15, 2 * 4096, 77 + 2 * 4096)
+    with pytest.raises(ValueError, match="is not the shape's 8 ranks"):
+        RingBlocks.of(shape, 2, 2)
+    with pytest.raises(ValueError, match="30 heads do not split over ulysses_degree=4"):
+        RingBlocks.of(shape, 2, 4)
+
+
+def test_the_ring_transport_is_the_faster_one_that_can_run():
+    from xstage_dit.sp.attention.layout import UlyssesLayout
+    from xstage_dit.sp.planner import ring_shape
+
+    layout = UlyssesLayout(text_len=0, seq_len=4 * 8192, local_len=8192, degree=1, rank=0, ring_degree=4)
+    shape = ring_shape(torch.empty(1, 8192, 24, 128, dtype=torch.bfloat16), layout)
+    assert shape == RING_SHAPE
+    slow = _slow_sends()
+    assert slow.ring_transport(shape, 4, 1) is RingTransport.FUSED
+    assert slow.ring_transport(shape, 4, 1, Nodes(2)) is RingTransport.OVERLAP  # the ring crosses nodes
+    planner = Planner(NVLINK_LIKE, COSTS)
+    predicted = {t: planner.ring_call(shape, 4, 1, t) for t in (RingTransport.OVERLAP, RingTransport.FUSED)}
+    assert planner.ring_transport(shape, 4, 1) is min(predicted, key=predicted.__getitem__)
+
+
+def test_layer_splits_keep_ulysses_in_a_node_and_the_fused_ring_off_the_network():
+    planner = Planner(NVLINK_LIKE, COSTS)
+    costs = costs_of(backends())
+    splits = planner.layer_splits(AttentionShape(1, 8 * 4096, 0, 30, 128, 8), Nodes(8), costs)
+    assert {(s.ulysses, s.ring) for s in splits} == {(1, 8), (2, 4)}  # 30 heads: Ulysses 1 or 2
+    assert [s.seconds for s in splits] == sorted(s.seconds for s in splits)
+    assert {s.backend for s in splits} == {"reference", "fused"}
+    two_nodes = AttentionShape(1, 16 * 4096, 0, 40, 128, 16)
+    splits = planner.layer_splits(two_nodes, Nodes(8), costs)
+    assert {(s.ulysses, s.ring) for s in splits} == {(1, 16), (2, 8), (4, 4), (8, 2)}
+    assert {s.backend for s in splits} == {"reference"}  # every ring of 16 ranks crosses the nodes
+    with pytest.raises(ValueError, match="the fused ring spans one node"):
+        planner.ring_call(two_nodes, 2, 8, "fused", Nodes(8))
+    # the network is slower than NVLink: the same ring predicts longer across nodes
+    assert (planner.ring_call(two_nodes, 2, 8, "serial", Nodes(8))
+            > planner.ring_call(two_nodes, 2, 8, "serial", Nodes(16)))
+    whole = planner.layer_splits(AttentionShape(1, 8 * 4096, 0, 24, 128, 8), Nodes(8), costs)
+    assert {s.backend for s in whole if s.ring == 1} == {"reference", "overlap", "fused"}
 
 
 def test_version(capsys):

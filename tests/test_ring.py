@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
 
 import xstage_dit
@@ -16,10 +18,13 @@ import zoo
 from dist_harness import run_on_ranks
 from test_compile import _ranks_worker
 from test_gpu import _same_gpu_worker
-from test_parallel_pipelines import TOLERANCE, _bare_transformer_inputs, _pipelines_worker, _relative_error
+from test_caches import STEPS, _caches
+from test_parallel_vae import _rows_seen
+from test_parallel_pipelines import (SIZES, TOLERANCE, _bare_transformer_inputs, _pipeline_worker,
+                                     _pipelines_worker, _relative_error)
 from xstage_dit import api
 from xstage_dit.config import XStageConfig
-from xstage_dit.runtime.distributed import free_port
+from xstage_dit.runtime.distributed import build_groups, ensure_process_group, free_port
 
 
 @pytest.mark.parametrize("world, given, heads, node, expected", [
@@ -49,6 +54,31 @@ def test_degrees_that_do_not_fit_are_refused(given, message):
         api._degrees(4, XStageConfig(**given), [12])
 
 
+def _mesh_worker() -> None:
+    """Each split's groups, from one device mesh, against the layout rank = (c R + r) U + u; each group's collectives
+    bounded by enable's timeout, not the default group's."""
+    ensure_process_group(120.0)
+    for cfg, ring, ulysses in ((1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1)):
+        groups = build_groups(cfg, ulysses, 37.0, ring)
+        c, r, u = groups.cfg_rank, groups.ring_rank, groups.ulysses_rank
+        assert dist.get_rank() == (c * ring + r) * ulysses + u
+        assert groups.mesh.mesh_dim_names == ("cfg", "ring", "ulysses")
+        expected = {"ulysses_group": [(c * ring + r) * ulysses + k for k in range(ulysses)],
+                    "ring_group": [(c * ring + k) * ulysses + u for k in range(ring)],
+                    "cfg_group": [(k * ring + r) * ulysses + u for k in range(cfg)],
+                    "sequence_group": [c * ring * ulysses + k for k in range(ring * ulysses)]}
+        for name, ranks in expected.items():
+            group = getattr(groups, name)
+            assert (group is None) == (len(ranks) == 1), (name, cfg, ring, ulysses)
+            if group is not None:
+                assert dist.get_process_group_ranks(group) == ranks, (name, cfg, ring, ulysses)
+                assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=37)
+
+
+def test_the_groups_come_from_one_device_mesh_with_enables_timeout() -> None:
+    run_on_ranks(4, _mesh_worker)
+
+
 def _heads_worker() -> None:
     """Models whose head counts 4 ranks cannot split by Ulysses alone: the degrees are chosen by themselves."""
     for heads, expected in ((6, (2, 2)), (5, (1, 4))):
@@ -73,7 +103,7 @@ def test_heads_that_ulysses_cannot_split_run_on_a_ring() -> None:
 # every family over 4 ranks, as a ring of 4 and as Ulysses 2 x ring 2 (uneven tokens, batch 2: the one case of each)
 FAMILIES = ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-flux2", "tiny-hunyuan-video", "tiny-ltx", "tiny-sd3.5",
             "tiny-cogvideox", "tiny-hidream", "tiny-nucleusmoe", "tiny-zimage", "tiny-ltx2", "tiny-hunyuan-video15",
-            "tiny-wan-vace", "tiny-qwenimage21"]
+            "tiny-wan-vace", "tiny-qwenimage21", "tiny-chroma"]
 
 
 @pytest.mark.parametrize("degrees", [{"ring_degree": 4}, {"ulysses_degree": 2, "ring_degree": 2}],
@@ -86,6 +116,38 @@ def test_cfg_parallel_around_a_ring_matches_single_process() -> None:
     """cfg_degree=2 x ring_degree=2: each CFG group's two ranks hold one sequence as a ring."""
     run_on_ranks(4, _pipelines_worker, ["tiny-flux", "tiny-wan"], 2, 3.0, "reference", False, False,
                  {"ring_degree": 2}, deadline_s=600)
+
+
+HYBRID = {"ulysses_degree": 2, "ring_degree": 2}
+
+
+def _combined_worker() -> None:
+    """Ulysses 2 x ring 2 with what users combine: NucleusMoE's expert choice with its experts sharded over the
+    sequence's ranks; a diffusers cache (enabled before enable) and the row-split VAE decode in one generation."""
+    _pipeline_worker("tiny-nucleusmoe", 1, 3.0, "reference", True, None, HYBRID)
+    pipe = zoo.build_pipeline("tiny-flux")
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate() -> torch.Tensor:
+        kwargs = zoo.call_kwargs("tiny-flux", **SIZES["tiny-flux"]["uneven"], steps=STEPS, guidance=1.0)
+        return pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=2), output_type="pt",
+                    generator=torch.Generator().manual_seed(8), return_dict=False)[0]
+
+    rows = _rows_seen(pipe.vae)
+    pipe.transformer.enable_cache(_caches(pipe, "tiny-flux")["FirstBlockCache"][1]())
+    stock = generate()
+    whole = max(rows)
+    xstage_dit.enable(pipe, backend="reference", timeout_s=120, **HYBRID)
+    rows.clear()
+    error = _relative_error(generate(), stock)
+    assert error < TOLERANCE, f"a cache and the decode on Ulysses 2 x ring 2: relative error {error:.2e}"
+    assert max(rows) < whole, f"the decoder saw {rows} of {whole} latent rows"
+    xstage_dit.disable(pipe)
+    pipe.transformer.disable_cache()
+
+
+def test_experts_the_decode_and_caches_on_a_ring_match_single_process() -> None:
+    run_on_ranks(4, _combined_worker, deadline_s=600)
 
 
 def test_compiled_blocks_on_a_ring_compile_as_often_as_under_ulysses() -> None:

@@ -9,6 +9,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import xstage_dit  # noqa: E402
+from xstage_dit.runtime.distributed import build_groups  # noqa: E402
 import zoo  # noqa: E402
 
 
@@ -27,6 +28,8 @@ def main() -> None:
     out = generate()
     error = ((out - stock).norm() / stock.norm()).item()
     assert (config.ulysses_degree, config.ring_degree) == (2, 2), config
+    groups = build_groups(1, 2, 60, 2)  # the groups enable made (one mesh per job and split)
+    assert groups.ulysses_within_node and not groups.ring_within_node  # the fused paths stay off the network
     assert error < 1e-4, f"relative error {error:.2e}"
     if xstage_dit.is_main_process():
         print(f"two nodes: ulysses {config.ulysses_degree} x ring {config.ring_degree}, relative error {error:.1e}")

@@ -11,6 +11,7 @@ from diffusers import ModelMixin
 from torch import nn
 
 from . import patches
+from .burst_gap.planner import widest_ulysses
 from .cfg.plan import PAIRS
 from .cfg.split import PairedCalls
 from .config import XStageConfig
@@ -21,9 +22,8 @@ from .patches.vaes import supported_vaes, vae_rule_for
 from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import GraphUse
-from .runtime.distributed import local_device, world_group
+from .runtime.distributed import ParallelGroups, local_device, world_group
 from .sp.attention.backends import needs_fabric, resolve_backend
-from .sp.attention.masks import QueryKeyMasks
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.moe.modes import ExpertModes
 from .sp.sharding import SequenceShard
@@ -71,8 +71,7 @@ def _degrees(world_size: int, config: XStageConfig, heads: list[int]) -> Degrees
                          f"{world_size}{with_cfg}: their product must be {ranks}")
     if ulysses is None:
         node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
-        ulysses = ranks // ring if ring is not None else max(
-            d for d in range(1, ranks + 1) if ranks % d == 0 and d <= node and all(h % d == 0 for h in heads))
+        ulysses = ranks // ring if ring is not None else widest_ulysses(ranks, heads, node)
         if ring is None and ulysses < ranks:
             logger.info("xstage_dit: %d ranks a sequence as Ulysses %d x ring %d (the heads %s, %d ranks a node)",
                         ranks, ulysses, ranks // ulysses, "/".join(map(str, sorted(set(heads)))), node)
@@ -155,9 +154,6 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
     degrees = _degrees(world_size, config, [plan.num_heads(model) for model, plan in zip(models, plans)])
     for model, plan in zip(models, plans):
         _check_heads(model, plan.num_heads(model), degrees)
-        if degrees.ring > 1 and plan.query_key_masks is QueryKeyMasks.PAIR_BIAS:
-            raise NotImplementedError(f"xstage_dit: ring attention does not take {type(model).__name__}'s "
-                                      f"pair-bias masks yet; run it with ring_degree=1")
     resolve_backend(config.backend, local_device())
     degree = degrees.ulysses * degrees.ring
     return dataclasses.replace(config, ulysses_degree=degrees.ulysses, ring_degree=degrees.ring,
@@ -184,6 +180,19 @@ def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.dev
     if current.type == "cuda" and current != device:
         logger.info("moving the pipeline from %s to this rank's %s", current, device)
         target.to(device)
+
+
+def _open_ring_fabric(groups: ParallelGroups, may_store: bool, timeout_s: float) -> None:
+    """The ring group's symmetric memory, over which the ring's key/value blocks travel by remote stores
+    (sp/attention/ring.py finds it by the group's name), where its ranks share a node and the backend choice may
+    store into a fabric (`may_store`); elsewhere they travel by point-to-point sends."""
+    from .sp.fabric import open_fabric
+
+    if not groups.ring_within_node:
+        logger.info("xstage_dit: the ring spans nodes: its key/value blocks travel by NCCL point-to-point")
+    elif may_store:
+        open_fabric(groups.ring_group, groups.device, timeout_s)
+        logger.info("xstage_dit: the ring's key/value blocks travel by remote stores (its ranks share a node)")
 
 
 def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
@@ -230,10 +239,16 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     choice = resolve_backend(config.backend, groups.device)
     fabric = None
     if needs_fabric(choice, groups.device) and groups.ulysses_group is not None and groups.ring_degree == 1:
-        # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
-        from .sp.fabric import open_fabric
+        if groups.ulysses_within_node:
+            # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
+            from .sp.fabric import open_fabric
 
-        fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+            fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+        else:
+            warn_once("xstage_dit: the Ulysses group spans nodes and symmetric memory spans one: its exchanges run "
+                      "over NCCL (the reference and overlap backends), not the fused backend's stores")
+    if groups.ring_degree > 1:
+        _open_ring_fabric(groups, needs_fabric(choice, groups.device), config.timeout_s)
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)

@@ -1,9 +1,10 @@
 """`xstage-dit`: command-line tools. `info` prints what this machine offers xstage_dit; `serve` runs the
 generation service (the same as `python -m xstage_dit.serve`; under torchrun, `torchrun --no-python ...
 xstage-dit serve ...`); `calibrate` measures its store path and kernels for the Burst-Gap planner; `plan` prints
-what the planner predicts for one attention layer (what backend="auto" would run, and what each backend says of
-its plan: the fused kernel's tile order) and, given `--experts`, for one expert-choice MoE layer (each mode, and
-the stores mode's schedule)."""
+what the planner predicts for one attention layer: every Ulysses x ring split of its ranks with each backend that
+runs it and the pick (under Ulysses alone, also what backend="auto" would run and what each backend says of its
+plan: the fused kernel's tile order) and, given `--experts`, for one expert-choice MoE layer (each mode, and the
+stores mode's schedule)."""
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,9 @@ import torch
 
 from .probing.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
 from .sp.attention.backends import available_backends, backends, costs_of
-from .burst_gap.calibration import SHIPPED, Calibration, calibration_dir, find_calibration
-from .burst_gap.planner import SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Planner
+from .burst_gap.calibration import SHIPPED, SHIPPED_GPU, Calibration, calibration_dir, find_calibration
+from .burst_gap.planner import (INTERNODE_RATE, SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Nodes, Planner,
+                                widest_ulysses)
 
 
 def _version(package: str) -> str:
@@ -70,6 +72,23 @@ def plan(calibration: Calibration, shape: AttentionShape) -> str:
     return "\n".join(lines)
 
 
+def plan_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes) -> str:
+    """Every Ulysses x ring split of `shape`'s ranks with each backend that can run it, fastest first, the
+    planner's pick, and the split `enable` runs with no degrees given."""
+    planner = Planner.from_calibration(calibration)
+    splits = planner.layer_splits(shape, nodes, costs_of(tuple(backends())))
+    lines = [f"{shape.degree} ranks, {nodes.ranks_per_node} a node (between nodes "
+             f"{nodes.internode_rate * 8 / 1e9:.0f} Gb/s a rank, assumed), U x R splits:"]
+    lines += [f"  {split}" for split in splits]
+    best = splits[0]
+    lines.append(f"  plan: Ulysses {best.ulysses} x ring {best.ring}, backend {best.backend}, "
+                 f"{best.seconds * 1e3:.3f} ms predicted")
+    ulysses = widest_ulysses(shape.degree, [shape.heads], nodes.ranks_per_node)
+    lines.append(f"  enable() with no degrees runs Ulysses {ulysses} x ring {shape.degree // ulysses} (Ulysses as "
+                 f"wide as divides the heads within a node)")
+    return "\n".join(lines)
+
+
 def plan_experts(calibration: Calibration, shape: ExpertShape) -> str:
     """Each MoE mode's predicted time for `shape`, each schedule of the stores mode, and the planner's pick."""
     planner = Planner.from_calibration(calibration)
@@ -111,7 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     layer.add_argument("--text", type=int, default=0, help="joint text tokens (replicated)")
     layer.add_argument("--heads", type=int, required=True)
     layer.add_argument("--head-dim", type=int, default=128)
-    layer.add_argument("--ranks", type=int, required=True, help="Ulysses degree")
+    layer.add_argument("--ranks", type=int, required=True, help="ranks that split one sequence (Ulysses x ring)")
+    layer.add_argument("--ulysses", type=int, help="plan only this Ulysses degree (default: every one that splits "
+                       "the heads within a node)")
+    layer.add_argument("--ranks-per-node", type=int, help="consecutive ranks that share a node (default: --ranks, "
+                       "at most 8)")
+    layer.add_argument("--internode-gbps", type=float, default=INTERNODE_RATE * 8 / 1e9,
+                       help="what one rank sends to another node, Gb/s (an assumption: no calibration measures it)")
     layer.add_argument("--batch", type=int, default=1)
     layer.add_argument("--experts", type=int, help="also plan an expert-choice MoE layer of this many experts")
     layer.add_argument("--dim", type=int, default=2048, help="the MoE layer's model width")
@@ -130,14 +155,21 @@ def main(argv: list[str] | None = None) -> None:
         else:
             calibrate(args.out or calibration_dir(), quick=args.quick)
     elif args.command == "plan":
-        if args.heads % args.ranks:
-            parser.error(f"{args.heads} heads do not split over {args.ranks} ranks")
+        ulysses = args.ulysses
+        if ulysses is not None and (args.ranks % ulysses or args.heads % ulysses):
+            parser.error(f"--ulysses {ulysses} must divide --ranks {args.ranks} and --heads {args.heads}")
+        nodes = Nodes(args.ranks_per_node or min(args.ranks, 8), args.internode_gbps * 1e9 / 8)
+        if ulysses is not None and ulysses > nodes.ranks_per_node:
+            parser.error(f"--ulysses {ulysses}: the planner keeps Ulysses within a node of {nodes.ranks_per_node}")
         calibration = Calibration.load(args.calibration) if args.calibration else _this_machine(args.ranks)
         shape = AttentionShape(args.batch, args.tokens, args.text, args.heads, args.head_dim, args.ranks)
         if args.ranks > calibration.world_size:
             print(f"note: {calibration.filename} measured {calibration.world_size} rank(s); the predictions for "
                   f"{args.ranks} extrapolate its store path to more peers")
-        print(plan(calibration, shape))
+        if args.heads % args.ranks == 0 and args.ranks <= nodes.ranks_per_node and ulysses in (None, args.ranks):
+            print(plan(calibration, shape))
+        print(plan_split(calibration, shape, nodes) if ulysses is None else
+              _one_split(calibration, shape, nodes, ulysses))
         if args.experts:
             capacity = max(1, math.ceil(args.capacity_factor * args.tokens / args.experts))
             shape = ExpertShape(args.batch, args.tokens, args.dim, args.expert_width, args.experts, capacity,
@@ -146,10 +178,19 @@ def main(argv: list[str] | None = None) -> None:
                   f"{args.experts} experts do not split over {args.ranks} ranks: MoE layers run replicated")
 
 
+def _one_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes, ulysses: int) -> str:
+    """The splits of `plan_split` with this Ulysses degree."""
+    planner = Planner.from_calibration(calibration)
+    splits = [s for s in planner.layer_splits(shape, nodes, costs_of(tuple(backends()))) if s.ulysses == ulysses]
+    return "\n".join([f"Ulysses {ulysses} x ring {shape.degree // ulysses}:", *(f"  {s}" for s in splits)])
+
+
 def _this_machine(ranks: int) -> Calibration:
     if not torch.cuda.is_available():
-        shipped = ", ".join(str(path) for path in sorted(SHIPPED.glob("*.json")))
-        raise SystemExit(f"xstage-dit plan: no GPU here; pass --calibration FILE (shipped: {shipped})")
+        shipped = find_calibration(SHIPPED_GPU, ranks, directory=SHIPPED)
+        print(f"note: no GPU here: planning for an {SHIPPED_GPU} with the shipped {shipped.filename} (--calibration "
+              f"FILE for another)")
+        return shipped
     found = find_calibration(torch.cuda.get_device_name(), ranks)
     if found is None:
         raise SystemExit(f"xstage-dit plan: no calibration for {torch.cuda.get_device_name()} in "

@@ -7,7 +7,6 @@ path. The order is declared here once, each layer with the reason for its place.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -29,6 +28,7 @@ from .runtime.distributed import world_group
 from .sp.attention import routing
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_hooks import SharedCacheDecisions, stateful_hooks
+from .sp.fabric import fabric_of
 from .sp.moe.modes import ExpertModes
 from .sp.plan import PlanContext, SequenceParallelPlan, attention_routes, check_inputs_hooks, token_split_hooks
 from .sp.sharding import SequenceShard
@@ -130,18 +130,15 @@ def _split_projection(job: ModelJob) -> list[Change]:
 
 
 def _capturable(groups: ParallelGroups) -> bool:
-    """A captured forward holds the Ulysses group's collectives: NCCL's can be captured, gloo's (which stage
-    through the host) cannot."""
-    if groups.ring_degree > 1:
-        warn_once("xstage_dit: a ring's point-to-point sends are not captured in CUDA graphs yet: the transformers "
-                  "run eagerly")
-        return False
-    if groups.ulysses_group is None:
+    """A captured forward holds the sequence's collectives (the Ulysses all-to-alls, a ring's point-to-point
+    sends): NCCL's can be captured, gloo's (which stage through the host) cannot."""
+    if groups.sequence_group is None:
         return True
-    backend = str(dist.get_backend(groups.ulysses_group))
+    backend = str(dist.get_backend(groups.sequence_group))
     if "nccl" not in backend:
-        warn_once(f"xstage_dit: the Ulysses group runs on {backend}, whose collectives cannot be captured in a "
-                  "CUDA graph: the transformers run eagerly")
+        sends = " and point-to-point sends" if groups.ring_degree > 1 else ""
+        warn_once(f"xstage_dit: the sequence's ranks run on {backend}, whose collectives{sends} cannot be captured "
+                  "in a CUDA graph: the transformers run eagerly")
         return False
     return True
 
@@ -149,12 +146,20 @@ def _capturable(groups: ParallelGroups) -> bool:
 def _cross_rank_work(job: ModelJob) -> CrossRankWork | None:
     """What a replay of a rank's forward waits for across ranks, if anything."""
     groups = job.groups
-    if groups.ulysses_group is None:
+    if groups.sequence_group is None:
         return None
-    first = groups.rank - groups.ulysses_rank
-    peers = f"the other ranks of its Ulysses group (ranks {first}-{first + groups.ulysses_degree - 1})"
-    check = None if job.fabric is None else functools.partial(job.fabric.raise_if_timed_out, "a CUDA-graph replay")
-    return CrossRankWork(groups.rank, peers, job.config.timeout_s, check)
+    first = groups.rank - groups.sequence_rank
+    peers = f"the other ranks of its sequence (ranks {first}-{first + groups.sequence_degree - 1})"
+    # the fabrics whose barrier kernels a replay runs: the Ulysses group's, and the ring group's where its blocks
+    # travel by stores
+    ring_fabric = None if groups.ring_group is None else fabric_of(groups.ring_group.group_name)
+    fabrics = [fabric for fabric in (job.fabric, ring_fabric) if fabric is not None]
+
+    def check() -> None:
+        for fabric in fabrics:
+            fabric.raise_if_timed_out("a CUDA-graph replay")
+
+    return CrossRankWork(groups.rank, peers, job.config.timeout_s, check if fabrics else None)
 
 
 def _cuda_graphs(job: ModelJob) -> list[Change]:

@@ -122,6 +122,7 @@ SIMULATED = ("loopback", "same-gpu")
 
 # calibrations measured by the project, shipped with the package: planning works out of the box on these GPUs
 SHIPPED = Path(__file__).resolve().parent.parent / "calibrations"
+SHIPPED_GPU = "NVIDIA H200"  # what they measured: `xstage-dit plan` plans for it on a machine without a GPU
 
 
 def find_calibration(gpu: str, world_size: int, topology: str | None = None,

@@ -1,5 +1,5 @@
-"""The planner: predicted time of one Ulysses attention call per backend, from a machine's calibration (the
-fitted Burst-Gap model and measured kernel costs), and the fused kernel's schedule.
+"""The planner: predicted time of one Ulysses or ring attention call per backend, from a machine's calibration
+(the fitted Burst-Gap model and measured kernel costs), and the fused kernel's schedule.
 
 Per rank, for a layer of H heads over T text + S image tokens split over N ranks (L = S/N tokens each), with V
 the bytes of one of this rank's q, k, v or output tensors (B * L * H * D elements):
@@ -19,6 +19,31 @@ The schedule knob is the fused kernel's tile order. In rank-major order every ra
 destination at the same moment, so that destination's ingress, R, is shared by the N - 1 senders (R / (N - 1)
 each); rotated, rank r starts at rank r + 1's rows and each destination hears one sender at a time (R each). The
 planner predicts both and picks the faster (rotated on ties).
+
+Rings (`ring_call`): shape.degree = U x R ranks, Ulysses groups of U consecutive ranks inside each step of a ring
+of R. A rank attends its H/U heads of the text and its Ulysses group's block (T + U*L query rows) over one block of
+U*L image keys per step (the text keys at the first step), and merges each step's output by log-sum-exp (three
+float32 copies of its output); with A_i the i-th step's attention plus merge and V = 2 * B * U*L * H/U * D * e the
+block's keys and values:
+
+- around the ring: the Ulysses exchanges (q, k, v in, the output back, as the reference path's), or at U = 1 the
+  copies that join text and image rows;
+- serial: sum_i A_i + (R - 1) * P, P = launch + V / rate the block's NCCL point-to-point send, at the
+  calibration's all-to-all rate within a node, at `Nodes.internode_rate` (an assumption) where the ring crosses
+  nodes;
+- overlap (sp/attention/ring.py): the send of block i+1 in flight while block i attends:
+  sum_{i<R-1} max(A_i, P) + A_{R-1};
+- fused (X-Stage ring, one node only, sp/attention/ring.py `stored_ring_steps`): beside each step's attention the
+  forward kernel's P = RING_FORWARD_PROGRAMS programs store the block into the next rank's slot (one destination:
+  its drain rate R), a train of one burst whose delivery D = delivery_time(V, P) overlaps the step: the step waits
+  for what outlasts it, max(0, D - A_i), and its attention loses the P programs' SMs while they run,
+  min(D, A_i) * P / #SMs: sum_{i<R-1} (A_i + `ring_forward`) + A_{R-1}.
+
+Every transport attends with the vendor's kernel (the ring merges by log-sum-exp, which our kernel does not
+return).
+
+`layer_splits` predicts every U x R of a layer's ranks (U dividing the heads, within a node) with each backend
+that can run it, fastest first; `xstage-dit plan` prints them and the pick.
 
 The backends register which of these predictions is theirs (sp/attention/backends.py); `predict` takes that mapping of
 names to cost functions.
@@ -41,7 +66,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from ..sizes import EXPERT_TILES, ExpertTiles, ceil_div
 from .calibration import Calibration, KernelCosts
@@ -165,6 +190,114 @@ SCHEDULES = tuple(ExpertSchedule(waves, interleaved) for waves in (1, 2, 4, 8) f
                   if waves > 1 or not interleaved)
 
 
+class RingTransport(enum.Enum):
+    """How a ring's key/value blocks travel between its steps."""
+
+    SERIAL = "serial"  # attend a block, then send it on to the next rank (the baseline)
+    OVERLAP = "overlap"  # NCCL point-to-point: a block in flight while the previous one attends (sp/attention/ring.py)
+    FUSED = "fused"  # X-Stage: a forward kernel beside the attention stores the block into the next rank's slot
+
+
+# bytes per second one GPU sends to another node: one 400 Gb/s NIC per GPU. An assumption, not a measurement: no
+# calibration measures the network between nodes.
+INTERNODE_RATE = 50e9
+
+# programs of the fused ring's forward kernel (kernels/ring.py): few enough to leave the attention its SMs, enough
+# to drain a block under it
+RING_FORWARD_PROGRAMS = 16
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where a job's ranks sit: `ranks_per_node` consecutive ranks share a node (NVLink: the calibration's store
+    path and all-to-all rate); a rank sends to another node at `internode_rate` bytes per second."""
+
+    ranks_per_node: int
+    internode_rate: float = INTERNODE_RATE
+
+    def ring_crosses(self, ulysses: int, ring: int) -> bool:
+        """Whether a ring of `ring` Ulysses groups of `ulysses` consecutive ranks has a hop between nodes (one
+        sequence's ranks are consecutive: the mesh (cfg, ring, ulysses))."""
+        return ulysses * ring > self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class RingBlocks:
+    """What one rank of a split of `shape` into Ulysses `ulysses` x ring `ring` attends at each ring step: its
+    H/U heads of the text and its Ulysses group's block as queries, over one block of U*L image keys (L = S/(U R)
+    tokens per rank), the text keys once."""
+
+    shape: AttentionShape
+    ulysses: int
+    ring: int
+
+    @classmethod
+    def of(cls, shape: AttentionShape, ring: int, ulysses: int) -> "RingBlocks":
+        if ring < 1 or ulysses < 1 or ring * ulysses != shape.degree:
+            raise ValueError(f"ring_degree={ring} x ulysses_degree={ulysses} is not the shape's {shape.degree} ranks")
+        if shape.heads % ulysses:
+            raise ValueError(f"{shape.heads} heads do not split over ulysses_degree={ulysses}")
+        return cls(shape, ulysses, ring)
+
+    @property
+    def heads(self) -> int:
+        return self.shape.heads // self.ulysses
+
+    @property
+    def block_keys(self) -> int:
+        return self.shape.local_tokens * self.ulysses
+
+    @property
+    def query_rows(self) -> int:
+        return self.shape.text_tokens + self.block_keys
+
+    def flops(self, keys: int) -> float:
+        s = self.shape
+        return 4.0 * s.batch * self.heads * self.query_rows * keys * s.head_dim
+
+    def block_bytes(self) -> float:
+        """One block's keys and values: what each ring step sends on."""
+        s = self.shape
+        return 2.0 * s.batch * self.block_keys * self.heads * s.head_dim * s.element_bytes
+
+    def merged_bytes(self) -> float:
+        """The float32 output the steps' log-sum-exp merge reads and writes."""
+        s = self.shape
+        return 4.0 * s.batch * self.query_rows * self.heads * s.head_dim
+
+
+@dataclass(frozen=True)
+class SplitPrediction:
+    """One way to run an attention layer over a sequence's ranks: Ulysses `ulysses` x ring `ring`, by `backend`
+    (with a ring: "reference", whose blocks travel by NCCL point-to-point, or "fused", the X-Stage ring)."""
+
+    ulysses: int
+    ring: int
+    backend: str
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"Ulysses {self.ulysses} x ring {self.ring}, {self.backend}: {self.seconds * 1e3:.3f} ms predicted"
+
+
+def widest_ulysses(ranks: int, heads: Iterable[int], ranks_per_node: int) -> int:
+    """The split `enable` runs with no degrees given: Ulysses as wide as divides the ranks and every head count
+    within a node; a ring of the Ulysses groups takes the rest."""
+    heads = list(heads)
+    return max(d for d in range(1, min(ranks, ranks_per_node) + 1)
+               if ranks % d == 0 and all(h % d == 0 for h in heads))
+
+
+def store_train(path: BurstGapModel, gap: float, burst_bytes: float, producers: int, bursts: int) -> float:
+    """What a train of `bursts` bursts of remote stores, each `burst_bytes` from `producers` programs after `gap`
+    seconds of their compute, adds to that compute: every burst after the first stalls its issuers by
+    max(0, T_iss - T0_iss) = max(0, V/R - G - T0_iss), and the last burst's bytes must land before the
+    destination may read them (delivery minus issue)."""
+    free = path.free_issue_time(burst_bytes, producers)
+    stall = max(0.0, path.steady_issue_time(gap, burst_bytes, producers) - free)
+    return max(0, bursts - 1) * stall + path.delivery_time(burst_bytes, producers) - free
+
+
 # predicted seconds of one attention call of a shape, from the planner's pieces
 Cost = Callable[["Planner", AttentionShape], float]
 
@@ -204,11 +337,7 @@ class Planner:
         wave_bytes = producers * tile_rows * shape.head_dim * shape.element_bytes * remote
         drain = self.model.drain_rate if order is TileOrder.ROTATED else self.model.drain_rate / (n - 1)
         path = replace(self.model, drain_rate=drain)
-        gap = compute / waves
-        stall = max(0.0, path.steady_issue_time(gap, wave_bytes, producers)
-                    - path.free_issue_time(wave_bytes, producers))
-        tail = path.delivery_time(wave_bytes, producers) - path.free_issue_time(wave_bytes, producers)
-        return compute + max(0.0, math.ceil(waves) - 1) * stall + tail
+        return compute + store_train(path, compute / waves, wave_bytes, producers, math.ceil(waves))
 
     def pre_all_to_all(self, shape: AttentionShape) -> float:
         """The fused path's store kernels for q, k, v plus the local copy of this rank's text heads."""
@@ -329,10 +458,7 @@ class Planner:
             in_flight = min(self.costs.sms, storing + len(up) * up_tiles)
             producers = max(1, round(in_flight * storing / (storing + len(up) * up_tiles)))
             bursts = math.ceil(storing / producers)
-            volume = producers * tile_bytes
-            free = self.model.free_issue_time(volume, producers)
-            stall = max(0.0, self.model.steady_issue_time(compute / bursts, volume, producers) - free)
-            total += (bursts - 1) * stall + self.model.delivery_time(volume, producers) - free
+            total += store_train(self.model, compute / bursts, producers * tile_bytes, producers, bursts)
         return total
 
     def expert_schedule(self, shape: ExpertShape) -> ExpertSchedule:
@@ -344,6 +470,88 @@ class Planner:
         cost = {ExpertMode.REPLICATED: self.experts_replicated, ExpertMode.COLLECTIVES: self.experts_collectives,
                 ExpertMode.STORES: lambda s: self.experts_stores(s, self.expert_schedule(s))}
         return {mode: cost[mode](shape) for mode in modes}
+
+    # -- rings: Ulysses inside each ring step, key/value blocks around the ring ------------------------------------
+    def ring_steps(self, blocks: RingBlocks) -> list[float]:
+        """Each ring step's attention (the first over the text keys too; the vendor's kernel) and the log-sum-exp
+        merge after it."""
+        merge = self.copy(3 * blocks.merged_bytes())
+        text = blocks.shape.text_tokens
+        return [self.costs.attention_time(blocks.flops(keys), keys, blocks.shape.head_dim, False) + merge
+                for keys in [text + blocks.block_keys] + [blocks.block_keys] * (blocks.ring - 1)]
+
+    def ring_send(self, blocks: RingBlocks, nodes: Nodes) -> float:
+        """One block by NCCL point-to-point: within a node at the calibration's all-to-all rate, between nodes at
+        the network's."""
+        rate = nodes.internode_rate if nodes.ring_crosses(blocks.ulysses, blocks.ring) else self.costs.alltoall_rate
+        return self.costs.launch + blocks.block_bytes() / rate
+
+    def ring_forward(self, blocks: RingBlocks, step: float) -> float:
+        """What forwarding one block by the forward kernel's stores adds to a fused ring step of `step` seconds:
+        the delivery past the step's end, and the SMs its programs take from the attention while they run."""
+        delivery = self.model.delivery_time(blocks.block_bytes(), RING_FORWARD_PROGRAMS)
+        return max(0.0, delivery - step) + min(delivery, step) * RING_FORWARD_PROGRAMS / self.costs.sms
+
+    def ulysses_around_ring(self, blocks: RingBlocks) -> float:
+        """The Ulysses exchanges around the ring (q, k, v in, the output back: the reference path's all-to-alls),
+        or at Ulysses degree 1 the copies that join the text and image rows."""
+        nbytes = blocks.shape.tensor_bytes()
+        if blocks.ulysses == 1:
+            return 4 * self.copy(nbytes)
+        return 4 * self.exchange(nbytes, blocks.shape.text_tokens > 0)
+
+    def ring_call(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int,
+                  transport: RingTransport | str, nodes: Nodes | None = None) -> float:
+        """Predicted seconds of one attention call of `shape` (shape.degree = ring_degree x ulysses_degree ranks)
+        as Ulysses inside each step of a ring, its blocks moved by `transport` ("serial", "overlap" or "fused";
+        see the module's docstring). `nodes` None: every rank on one node. The fused ring spans one node only."""
+        transport = RingTransport(transport)
+        nodes = nodes or Nodes(shape.degree)
+        blocks = RingBlocks.of(shape, ring_degree, ulysses_degree)
+        if transport is RingTransport.FUSED and nodes.ring_crosses(ulysses_degree, ring_degree):
+            raise ValueError(f"the fused ring spans one node; {ring_degree} x {ulysses_degree} ranks cross nodes of "
+                             f"{nodes.ranks_per_node}")
+        steps = self.ring_steps(blocks)
+        passed, last = steps[:-1], steps[-1]  # every step but the last sends its block on
+        if transport is RingTransport.SERIAL:
+            ring = sum(steps) + len(passed) * self.ring_send(blocks, nodes)
+        elif transport is RingTransport.OVERLAP:
+            send = self.ring_send(blocks, nodes)
+            ring = sum(max(step, send) for step in passed) + last
+        else:
+            ring = sum(step + self.ring_forward(blocks, step) for step in passed) + last
+        return self.ulysses_around_ring(blocks) + ring
+
+    def ring_transport(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int, nodes: Nodes | None = None
+                       ) -> RingTransport:
+        """The faster of the ring's runtime transports for `shape`: NCCL point-to-point (overlapped) or, where the
+        ring stays within a node, the fused ring (overlap on ties)."""
+        nodes = nodes or Nodes(shape.degree)
+        if nodes.ring_crosses(ulysses_degree, ring_degree):
+            return RingTransport.OVERLAP
+        return min((RingTransport.OVERLAP, RingTransport.FUSED),
+                   key=lambda transport: self.ring_call(shape, ring_degree, ulysses_degree, transport, nodes))
+
+    def layer_splits(self, shape: AttentionShape, nodes: Nodes, ulysses_costs: Mapping[str, Cost]
+                     ) -> list[SplitPrediction]:
+        """Every way to run `shape` over its shape.degree ranks, fastest first: Ulysses U (dividing the heads,
+        within a node) x ring R; at R = 1 by each backend of `ulysses_costs`, with a ring by the reference ring
+        (NCCL point-to-point, overlapped) and, where the ring stays within a node, the fused ring."""
+        found = []
+        for ulysses in range(1, min(shape.degree, nodes.ranks_per_node) + 1):
+            if shape.degree % ulysses or shape.heads % ulysses:
+                continue
+            ring = shape.degree // ulysses
+            if ring == 1:
+                found += [SplitPrediction(ulysses, 1, name, seconds)
+                          for name, seconds in self.predict(shape, ulysses_costs).items()]
+                continue
+            transports = {"reference": RingTransport.OVERLAP}
+            if not nodes.ring_crosses(ulysses, ring):
+                transports["fused"] = RingTransport.FUSED
+            found += [SplitPrediction(ulysses, ring, name, self.ring_call(shape, ring, ulysses, transport, nodes))
+                      for name, transport in transports.items()]
+        return sorted(found, key=lambda split: split.seconds)
 
     def predict(self, shape: AttentionShape, costs: Mapping[str, Cost]) -> dict[str, float]:
         """Predicted seconds of one attention call per backend, from each backend's cost function."""

@@ -1,5 +1,5 @@
 """torch.distributed set-up: start the default group from the launcher's environment when the user has not,
-and derive the Ulysses group for the requested degrees."""
+and lay the ranks out on the device mesh (cfg, ring, ulysses) for the requested degrees."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..logging_utils import logger
 
@@ -28,8 +29,8 @@ class Axis:
 class ParallelGroups:
     """The ranks this process works with, laid out as the mesh (cfg, ring, ulysses), Ulysses innermost: world =
     cfg_degree x ring_degree x ulysses_degree; Ulysses groups of consecutive ranks (one node), ring groups of ranks
-    ulysses_degree apart, and the sequence group (ring x ulysses, within one CFG group) whose ranks split one
-    sequence. Groups are None where their degree is 1 (and in a single process)."""
+    ulysses_degree apart, and the sequence group (ring x ulysses flattened, within one CFG group) whose ranks split
+    one sequence. Groups are None where their degree is 1 (and in a single process)."""
 
     world_size: int
     rank: int
@@ -44,6 +45,7 @@ class ParallelGroups:
     ring_rank: int = 0
     ring_group: dist.ProcessGroup | None = None
     sequence_group: dist.ProcessGroup | None = None
+    mesh: DeviceMesh | None = None  # the mesh the groups come from (None in a single process)
 
     @property
     def sequence_degree(self) -> int:
@@ -53,6 +55,16 @@ class ParallelGroups:
     def sequence_rank(self) -> int:
         """This rank's shard of the sequence: ring blocks in order, Ulysses shards inside each."""
         return self.ring_rank * self.ulysses_degree + self.ulysses_rank
+
+    @property
+    def ulysses_within_node(self) -> bool:
+        return within_node(self.ulysses_group)
+
+    @property
+    def ring_within_node(self) -> bool:
+        """Whether the ring's ranks share a node: the X-Stage paths (symmetric memory) span one node; across
+        nodes the ring's blocks travel by NCCL point-to-point."""
+        return within_node(self.ring_group)
 
     @property
     def ulysses(self) -> Axis:
@@ -75,6 +87,18 @@ def local_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def node_of(rank: int) -> int:
+    """The node of global rank `rank`: torchrun gives each node LOCAL_WORLD_SIZE consecutive ranks; without it the
+    job is taken for one node."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world_from_env()[0]
+    return rank // per_node
+
+
+def within_node(group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank of `group` (None: this rank alone) sits on one node."""
+    return group is None or len({node_of(rank) for rank in dist.get_process_group_ranks(group)}) == 1
 
 
 _started_world_timeout_s: float | None = None  # the default group's timeout where this library started it
@@ -146,53 +170,77 @@ def ranks_share_gpus() -> bool:
             or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count())
 
 
-_group_cache: dict[tuple, dist.ProcessGroup] = {}
-
-
-def _subgroup(ranks: list[int], timeout_s: float) -> dist.ProcessGroup:
-    """A process group of `ranks` whose collectives give up after `timeout_s`, created once per job. The whole
-    world is the default group where we started it with this timeout; one the caller started carries the
-    caller's timeout, so it gets a group of its own."""
-    if len(ranks) == dist.get_world_size() and timeout_s == _started_world_timeout_s:
-        return dist.group.WORLD
-    key = (tuple(ranks), timeout_s)
-    if key not in _group_cache:
-        _group_cache[key] = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-    return _group_cache[key]
+_world_groups: dict[float, dist.ProcessGroup] = {}
 
 
 def world_group(timeout_s: float) -> dist.ProcessGroup | None:
     """Every rank of the job, in a group whose collectives give up after `timeout_s` (created collectively on
-    first use); None in a single process."""
+    first use); None in a single process. The default group where we started it with this timeout; one the caller
+    started carries the caller's timeout, so it gets a group of its own."""
     if not dist.is_initialized():
         return None
-    return _subgroup(list(range(dist.get_world_size())), timeout_s)
+    if timeout_s == _started_world_timeout_s:
+        return dist.group.WORLD
+    if timeout_s not in _world_groups:
+        _world_groups[timeout_s] = dist.new_group(timeout=timedelta(seconds=timeout_s))
+    return _world_groups[timeout_s]
+
+
+# the mesh's dimensions, outermost first: CFG groups, then ring steps, Ulysses innermost (consecutive ranks)
+MESH_DIMS = ("cfg", "ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class JobMesh:
+    """The job's mesh (cfg, ring, ulysses) and, where the ring and Ulysses degrees are both above 1, its (ring,
+    ulysses) dimensions flattened: the sequence's ranks (else the one of the two above 1 is the sequence's)."""
+
+    mesh: DeviceMesh
+    sequence: DeviceMesh | None
+
+
+_mesh_cache: dict[tuple, JobMesh] = {}
+
+
+def timed_mesh(shape: tuple[int, int, int], timeout_s: float) -> JobMesh:
+    """The job's mesh of `shape` (cfg, ring, ulysses) from one `init_device_mesh`, created once per job
+    (collectively). Every group's collectives give up after `timeout_s`: `init_device_mesh` takes no timeout of
+    its own (torch 2.11 to 2.13) but creates each dimension's groups with the timeout of the process-group options
+    it is given for that dimension (`backend_override`), so each dimension, and the flattened one, gets this job's
+    backend with options carrying `timeout_s`. NCCL where the default group runs NCCL, else gloo (a CPU job, or
+    ranks sharing a GPU), whose mesh is a CPU mesh."""
+    backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+    key = (shape, timeout_s, backend)
+    if key not in _mesh_cache:
+        options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", shape, mesh_dim_names=MESH_DIMS,
+                                backend_override={name: (backend, options) for name in MESH_DIMS})
+        _, ring, ulysses = shape
+        sequence = mesh["ring", "ulysses"]._flatten("sequence", backend_override=(backend, options)) \
+            if ring > 1 and ulysses > 1 else None
+        _mesh_cache[key] = JobMesh(mesh, sequence)
+    return _mesh_cache[key]
 
 
 def build_groups(cfg_degree: int, ulysses_degree: int, timeout_s: float, ring_degree: int = 1) -> ParallelGroups:
-    """This rank's groups on the mesh (cfg, ring, ulysses), their collectives bounded by `timeout_s`. Degrees were
-    validated by the caller before any collective; every rank creates every group, in the same order, as
-    torch.distributed requires."""
+    """This rank's groups on the mesh (cfg, ring, ulysses) (`timed_mesh`), their collectives bounded by
+    `timeout_s`. Degrees were validated by the caller before any collective; every rank creates every group, in
+    the same order, as torch.distributed requires."""
     world_size, rank = world_from_env()
     device = local_device()
     if world_size == 1:
         return ParallelGroups(1, 0, 1, 0, None, 1, 0, None, device)
-    sequence = ring_degree * ulysses_degree
-    cfg_rank, sequence_rank = divmod(rank, sequence)
-    ring_rank, ulysses_rank = divmod(sequence_rank, ulysses_degree)
+    job = timed_mesh((cfg_degree, ring_degree, ulysses_degree), timeout_s)
+    cfg_rank, ring_rank, ulysses_rank = (job.mesh.get_local_rank(name) for name in MESH_DIMS)
 
-    def groups(degree: int, members) -> list:
-        """One group per combination of the other axes (all created, in order), or None at degree 1."""
-        return [_subgroup(ranks, timeout_s) if degree > 1 else None for ranks in members]
+    def group(name: str) -> dist.ProcessGroup | None:
+        """The dimension's group, None at degree 1."""
+        return job.mesh.get_group(name) if job.mesh[name].size() > 1 else None
 
-    blocks = [range(c * sequence, (c + 1) * sequence) for c in range(cfg_degree)]
-    ulysses = groups(ulysses_degree, [list(block[r * ulysses_degree:(r + 1) * ulysses_degree])
-                                      for block in blocks for r in range(ring_degree)])
-    rings = groups(ring_degree, [list(block[u::ulysses_degree]) for block in blocks for u in range(ulysses_degree)])
-    sequences = groups(sequence, [list(block) for block in blocks]) if ring_degree > 1 else ulysses[::ring_degree]
-    cfgs = groups(cfg_degree, [list(range(s, world_size, sequence)) for s in range(sequence)])
+    ring, ulysses = group("ring"), group("ulysses")
+    sequence = job.sequence.get_group() if job.sequence is not None else ring or ulysses
     return ParallelGroups(world_size=world_size, rank=rank, ulysses_degree=ulysses_degree, ulysses_rank=ulysses_rank,
-                          ulysses_group=ulysses[cfg_rank * ring_degree + ring_rank], cfg_degree=cfg_degree,
-                          cfg_rank=cfg_rank, cfg_group=cfgs[sequence_rank], device=device, ring_degree=ring_degree,
-                          ring_rank=ring_rank, ring_group=rings[cfg_rank * ulysses_degree + ulysses_rank],
-                          sequence_group=sequences[cfg_rank])
+                          ulysses_group=ulysses, cfg_degree=cfg_degree, cfg_rank=cfg_rank, cfg_group=group("cfg"),
+                          device=device, ring_degree=ring_degree, ring_rank=ring_rank, ring_group=ring,
+                          sequence_group=sequence, mesh=job.mesh)

@@ -38,3 +38,11 @@ def attention_shape(query: torch.Tensor, layout: UlyssesLayout | None) -> Attent
         return AttentionShape(batch, tokens, 0, heads, head_dim, 1, query.element_size())
     return AttentionShape(batch, layout.seq_len, layout.text_len, heads, head_dim, layout.degree,
                           query.element_size())
+
+
+def ring_shape(query: torch.Tensor, layout: UlyssesLayout) -> AttentionShape:
+    """A ring call's shape as `Planner.ring_call` takes it: a rank's (B, T + L, H, D) query, the whole sequence
+    over layout.ring_degree x layout.degree ranks."""
+    batch, _, heads, head_dim = query.shape
+    return AttentionShape(batch, layout.seq_len, layout.text_len, heads, head_dim, layout.ring_degree * layout.degree,
+                          query.element_size())

@@ -36,7 +36,7 @@ from ..fabric import fabric_of
 from .layout import UlyssesLayout
 from .local import diffusers_attention, sdpa_bshd
 from .reference import serial_exchange
-from .ring import ring_exchange
+from .ring import ring_exchange, ring_stores
 from ..sharding import SequenceShard
 
 
@@ -112,12 +112,14 @@ def ulysses_attention_op(
     key = tokens(key_parts, key_norm_weights, key_norm_eps)
     value = JointTokens(tuple(value_parts))
     if ring_degree > 1:
-        if backend not in (FALLBACK, "auto"):
-            warn_once(f"xstage_dit: with a ring degree above 1 attention runs the ring's reference path, not "
-                      f"backend {backend!r}")
+        if backend not in (FALLBACK, "auto", "fused"):
+            warn_once(f"xstage_dit: with a ring degree above 1 attention runs the ring (its blocks by remote stores "
+                      f"where its ranks share a node), not backend {backend!r}")
+        ring_group = _resolve_process_group(ring_group_name)
         return ring_exchange(_joined(query), _joined(key), _joined(value), layout,
-                             _resolve_process_group(group_name) if group_name else None,
-                             _resolve_process_group(ring_group_name), scale, text_mask)
+                             _resolve_process_group(group_name) if group_name else None, ring_group, scale,
+                             text_mask, text_factor=pair_bias,
+                             stores=ring_stores(backend, ring_group, query_parts[0], layout))
     chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
     group = _resolve_process_group(group_name)
     if pair_bias:

@@ -1,24 +1,34 @@
-"""Ring attention over the ring axis of the sequence split, exact (the reference path; any backend choice runs it
-where the ring degree is above 1).
+"""Ring attention over the ring axis of the sequence split, exact.
 
 The sequence is split into ring blocks, each held by one Ulysses group (a block is `degree` ranks' tokens). Inside
 a ring step Ulysses runs as usual: one all-to-all gives this rank its heads of its group's block, with the text.
 Each rank keeps those queries; the block's image keys and values travel around the ring by point-to-point sends,
 the next block in flight while the current one attends, and the partial outputs merge by their log-sum-exp. The
-text keys every rank holds are attended once, at the first step, with their padding mask. Only a block's true
+text keys every rank holds are attended once, at the first step, with their padding mask (or a pair bias's
+factor: `ring_masks`). Only a block's true
 tokens travel (the padding sits at the tail of the whole sequence, in the last blocks), and a block of padding
-alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back."""
+alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back.
+
+The blocks travel one of two ways: point-to-point sends over the ring group (`ring_attention`, any backend choice,
+and across nodes), or, where `enable` opened the ring group's symmetric-memory fabric (its ranks share a node and
+the backend choice may store into a fabric), remote stores issued by a forward kernel beside the attention
+(`stored_ring_steps`, the X-Stage ring)."""
 from __future__ import annotations
 
-from typing import Callable
+from functools import lru_cache
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ...burst_gap.planner import RING_FORWARD_PROGRAMS, AttentionShape, Planner, RingTransport
 from ...runtime.distributed import waiting_for
+from ...sizes import ceil_div
+from ..fabric import Fabric, Steps, fabric_of, run_in_lockstep
+from ..planner import planner_for, ring_shape
 from .exchange import all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
-from .masks import with_image_keys
+from .masks import pair_bias, with_image_keys
 
 
 def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -30,9 +40,15 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-    if q.is_cuda:
-        if mask is not None:  # the kernel takes a bias of the full (B, H, queries, keys) shape
-            mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if q.is_cuda and mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128:
+        # cuDNN's kernel, the fastest on Hopper, with its (B, H, S, 1) log-sum-exp
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, scale=scale)[:2]
+        lse = lse.squeeze(-1)
+    elif q.is_cuda:
+        if mask is not None:  # the kernel takes a (B, H, queries, keys) bias whose strides are multiples of 8
+            keys = k.shape[2]
+            aligned = mask.new_empty(*mask.shape[:-1], ceil_div(keys, 8) * 8)[..., :keys]
+            mask = aligned.copy_(mask).expand(q.shape[0], q.shape[1], q.shape[2], keys)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, scale=scale)[:2]
         lse = lse[..., :q.shape[2]]  # the kernel pads the queries of its log-sum-exp to a multiple of 32
     else:
@@ -82,11 +98,60 @@ class _RingPass:
         return self._recv.to(self._device, non_blocking=True)
 
 
+class RingMasks(NamedTuple):
+    """The SDPA masks of a ring's steps: `first` over the first step's keys (the text and this rank's block), and
+    `per_block`, (B, 1, queries, 1), over any other block's keys, broadcast to its rows (None: no mask)."""
+
+    first: torch.Tensor | None
+    per_block: torch.Tensor | None
+
+    def block(self, rows: int) -> torch.Tensor | None:
+        return None if self.per_block is None else self.per_block.expand(-1, -1, -1, rows)
+
+
+def ring_masks(text_mask: torch.Tensor | None, layout: UlyssesLayout, query_rows: int,
+               text_factor: bool) -> RingMasks:
+    """A key-padding mask masks text keys only; a pair bias's text factor (`text_factor`, Chroma) adds m_q m_k:
+    over the text keys as over the gathered tokens, and over image keys (m_k = 1) each query's own factor."""
+    own = layout.block_keys(layout.ring_rank)
+    if text_mask is None:
+        return RingMasks(None, None)
+    if not text_factor:
+        return RingMasks(with_image_keys(text_mask, own), None)
+    first = pair_bias(text_mask, layout, query_rows, layout.text_len + max(own, 1))
+    return RingMasks(first[..., :layout.text_len + own], first[..., -1:])
+
+
+def _attend_own(merged: _Merged, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                layout: UlyssesLayout, scale: float | None, masks: RingMasks) -> None:
+    """The first step's keys: the text and this rank's own block."""
+    own = layout.block_keys(layout.ring_rank)
+    if layout.text_len or own:
+        keys = slice(0, layout.text_len + own)
+        merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], masks.first, scale))
+
+
+def _attend_block(merged: _Merged, query: torch.Tensor, block: torch.Tensor, scale: float | None,
+                  masks: RingMasks) -> None:
+    """Another rank's block, (2, B, rows, h_kv, D) keys and values; nothing where it holds no true token."""
+    if block.shape[2]:
+        merged.add(*attention_with_lse(query, block[0], block[1], masks.block(block.shape[2]), scale))
+
+
+def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
+    """This rank's block's true image keys and values, stacked: (2, B, rows, h_kv, D), contiguous."""
+    rows = slice(layout.text_len, layout.text_len + layout.block_keys(layout.ring_rank))
+    return torch.stack([key[:, rows], value[:, rows]])
+
+
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
+                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None,
+                   text_factor: bool = False) -> torch.Tensor:
     """Attention of this rank's gathered queries, (B, Tq + P, h, D) with P = layout.padded_len rows of its ring
-    block, over the text keys and every ring block's keys: k and v (B, T + P, h_kv, D), text first."""
-    text_len, degree, rank = layout.text_len, layout.ring_degree, layout.ring_rank
+    block, over the text keys and every ring block's keys: k and v (B, T + P, h_kv, D), text first. The blocks
+    travel by point-to-point sends. `text_factor`: `text_mask` is the text tokens' factor of a pair bias
+    (masks.QueryKeyMasks.PAIR_BIAS)."""
+    degree, rank = layout.ring_degree, layout.ring_rank
 
     def what() -> str:  # described only when a wait fails
         return f"the ring attention's key blocks from ring rank {(rank - 1) % degree} (ring group ranks " \
@@ -98,25 +163,123 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             return None
         return _RingPass(block, layout.block_keys((rank - step - 1) % degree), group, rank, degree, what)
 
-    own = layout.block_keys(rank)
-    in_flight = send_on(torch.stack([key[:, text_len:text_len + own], value[:, text_len:text_len + own]]), 0)
+    in_flight = send_on(_own_block(key, value, layout), 0)
     merged = _Merged(query)
-    if text_len or own:  # while the first block travels
-        keys = slice(0, text_len + own)
-        merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], with_image_keys(text_mask, own), scale))
+    masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
+    _attend_own(merged, query, key, value, layout, scale, masks)  # while the first block travels
     for step in range(1, degree):
         block = in_flight.wait()
         in_flight = send_on(block, step)  # passed on while it attends
-        if block.shape[2]:
-            merged.add(*attention_with_lse(query, block[0], block[1], None, scale))
+        _attend_block(merged, query, block, scale, masks)
     return merged.out.to(query.dtype)
+
+
+class _Beside:
+    """Work issued on a side stream of the current device, beside the current stream's, until `join`; inline where
+    there is no stream (CPU)."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = None
+        if device.type == "cuda":
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            self.stream = self._streams[device]
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    def __enter__(self) -> "_Beside":
+        if self.stream is not None:
+            self._context = torch.cuda.stream(self.stream)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is not None:
+            self._context.__exit__(*exc)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                      fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None, text_factor: bool = False,
+                      programs: int = RING_FORWARD_PROGRAMS) -> Steps[torch.Tensor]:
+    """ring_attention with the blocks delivered by remote stores (the X-Stage ring), one rank over `fabric` (the
+    ring group's), paused before each barrier. Every rank holds two slots for incoming blocks: while a step
+    attends its block, the forward kernel stores that block into the next ring rank's other slot, beside the
+    attention on a side stream; the barrier that ends the step says every rank's block has landed and every rank is
+    done with the slot the next step overwrites."""
+    from ...kernels.ring import forward_block  # Triton: imported where a fabric is in use
+
+    degree, rank = layout.ring_degree, layout.ring_rank
+    batch, _, heads, head_dim = key.shape
+    slots = fabric.buffer("ring_kv", (2, 2 * batch * layout.padded_len * heads * head_dim), key.dtype)
+    block = _own_block(key, value, layout)
+    merged = _Merged(query)
+    masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
+    for step in range(degree):
+        forward = _Beside(query.device)
+        if step + 1 < degree:
+            with forward:
+                if forward.stream is not None:  # the step after next may free it while the stores still read it
+                    block.record_stream(forward.stream)
+                forward_block(block.reshape(-1), slots.tensor[(step + 1) % 2], slots.destinations,
+                              (rank + 1) % degree, programs)
+        if step == 0:
+            _attend_own(merged, query, key, value, layout, scale, masks)
+        else:
+            _attend_block(merged, query, block, scale, masks)
+        forward.join()
+        source = (rank - step - 1) % degree
+        yield f"ring block {step + 2} of {degree} (ring rank {source}'s keys)" if step + 1 < degree else \
+            "every ring rank to be done with its blocks"
+        rows = layout.block_keys(source)
+        block = slots.tensor[(step + 1) % 2, :2 * batch * rows * heads * head_dim].view(2, batch, rows, heads,
+                                                                                         head_dim)
+    return merged.out.to(query.dtype)
+
+
+def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                          fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
+                          text_factor: bool = False, programs: int = RING_FORWARD_PROGRAMS) -> torch.Tensor:
+    """One rank's stored_ring_steps over `fabric`."""
+    (out,) = run_in_lockstep([stored_ring_steps(query, key, value, layout, fabric, scale, text_mask, text_factor,
+                                                programs)], fabric.barrier)
+    return out
+
+
+@lru_cache(maxsize=256)
+def _stores_predicted_faster(planner: Planner | None, shape: AttentionShape, ring_degree: int,
+                             ulysses_degree: int) -> bool:
+    """Whether the planner predicts the stored ring faster than point-to-point sends for `shape` (without a
+    calibration: the stores)."""
+    return planner is None or planner.ring_transport(shape, ring_degree, ulysses_degree) is RingTransport.FUSED
+
+
+def ring_stores(backend: str, ring_group: dist.ProcessGroup, query: torch.Tensor,
+                layout: UlyssesLayout) -> Fabric | None:
+    """The fabric the ring's blocks travel over by stores, or None for point-to-point sends: the ring group's
+    fabric (opened by `enable` where its ranks share a node and the backend choice may store) under `fused`, and
+    under `auto` where the planner predicts the stores faster for this call's shape."""
+    fabric = fabric_of(ring_group.group_name) if query.is_cuda else None
+    if fabric is None or backend == "fused":
+        return fabric
+    ranks = layout.ring_degree * layout.degree
+    faster = _stores_predicted_faster(planner_for(query.device, ranks), ring_shape(query, layout),
+                                      layout.ring_degree, layout.degree)
+    return fabric if faster else None
 
 
 def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                   ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup, scale: float | None,
-                  text_mask: torch.Tensor | None) -> torch.Tensor:
+                  text_mask: torch.Tensor | None, text_factor: bool = False,
+                  stores: Fabric | None = None) -> torch.Tensor:
     """Ulysses inside each ring step: this rank's (B, T + L, H, D) q, k, v (text first or last) exchanged over
-    its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back."""
+    its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back.
+    `text_factor`: `text_mask` is a pair bias's text factor (ring_masks); `stores`: the fabric the blocks travel
+    over by stores (ring_stores), None for point-to-point sends."""
     qkv = (query, key, value)
     if layout.degree > 1:
         transport = all_to_all(ulysses_group)
@@ -124,7 +287,10 @@ def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         q, k, v = finish_scatter(start_scatter(qkv, layout, transport, every_head), qkv, layout, every_head)
     else:
         q, k, v = (torch.cat(layout.split(t), dim=1) for t in qkv)  # text first
-    out = ring_attention(q, k, v, layout, ring_group, scale, text_mask)
+    if stores is not None:
+        out = stored_ring_attention(q, k, v, layout, stores, scale, text_mask, text_factor)
+    else:
+        out = ring_attention(q, k, v, layout, ring_group, scale, text_mask, text_factor)
     if layout.degree > 1:
         return finish_gather(start_gather(out, layout, transport), layout)
     return layout.join(out[:, :layout.query_text_len], out[:, layout.query_text_len:])
