@@ -26,7 +26,7 @@ for _package in ("fastapi", "uvicorn", "prometheus_client", "httpx"):  # the `se
 
 import httpx  # noqa: E402
 import bench_serve  # noqa: E402
-from serve_job import FAIL_PROMPT  # noqa: E402
+from serve_job import FAIL_PROMPT, SLOW_PROMPT  # noqa: E402
 import xstage_dit  # noqa: E402
 from xstage_dit.runtime.distributed import free_port  # noqa: E402
 from xstage_dit.serve import loading, media  # noqa: E402
@@ -42,7 +42,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 SERVE_JOB = Path(__file__).with_name("serve_job.py")
 START_S = 240  # two jobs start side by side on a busy CPU
 EXIT_S = 60
-LONG_STEPS = 40  # a call long enough (about a second on CPU) to hold the queue behind it
+LONG_STEPS = 20  # with SLOW_PROMPT, a call of 2 s or more: long enough to hold the queue behind it
 QUEUE_BOUND, MAX_BATCH, TIMEOUT_S = 4, 4, 60  # four clients at once all wait
 
 
@@ -239,7 +239,7 @@ def _long_call(url: str) -> tuple[threading.Thread, list]:
     running, box = threading.Event(), []
 
     def stream() -> None:
-        body = {"prompt": "a lighthouse", "num_inference_steps": LONG_STEPS, "stream": True}
+        body = {"prompt": SLOW_PROMPT, "num_inference_steps": LONG_STEPS, "stream": True}
         with HTTP.stream("POST", f"{url}/v1/images/generations", json=body, timeout=60) as response:
             for event in _events(response):
                 running.set()
@@ -301,7 +301,7 @@ def test_a_short_load_benchmark(server: ServiceJob, tmp_path: Path) -> None:
 def test_sigterm_drains_the_running_request_and_the_ranks_exit_0(server: ServiceJob) -> None:
     """SIGTERM to every rank (what torchrun sends them when it is stopped): the running request answers 200,
     a new one 503, and the job exits 0. Ends the shared job."""
-    body = {"prompt": "a lighthouse", "num_inference_steps": LONG_STEPS, "stream": True}
+    body = {"prompt": SLOW_PROMPT, "num_inference_steps": LONG_STEPS, "stream": True}
     with HTTP.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
         events = _events(response)
         assert next(events)[0] == "progress"
@@ -315,7 +315,7 @@ def test_sigterm_drains_the_running_request_and_the_ranks_exit_0(server: Service
 
 def test_a_rank_killed_mid_request_fails_the_request_and_the_job(jobs) -> None:
     doomed = jobs[1]
-    body = {"prompt": "a lighthouse", "num_inference_steps": 100, "stream": True}
+    body = {"prompt": SLOW_PROMPT, "num_inference_steps": LONG_STEPS, "stream": True}
     started = time.monotonic()
     with HTTP.stream("POST", f"{doomed.url}/v1/images/generations", json=body, timeout=60) as response:
         events = _events(response)
