@@ -34,7 +34,7 @@ from xstage_dit.serve.__main__ import model_card  # noqa: E402
 from xstage_dit.serve.admission import Job, JobQueue, QueueFull  # noqa: E402
 from xstage_dit.serve.app import create_app  # noqa: E402
 from xstage_dit.serve.metrics import ServiceMetrics  # noqa: E402
-from xstage_dit.serve.ranks import SideChannel  # noqa: E402
+from xstage_dit.serve.ranks import Liveness, SideChannel  # noqa: E402
 from xstage_dit.serve.schema import GenerationRequest  # noqa: E402
 from xstage_dit.serve.service import ServeOptions, Service  # noqa: E402
 
@@ -432,6 +432,15 @@ def test_the_queue_batches_compatible_requests_in_arrival_order() -> None:
     assert [j.request.id for j in queue.take(0)] == ["d"]
     assert [j.request.id for j in queue.take(0)] == ["e"] and queue.take(0) == []
     loop.close()
+
+
+def test_a_call_past_its_bound_is_a_failure() -> None:
+    failures: list[str] = []
+    liveness = Liveness(0, 1, silent_after_s=10, on_failure=failures.append)
+    liveness.arm(0.1, "the pipeline call for requests ['x']")
+    _until(lambda: failures, "the overrun to be reported", timeout_s=10)
+    assert failures == ["rank 0: the pipeline call for requests ['x'] ran past its bound"]
+    liveness.stop()
 
 
 def test_the_console_script_takes_the_services_arguments(capsys) -> None:

@@ -77,13 +77,14 @@ class SideChannel:
 
 
 class Liveness:
-    """A daemon thread per rank: it bumps this rank's counter in the job's store; ends the process (exit 1) when
-    a call armed with `arm` runs past its deadline; and on rank 0 calls `on_silent(rank)` once for a rank whose
-    counter has not moved for `silent_after_s`."""
+    """A daemon thread per rank: it bumps this rank's counter in the job's store; on rank 0 it reads the others'
+    counters. A call armed with `arm` that runs past its deadline, or (on rank 0) a rank whose counter has not moved
+    for `silent_after_s`, is a failure: `on_failure(why)` once, or without it the process ends with exit 1."""
 
     def __init__(self, rank: int, world: int, silent_after_s: float,
-                 on_silent: Callable[[int], None] | None = None) -> None:
-        self.rank, self.world, self.silent_after_s, self.on_silent = rank, world, silent_after_s, on_silent
+                 on_failure: Callable[[str], None] | None = None) -> None:
+        self.rank, self.world, self.silent_after_s = rank, world, silent_after_s
+        self.on_failure = on_failure or _exit
         self._deadline: float | None = None
         self._store = _store() if world > 1 else None
         self._stop = threading.Event()
@@ -105,34 +106,39 @@ class Liveness:
 
     def _run(self) -> None:
         seen = {r: (0, time.monotonic()) for r in range(self.world) if r != self.rank}
-        reported = False
         while not self._stop.is_set():
             deadline = self._deadline
-            if deadline is not None and time.monotonic() > deadline:
-                logger.critical("rank %d: %s ran past its bound; exiting", self.rank, self._what)
-                logging.shutdown()
-                os._exit(1)
-            if self._store is not None and not reported:
+            failure = f"rank {self.rank}: {self._what} ran past its bound" \
+                if deadline is not None and time.monotonic() > deadline else None
+            if failure is None and self._store is not None:
                 try:
-                    reported = self._beat(seen)
+                    failure = self._beat(seen)
                 except (RuntimeError, dist.DistError) as error:  # the store is gone: the job is ending
                     logger.debug("rank %d: heartbeat failed: %s", self.rank, error)
+            if failure is not None:
+                self.on_failure(failure)
+                return
             self._stop.wait(BEAT_S)
 
-    def _beat(self, seen: dict[int, tuple[int, float]]) -> bool:
-        """Bump this rank's counter; on rank 0, read the others'. True once a silent rank was reported."""
+    def _beat(self, seen: dict[int, tuple[int, float]]) -> str | None:
+        """Bump this rank's counter; on rank 0, read the others': a rank gone silent, or None."""
         self._store.add(self._prefix + str(self.rank), 1)
-        if self.on_silent is None:
-            return False
+        if self.rank != 0:
+            return None
         now = time.monotonic()
         for rank, (count, since) in seen.items():
             current = self._store.add(self._prefix + str(rank), 0)
             if current != count:
                 seen[rank] = (current, now)
             elif now - since > self.silent_after_s:
-                self.on_silent(rank)
-                return True
-        return False
+                return f"rank {rank} stopped answering (no heartbeat for {self.silent_after_s:.0f} s)"
+        return None
+
+
+def _exit(why: str) -> None:
+    logger.critical("%s; exiting", why)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _store() -> dist.Store:

@@ -63,7 +63,7 @@ class Service:
         self.state, self.reason = State.READY, ""
         self.running: list[Job] = []
         self._lock = threading.Lock()
-        self.liveness = Liveness(channel.rank, channel.world, min(10.0, options.timeout_s), on_silent=self._silent)
+        self.liveness = Liveness(channel.rank, channel.world, min(10.0, options.timeout_s), on_failure=self._fail)
 
     # -- the HTTP thread's side
     def admit(self, job: Job) -> None:
@@ -140,9 +140,6 @@ class Service:
     def _dropped(self, job: Job) -> None:
         self.metrics.count("dropped")
         job.finish(Answer(499, error="the client went away"))
-
-    def _silent(self, rank: int) -> None:
-        self._fail(f"rank {rank} stopped answering (no heartbeat for {self.liveness.silent_after_s:.0f} s)")
 
     def _fail(self, reason: str) -> None:
         """Answer every request 503, report the failure on /health, exit 1 (from whichever thread saw it)."""
