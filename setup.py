@@ -51,8 +51,10 @@ setup(
         # diffusers' export_to_video, for MP4 output; PyAV muxes an audio-video model's sound (LTX-2)
         "video": ["imageio", "imageio-ffmpeg", "av"],
         "bench": ["matplotlib"],
+        "serve": ["fastapi", "uvicorn", "prometheus-client"],  # the generation service (python -m xstage_dit.serve)
         # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
-        "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft"],
+        "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "fastapi", "uvicorn",
+                 "prometheus-client", "httpx"],
     },
     license="MIT",
     license_files=["LICENSE"],

@@ -16,34 +16,22 @@ videos."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import statistics
 from pathlib import Path
-from typing import Any
 
 import PIL.Image
 import torch
-from diffusers import DiffusionPipeline
-from diffusers.utils import export_to_gif, export_to_video
-from diffusers.utils.export_utils import encode_video
 
 import xstage_dit
+from xstage_dit.serve import loading, media
+from xstage_dit.serve.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 
-import zoo
 from step_timer import StepTimer, reporting_steps
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-EXPERT_PARALLEL = {"auto": None, "on": True, "off": False}  # --expert-parallel -> enable(expert_parallel=...)
-IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp"), (".gif", ".mp4")
-ZOO_STEPS = 4  # random weights: a few steps show the run; more add nothing
-
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="hub id or local path of a diffusers pipeline with real weights")
-    parser.add_argument("--config", default="tiny-flux", choices=sorted(zoo.ZOO),
-                        help="random-weight config used when --model is not given")
+    loading.add_pipeline_arguments(parser)
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
     parser.add_argument("--negative-prompt", help="--model only (a config's negative embeddings are random)")
     parser.add_argument("--image", type=Path, help="input image of image-to-image/video pipelines (Kontext, Edit, "
@@ -51,34 +39,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--height", type=int)
     parser.add_argument("--width", type=int)
     parser.add_argument("--num-frames", type=int, help="video models only")
-    parser.add_argument("--steps", type=int, help=f"default: the pipeline's own (--model), {ZOO_STEPS} (--config)")
+    parser.add_argument("--steps", type=int,
+                        help=f"default: the pipeline's own (--model), {loading.ZOO_STEPS} (--config)")
     parser.add_argument("--guidance", type=float,
                         help="classifier-free guidance scale (true CFG for Flux, HunyuanVideo, QwenImage; 1 disables "
                              "it); default: the pipeline's own (--model), 1 (--config)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
-    parser.add_argument("--backend", default="auto", choices=xstage_dit.available_backends())
-    parser.add_argument("--ulysses-degree", type=int,
-                        help="default: as wide as divides the heads within a node (the rest of a CFG group's ranks "
-                             "form a ring)")
-    parser.add_argument("--ring-degree", type=int, help="default: the CFG group's ranks / the Ulysses degree")
-    parser.add_argument("--expert-parallel", choices=EXPERT_PARALLEL, default="auto",
-                        help="a mixture of experts (NucleusMoE-Image, HiDream): on: split over the Ulysses group; "
-                             "off: every expert on every rank; auto: every expert kept, the mode picked per layer "
-                             "call by the planner")
-    parser.add_argument("--cfg-degree", type=int, default=1, choices=(1, 2),
-                        help="2: split the guidance branches over two groups of ranks")
     parser.add_argument("--output", type=Path, help="output file (default: output.png, or output.gif for video)")
     return parser.parse_args()
-
-
-def family_of(args: argparse.Namespace) -> zoo.Family | None:
-    """The zoo family of the pipeline asked for (None for a pipeline class the zoo does not know)."""
-    if not args.model:
-        return zoo.FAMILIES[zoo.ZOO[args.config].family]
-    class_name = DiffusionPipeline.load_config(args.model)["_class_name"]
-    return next((f for f in zoo.FAMILIES.values() if class_name.startswith(f.pipeline.removesuffix("Pipeline"))),
-                None)
 
 
 def output_path(args: argparse.Namespace, is_video: bool) -> Path:
@@ -88,7 +56,7 @@ def output_path(args: argparse.Namespace, is_video: bool) -> Path:
     if output.suffix.lower() not in suffixes:
         raise SystemExit(f"--output {output}: a {'video' if is_video else 'image'} is written as "
                          f"{', '.join(suffixes)}")
-    if output.suffix.lower() == ".mp4" and not all(importlib.util.find_spec(m) for m in ("imageio_ffmpeg", "av")):
+    if output.suffix.lower() == ".mp4" and not media.can_write_mp4():
         raise SystemExit(f"--output {output}: MP4 needs imageio, imageio-ffmpeg and PyAV (pip install "
                          f"'xstage_dit[video]'); or write a .gif")
     if not output.parent.resolve().is_dir():
@@ -96,67 +64,24 @@ def output_path(args: argparse.Namespace, is_video: bool) -> Path:
     return output
 
 
-def load_pipeline(args: argparse.Namespace, family: zoo.Family | None, device: torch.device, dtype: torch.dtype
-                  ) -> tuple[DiffusionPipeline, dict[str, Any]]:
-    """The pipeline and its call kwargs."""
-    if args.model:
-        dtypes = {"default": dtype, "vae": torch.float32} if family and family.vae_float32 else dtype
-        pipe = DiffusionPipeline.from_pretrained(args.model, dtype=dtypes).to(device)
-        size = {"height": args.height, "width": args.width, "num_frames": args.num_frames,
-                "num_inference_steps": args.steps}
-        call = {k: v for k, v in size.items() if v is not None}
-        call.update(prompt=args.prompt)
-        if args.negative_prompt is not None:
-            call["negative_prompt"] = args.negative_prompt
-        if args.guidance is not None:
-            guidance_kwarg = family.guidance_kwarg if family else "guidance_scale"
-            call[guidance_kwarg] = args.guidance
-            if guidance_kwarg == "true_cfg_scale" and args.guidance > 1 and args.negative_prompt is None:
-                call["negative_prompt"] = ""  # true CFG runs only with a negative prompt
-        return pipe, call
-    if args.negative_prompt is not None:
-        logging.getLogger(__name__).warning("--negative-prompt needs --model: a config's negative embeddings are "
-                                            "random")
-    entry = zoo.ZOO[args.config]
-    pipe = zoo.build_pipeline(args.config, device=device, dtype=dtype)
-    call = zoo.call_kwargs(
-        args.config, height=args.height or entry.height, width=args.width or entry.width,
-        num_frames=args.num_frames or entry.num_frames, steps=args.steps or ZOO_STEPS,
-        guidance=1.0 if args.guidance is None else args.guidance,
-    )
-    call.update(zoo.text_embeddings(args.config, 1, zoo.prompt_seed(args.prompt), device=device, dtype=dtype))
-    return pipe, call
-
-
-def write(result: Any, output: Path, family: zoo.Family | None, pipe: DiffusionPipeline) -> None:
-    fps = family.fps if family else 16
-    audio = getattr(result, "audio", None)  # an audio-video pipeline's waveforms (LTX-2's vocoder output)
-    if output.suffix.lower() not in VIDEO_SUFFIXES:
-        result.images[0].save(output)
-    elif output.suffix.lower() == ".mp4" and audio is not None:
-        encode_video(result.frames[0], fps, str(output), audio=audio[0].float().cpu(),
-                     audio_sample_rate=pipe.vocoder.config.output_sampling_rate)
-    elif output.suffix.lower() == ".mp4":
-        export_to_video(result.frames[0], str(output), fps=fps)
-    else:
-        export_to_gif(result.frames[0], str(output), fps=fps)
-
-
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO if xstage_dit.is_main_process() else logging.WARNING)
     device = xstage_dit.local_device()
-    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
-    family = family_of(args)
+    family = loading.family_of(args.model, args.config)
     # a pipeline class the zoo does not know: video or not is known once loaded
     output = output_path(args, is_video=family.video) if family else None
     image = PIL.Image.open(args.image).convert("RGB") if args.image else None
-    pipe, call = load_pipeline(args, family, device, dtype)
-    output = output or output_path(args, is_video=hasattr(pipe, "video_processor"))
-    if image is not None:
-        call["image"] = image
-    xstage_dit.enable(pipe, backend=args.backend, ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
-                      cfg_degree=args.cfg_degree, expert_parallel=EXPERT_PARALLEL[args.expert_parallel])
+    if args.negative_prompt is not None and not args.model:
+        logging.getLogger(__name__).warning("--negative-prompt needs --model: a config's negative embeddings are "
+                                            "random")
+    loaded = loading.load_pipeline(args.model, args.config, family, device, loading.default_dtype(args, device))
+    pipe = loaded.pipe
+    output = output or output_path(args, is_video=loaded.is_video)
+    call = loaded.call_kwargs(loading.Generation(
+        prompts=(args.prompt,), negative_prompt=args.negative_prompt if args.model else None, height=args.height,
+        width=args.width, num_frames=args.num_frames, steps=args.steps, guidance=args.guidance, image=image))
+    xstage_dit.enable(pipe, **loading.enable_knobs(args))
 
     timer = StepTimer(device)
     with reporting_steps(pipe, timer) as step_callback:
@@ -166,7 +91,7 @@ def main() -> None:
         timer.finish()
 
     if xstage_dit.is_main_process():
-        write(result, output, family, pipe)
+        media.write_output(result, 0, output, loaded.fps, pipe)
         steps = timer.step_seconds
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         print(f"{world} rank(s), {device.type}: {len(steps)} steps, per-step median "

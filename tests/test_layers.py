@@ -14,7 +14,8 @@ FLOORS = {
     "patches": 4, "probing": 4,
     "layers": 5,
     "api": 6,
-    "cli": 7,
+    "serve": 7,
+    "cli": 8,
 }
 
 

@@ -1,13 +1,16 @@
-"""`xstage-dit`: command-line tools. `info` prints what this machine offers xstage_dit; `calibrate` measures its
-store path and kernels for the Burst-Gap planner; `plan` prints what the planner predicts for one attention
-layer: every Ulysses x ring split of its ranks with each backend that runs it and the pick (under Ulysses alone,
-also what backend="auto" would run and what each backend says of its plan: the fused kernel's tile order) and,
-given `--experts`, for one expert-choice MoE layer (each mode, and the stores mode's schedule)."""
+"""`xstage-dit`: command-line tools. `info` prints what this machine offers xstage_dit; `serve` runs the
+generation service (the same as `python -m xstage_dit.serve`; under torchrun, `torchrun --no-python ...
+xstage-dit serve ...`); `calibrate` measures its store path and kernels for the Burst-Gap planner; `plan` prints
+what the planner predicts for one attention layer: every Ulysses x ring split of its ranks with each backend that
+runs it and the pick (under Ulysses alone, also what backend="auto" would run and what each backend says of its
+plan: the fused kernel's tile order) and, given `--experts`, for one expert-choice MoE layer (each mode, and the
+stores mode's schedule)."""
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -104,10 +107,17 @@ def plan_experts(calibration: Calibration, shape: ExpertShape) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # its own parser (python -m xstage_dit.serve --help)
+        from .serve.__main__ import exit_now
+        from .serve.__main__ import main as serve
+
+        exit_now(serve(argv[1:]))
     parser = argparse.ArgumentParser(prog="xstage-dit", description=__doc__)
     parser.add_argument("--version", action="version", version=f"xstage-dit {_version('xstage_dit')}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="GPUs, links, NVSHMEM, backends and calibrations found")
+    commands.add_parser("serve", help="the generation service over HTTP (xstage-dit serve --help)")
     run = commands.add_parser("calibrate", help="measure the store path and kernels, fit the Burst-Gap model")
     run.add_argument("--out", type=Path, default=None, help="directory for the JSON (default: the calibration "
                      "directory the planner reads, $XSTAGE_CALIBRATION_DIR or ~/.cache/xstage_dit)")

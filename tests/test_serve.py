@@ -1,0 +1,451 @@
+"""The generation service as a client sees it: torchrun jobs of 2 CPU ranks serving the tiny random Flux on
+127.0.0.1, real HTTP clients. One job answers most checks and ends drained by SIGTERM; a second one loses a rank
+mid-request. Every wait is bounded."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+for _package in ("fastapi", "uvicorn", "prometheus_client", "httpx"):  # the `serve` extra (a GPU machine may lack it)
+    pytest.importorskip(_package)
+
+import httpx  # noqa: E402
+import bench_serve  # noqa: E402
+from serve_job import FAIL_PROMPT, SLOW_PROMPT  # noqa: E402
+import xstage_dit  # noqa: E402
+from xstage_dit.runtime.distributed import free_port  # noqa: E402
+from xstage_dit.serve import loading, media  # noqa: E402
+from xstage_dit.serve.__main__ import model_card  # noqa: E402
+from xstage_dit.serve.admission import Job, JobQueue, QueueFull  # noqa: E402
+from xstage_dit.serve.app import create_app  # noqa: E402
+from xstage_dit.serve.metrics import ServiceMetrics  # noqa: E402
+from xstage_dit.serve.ranks import Liveness, SideChannel  # noqa: E402
+from xstage_dit.serve.schema import GenerationRequest  # noqa: E402
+from xstage_dit.serve.service import ServeOptions, Service  # noqa: E402
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+SERVE_JOB = Path(__file__).with_name("serve_job.py")
+START_S = 240  # two jobs start side by side on a busy CPU
+EXIT_S = 60
+LONG_STEPS = 20  # with SLOW_PROMPT, a call of 2 s or more: long enough to hold the queue behind it
+QUEUE_BOUND, MAX_BATCH, TIMEOUT_S = 4, 4, 60  # four clients at once all wait
+
+
+@dataclass
+class ServiceJob:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text()[-4000:]
+
+    def rank_pids(self) -> dict[int, int]:
+        """The torchrun workers (its children), by rank."""
+        pids = {}
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
+                        == self.process.pid:
+                    environment = dict(item.split("=", 1) for item in
+                                       (entry / "environ").read_bytes().decode().split("\0") if "=" in item)
+                    pids[int(environment["RANK"])] = int(entry.name)
+            except (OSError, KeyError, IndexError, ValueError):
+                continue
+        return pids
+
+
+def _launch(log: Path, *args: str) -> ServiceJob:
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SERVE_JOB),
+               "--port", str(port), "--timeout-s", str(TIMEOUT_S), *args]
+    # as a user runs it: not with the Triton interpreter that conftest.py turns on for the kernel tests
+    environment = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen(command, env=environment, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    return ServiceJob(process, f"http://127.0.0.1:{port}", log)
+
+
+def _wait_ready(job: ServiceJob) -> None:
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        assert job.process.poll() is None, f"the service exited with {job.process.returncode}:\n{job.output()}"
+        try:
+            if httpx.get(f"{job.url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"the service was not ready within {START_S} s:\n{job.output()}")
+
+
+def _end(job: ServiceJob) -> None:
+    if job.process.poll() is None:
+        os.killpg(job.process.pid, signal.SIGKILL)
+        job.process.wait(timeout=EXIT_S)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """(the shared job, the job that loses a rank), started side by side."""
+    folder = tmp_path_factory.mktemp("serve")
+    shared = _launch(folder / "shared.log", "--queue-bound", str(QUEUE_BOUND), "--max-batch", str(MAX_BATCH))
+    doomed = _launch(folder / "doomed.log")
+    try:
+        _wait_ready(shared)
+        _wait_ready(doomed)
+        yield shared, doomed
+    finally:
+        _end(shared)
+        _end(doomed)
+
+
+@pytest.fixture
+def server(jobs) -> ServiceJob:
+    return jobs[0]
+
+
+HTTP = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=16))  # one client: no TLS set-up per request
+
+
+def _generate(url: str, timeout: float = 60, **body) -> httpx.Response:
+    return HTTP.post(f"{url}/v1/images/generations", json={"prompt": "a lighthouse", **body}, timeout=timeout)
+
+
+def _pixels(payload: bytes) -> np.ndarray:
+    return np.asarray(PIL.Image.open(io.BytesIO(payload)).convert("RGB"), dtype=np.int16)
+
+
+def _images(response: httpx.Response) -> list[np.ndarray]:
+    assert response.status_code == 200, response.text
+    return [_pixels(base64.b64decode(item["b64_json"])) for item in response.json()["data"]]
+
+
+def _metric(url: str, line_start: str) -> float:
+    text = HTTP.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+def _events(response: httpx.Response):
+    """(event, data) of a Server-Sent Events answer, as they arrive."""
+    name = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[len("data: "):])
+
+
+def _in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, list]:
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(fn(*args, **kwargs)), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _until(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+def test_health_models_metrics_and_an_image(server: ServiceJob) -> None:
+    health = HTTP.get(f"{server.url}/health", timeout=10).json()
+    assert health["status"] == "ready" and health["ranks"] == 2 and health["model"] == "tiny-flux"
+    models = HTTP.get(f"{server.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-flux"]
+    assert models["data"][0]["service"]["max_batch"] == MAX_BATCH
+    first, again = _generate(server.url, seed=7), _generate(server.url, seed=7, response_format="url")
+    [image] = _images(first)
+    assert image.shape == (32, 48, 3) and first.json()["data"][0]["seed"] == 7
+    fetched = HTTP.get(again.json()["data"][0]["url"], timeout=10)
+    assert fetched.headers["content-type"] == "image/png"
+    assert np.array_equal(_pixels(fetched.content), image), "the same seed gave another image"
+    assert not np.array_equal(_images(_generate(server.url, seed=8))[0], image)
+    assert float(first.headers["x-queue-seconds"]) >= 0
+    assert _metric(server.url, 'xstage_requests_total{outcome="ok"}') >= 3
+    assert _metric(server.url, "xstage_step_seconds_count") >= 12
+    assert _metric(server.url, "xstage_queue_depth") == 0
+
+
+def test_progress_streams_step_by_step(server: ServiceJob) -> None:
+    body = {"prompt": "a lighthouse", "seed": 7, "num_inference_steps": 3, "stream": True}
+    with HTTP.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = list(_events(response))
+    assert [data for name, data in events if name == "progress"] == [{"step": i, "steps": 3} for i in (1, 2, 3)]
+    name, data = events[-1]
+    assert name == "completed" and data["data"][0]["seed"] == 7
+
+
+def test_four_concurrent_clients(server: ServiceJob) -> None:
+    threads = [_in_thread(_generate, server.url, seed=100 + i) for i in range(4)]
+    for thread, _ in threads:
+        thread.join(timeout=60)
+    images = [_images(box[0])[0] for _, box in threads]
+    assert len({image.tobytes() for image in images}) == 4
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"size": "1024"}, 400, "size"), ({"size": "30x48"}, 400, "size"),
+    ({"size": "4096x4096"}, 400, "size"), ({"num_inference_steps": 0}, 400, "num_inference_steps"),
+    ({"n": 0}, 400, "n"), ({"n": "two"}, 422, "n"), ({"prompt": ""}, 422, "prompt"),
+    ({"image": base64.b64encode(b"not an image").decode()}, 400, "image"),
+    ({"negative_prompt": "blur"}, 400, "negative_prompt"), ({"model": "dall-e-3"}, 404, "model"),
+    ({"response_format": "jpeg"}, 422, "response_format"),
+])
+def test_bad_input_is_refused_naming_the_field(server: ServiceJob, body: dict, status: int, param: str) -> None:
+    response = _generate(server.url, **body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_malformed_body_and_the_wrong_endpoint_are_refused(server: ServiceJob) -> None:
+    malformed = HTTP.post(f"{server.url}/v1/images/generations", content=b"{not json",
+                           headers={"content-type": "application/json"}, timeout=10)
+    assert malformed.status_code == 422
+    video = HTTP.post(f"{server.url}/v1/videos/generations", json={"prompt": "a wave"}, timeout=10)
+    assert video.status_code == 400 and video.json()["error"]["param"] == "model"
+
+
+def test_a_failure_inside_a_call_answers_500_and_the_service_goes_on(server: ServiceJob) -> None:
+    failed = _generate(server.url, prompt=FAIL_PROMPT)
+    assert failed.status_code == 500 and "a failure inside the pipeline call" in failed.json()["error"]["message"]
+    assert "rank 1" in failed.json()["error"]["message"]
+    assert len(_images(_generate(server.url, seed=3))) == 1
+    assert HTTP.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def _long_call(url: str) -> tuple[threading.Thread, list]:
+    """A request of LONG_STEPS steps in a thread, returned once its call runs; the box gets its last event."""
+    running, box = threading.Event(), []
+
+    def stream() -> None:
+        body = {"prompt": SLOW_PROMPT, "num_inference_steps": LONG_STEPS, "stream": True}
+        with HTTP.stream("POST", f"{url}/v1/images/generations", json=body, timeout=60) as response:
+            for event in _events(response):
+                running.set()
+                box[:] = [event]
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    assert running.wait(timeout=60), "the long call did not start"
+    return thread, box
+
+
+def test_batched_equals_unbatched_and_a_full_queue_answers_429(server: ServiceJob) -> None:
+    """Behind a long call, four compatible requests wait (the bound): the first three run as one call of 4
+    outputs (the most), the fourth after them; a fifth is refused. Each output equals the same seed run alone."""
+    seeds = [(20, 2), (30, 1), (40, 1), (50, 1)]  # (seed, n): seeds 20, 21, 30, 40, 50
+    alone = {seed + i: _images(_generate(server.url, seed=seed + i))[0] for seed, n in seeds for i in range(n)}
+    calls_of_4 = 'xstage_batch_outputs_bucket{le="4.0"}', 'xstage_batch_outputs_bucket{le="2.0"}'
+    before = _metric(server.url, calls_of_4[0]) - _metric(server.url, calls_of_4[1])
+    long_call, long_box = _long_call(server.url)
+    waiting = []
+    for seed, n in seeds:
+        waiting.append(_in_thread(_generate, server.url, seed=seed, n=n))
+        time.sleep(0.05)  # arrival order
+    _until(lambda: HTTP.get(f"{server.url}/health", timeout=5).json()["queue"] == QUEUE_BOUND, "a full queue")
+    refused = _generate(server.url, seed=60)
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    for thread, _ in [(long_call, long_box), *waiting]:
+        thread.join(timeout=60)
+    assert long_box[0][0] == "completed"
+    for (seed, n), (_, box) in zip(seeds, waiting):
+        for i, image in enumerate(_images(box[0])):
+            assert np.abs(image - alone[seed + i]).max() <= 1, f"seed {seed + i}: batched differs from alone"
+    after = _metric(server.url, calls_of_4[0]) - _metric(server.url, calls_of_4[1])
+    assert after == before + 1, "the first three waiting requests did not run as one call of 4 outputs"
+
+
+def test_a_waiting_request_whose_client_left_is_dropped(server: ServiceJob) -> None:
+    dropped = _metric(server.url, 'xstage_requests_total{outcome="dropped"}')
+    long_call, box = _long_call(server.url)
+    with pytest.raises(httpx.ReadTimeout):
+        _generate(server.url, timeout=0.5, seed=70)
+    long_call.join(timeout=60)
+    assert box[0][0] == "completed"
+    _until(lambda: _metric(server.url, 'xstage_requests_total{outcome="dropped"}') == dropped + 1,
+           "the request to be dropped")
+
+
+def test_a_short_load_benchmark(server: ServiceJob, tmp_path: Path) -> None:
+    prefix = tmp_path / "serve-cpu"
+    bench_serve.main(["--url", server.url, "--concurrency", "2", "--requests", "4", "--out", str(prefix)])
+    [record] = json.loads(prefix.with_suffix(".json").read_text())
+    assert record["answered"] == {"200": 4} and record["ranks"] == 2 and record["model"] == "tiny-flux"
+    assert record["service"]["queue_bound"] == QUEUE_BOUND
+    assert 0 < record["latency_s"]["p50"] <= record["latency_s"]["p99"] and record["throughput_rps"] > 0
+    assert 0 <= record["overhead_s"]["p50"] < record["latency_s"]["p50"]
+    assert "p99" in prefix.with_suffix(".md").read_text()
+
+
+def test_sigterm_drains_the_running_request_and_the_ranks_exit_0(server: ServiceJob) -> None:
+    """SIGTERM to every rank (what torchrun sends them when it is stopped): the running request answers 200,
+    a new one 503, and the job exits 0. Ends the shared job."""
+    body = {"prompt": SLOW_PROMPT, "num_inference_steps": LONG_STEPS, "stream": True}
+    with HTTP.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
+        events = _events(response)
+        assert next(events)[0] == "progress"
+        for pid in server.rank_pids().values():
+            os.kill(pid, signal.SIGTERM)
+        _until(lambda: HTTP.get(f"{server.url}/health", timeout=5).status_code == 503, "/health to fail")
+        assert _generate(server.url).status_code == 503
+        assert list(events)[-1][0] == "completed"
+    assert server.process.wait(timeout=EXIT_S) == 0, server.output()
+
+
+def test_a_rank_killed_mid_request_fails_the_request_and_the_job(jobs) -> None:
+    doomed = jobs[1]
+    body = {"prompt": SLOW_PROMPT, "num_inference_steps": LONG_STEPS, "stream": True}
+    started = time.monotonic()
+    with HTTP.stream("POST", f"{doomed.url}/v1/images/generations", json=body, timeout=60) as response:
+        events = _events(response)
+        assert next(events)[0] == "progress"
+        os.kill(doomed.rank_pids()[1], signal.SIGKILL)
+        name, data = list(events)[-1]
+    assert name == "error" and data["error"]["code"] == 503, (name, data)
+    assert doomed.process.wait(timeout=TIMEOUT_S) != 0
+    assert time.monotonic() - started < TIMEOUT_S
+
+
+VIDEO_EXTRA = pytest.mark.skipif(not media.can_write_mp4(), reason="the video extra is not installed")
+
+
+def _serve_in_process(config: str, device: torch.device, ask) -> tuple[list, int]:
+    """`config` served in this process (one rank; the app called through httpx's ASGI transport, no server):
+    `ask(client)`'s answers and the loop's exit code after a drain."""
+    loaded = loading.load_pipeline(None, config, loading.family_of(None, config), device, torch.float32)
+    loaded.pipe.set_progress_bar_config(disable=True)
+    if device.type == "cuda":
+        xstage_dit.enable(loaded.pipe, timeout_s=TIMEOUT_S)
+    service = Service(loaded, model_card(loaded, config), ServeOptions(timeout_s=TIMEOUT_S),
+                      SideChannel(TIMEOUT_S), ServiceMetrics())
+
+    async def answers() -> list:
+        transport = httpx.ASGITransport(app=create_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://service", timeout=120) as client:
+            return await ask(client)
+
+    loop, box = _in_thread(service.run)
+    try:
+        return asyncio.run(answers()), box
+    finally:
+        service.drain(signal.SIGTERM, None)
+        loop.join(timeout=30)
+        if device.type == "cuda":
+            xstage_dit.disable(loaded.pipe)
+
+
+@VIDEO_EXTRA
+def test_a_video_model_answers_an_mp4_in_one_process() -> None:
+    """The tiny random Wan: the video endpoint answers an MP4, the image endpoint names the model, a drain ends
+    the loop with 0."""
+    async def ask(client: httpx.AsyncClient) -> list:
+        video = await client.post("/v1/videos/generations", json={"prompt": "a wave", "num_frames": 5, "seed": 2})
+        return [video, await client.post("/v1/images/generations", json={"prompt": "a wave"})]
+
+    (video, image), box = _serve_in_process("tiny-wan", torch.device("cpu"), ask)
+    assert video.status_code == 200, video.text
+    assert video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
+    assert video.headers["x-seed"] == "2"
+    assert image.status_code == 400 and image.json()["error"]["param"] == "model"
+    assert box == [0]
+
+
+def test_an_input_image_reaches_a_kontext_pipeline() -> None:
+    """The tiny random Flux Kontext in this process: the request's image is the pipeline's input (another image,
+    another output); an image that does not decode is refused naming the field."""
+    def png(seed: int) -> str:
+        buffer = io.BytesIO()
+        loading.zoo().random_image(40, 56, seed).save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    async def ask(client: httpx.AsyncClient) -> list:
+        body = {"prompt": "a lighthouse", "seed": 1, "num_inference_steps": 2}
+        return [await client.post("/v1/images/generations", json={**body, "image": png(seed)}) for seed in (1, 2)] \
+            + [await client.post("/v1/images/generations", json={**body, "image": "bm90IGFuIGltYWdl"})]
+
+    (first, second, broken), box = _serve_in_process("tiny-flux-kontext", torch.device("cpu"), ask)
+    assert _images(first)[0].shape == (32, 48, 3) and not np.array_equal(_images(first)[0], _images(second)[0])
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "image"
+    assert box == [0]
+
+
+@pytest.mark.gpu
+def test_the_service_on_a_gpu() -> None:
+    """The tiny random Flux enabled on one GPU: streamed progress, the same seed twice, a batch of two."""
+    async def ask(client: httpx.AsyncClient) -> list:
+        body = {"prompt": "a lighthouse", "seed": 5, "num_inference_steps": 3}
+        streamed = await client.post("/v1/images/generations", json={**body, "stream": True})
+        return [streamed, await client.post("/v1/images/generations", json=body),
+                await client.post("/v1/images/generations", json={**body, "n": 2})]
+
+    (streamed, alone, batch), box = _serve_in_process("tiny-flux", torch.device("cuda"), ask)
+    assert streamed.text.count("event: progress") == 3 and "event: completed" in streamed.text
+    completed = json.loads(streamed.text.split("event: completed\ndata: ", 1)[1].split("\n", 1)[0])
+    first = _pixels(base64.b64decode(completed["data"][0]["b64_json"]))
+    assert np.array_equal(_images(alone)[0], first)
+    assert np.abs(_images(batch)[0] - first).max() <= 3  # batched kernels round differently; another draw differs
+    assert box == [0]
+
+
+def test_the_queue_batches_compatible_requests_in_arrival_order() -> None:
+    """JobQueue alone: the oldest request first, with the later ones of its batch key up to the most outputs; a
+    request with an image alone; a request whose client left dropped; the bound."""
+    loop, dropped = asyncio.new_event_loop(), []
+    queue = JobQueue(bound=5, max_batch=4, on_drop=dropped.append)
+
+    def job(name: str, n: int = 1, steps: int = 4, image: PIL.Image.Image | None = None) -> Job:
+        request = GenerationRequest(id=name, prompt=name, n=n, seed=0, video=False, steps=steps, image=image)
+        queue.put(made := Job(request, loop))
+        return made
+
+    job("a", n=2), job("b", steps=8), job("c")
+    gone = job("gone")
+    gone.gone = True
+    job("d", n=2)
+    with pytest.raises(QueueFull):
+        job("over the bound")
+    assert [j.request.id for j in queue.take(0)] == ["a", "c"]  # "d" would make 5 outputs
+    assert dropped == [gone]
+    assert [j.request.id for j in queue.take(0)] == ["b"]
+    job("e", image=PIL.Image.new("RGB", (8, 8)))
+    assert [j.request.id for j in queue.take(0)] == ["d"]
+    assert [j.request.id for j in queue.take(0)] == ["e"] and queue.take(0) == []
+    loop.close()
+
+
+def test_a_call_past_its_bound_is_a_failure() -> None:
+    failures: list[str] = []
+    liveness = Liveness(0, 1, silent_after_s=10, on_failure=failures.append)
+    liveness.arm(0.1, "the pipeline call for requests ['x']")
+    _until(lambda: failures, "the overrun to be reported", timeout_s=10)
+    assert failures == ["rank 0: the pipeline call for requests ['x'] ran past its bound"]
+    liveness.stop()
+
+
+def test_the_console_script_takes_the_services_arguments(capsys) -> None:
+    from xstage_dit import cli
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["serve", "--help"])
+    assert exit.value.code == 0 and "--queue-bound" in capsys.readouterr().out

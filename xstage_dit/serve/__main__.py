@@ -1,0 +1,147 @@
+r"""Serve a pipeline over HTTP from one torchrun job (docs/serving.md):
+
+    torchrun --nproc_per_node 2 -m xstage_dit.serve                      # the tiny random Flux, CPU or GPU
+    torchrun --nproc_per_node 8 -m xstage_dit.serve --model black-forest-labs/FLUX.1-dev --port 8000
+
+Every rank loads and enables the pipeline once; rank 0 answers HTTP on --host:--port and tells every rank which
+requests to run."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+from ..api import disable, enable, is_main_process
+from ..runtime.distributed import local_device
+from . import loading, media
+from .metrics import ServiceMetrics
+from .ranks import CallStatus, SideChannel
+from .schema import Limits, ModelCard
+from .service import Service, ServeOptions, follow
+
+logger = logging.getLogger(__name__)
+
+STARTUP_S = 60.0  # how long rank 0 waits for its HTTP server to listen
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="xstage_dit.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    loading.add_pipeline_arguments(parser)
+    defaults, limits = ServeOptions(), Limits()
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument("--queue-bound", type=int, default=defaults.queue_bound,
+                        help="requests that may wait; one more answers 429 with Retry-After")
+    parser.add_argument("--max-batch", type=int, default=defaults.max_batch,
+                        help="outputs of compatible requests (same size, steps, guidance) run in one pipeline call")
+    parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s,
+                        help="bound on one pipeline call and on every wait between ranks (enable's timeout_s)")
+    parser.add_argument("--max-n", type=int, default=limits.max_n, help="outputs one request may ask for")
+    parser.add_argument("--max-steps", type=int, default=limits.max_steps)
+    parser.add_argument("--max-pixels", type=int, default=limits.max_pixels, help="width x height at most")
+    parser.add_argument("--max-frames", type=int, default=limits.max_frames)
+    args = parser.parse_args(argv)
+    for name in ("queue_bound", "max_batch", "max_n", "max_steps", "max_pixels", "max_frames"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.timeout_s <= 0:
+        parser.error("--timeout-s must be positive")
+    return args
+
+
+def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
+    """What the served pipeline takes: sizes in multiples of its VAE's downsampling times its 2 x 2 patches."""
+    pipe = loaded.pipe
+    scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
+    entry = loading.zoo().ZOO[loaded.config] if loaded.config is not None else None
+    return ModelCard(id=model_id, video=loaded.is_video, takes_image=loaded.takes("image"),
+                     text_encoder=loaded.config is None, size_multiple=2 * scale,
+                     default_height=entry.height if entry else None, default_width=entry.width if entry else None,
+                     fps=loaded.fps)
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` once its output is flushed, skipping the interpreter's teardown of torch and
+    diffusers (seconds, on a busy host), so that a drained job is gone as soon as it is done."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if is_main_process() else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if is_main_process():
+        _check_address(args.host, args.port)
+    device = local_device()
+    family = loading.family_of(args.model, args.config)
+    loaded = loading.load_pipeline(args.model, args.config, family, device, loading.default_dtype(args, device))
+    if loaded.is_video and not media.can_write_mp4():
+        raise SystemExit(f"xstage_dit.serve: {args.model or args.config} makes videos, answered as MP4s: that needs "
+                         f"imageio, imageio-ffmpeg and PyAV (pip install 'xstage_dit[video]')")
+    loaded.pipe.set_progress_bar_config(disable=True)  # progress is the service's (SSE, metrics)
+    enable(loaded.pipe, timeout_s=args.timeout_s, **loading.enable_knobs(args))
+    channel = SideChannel(args.timeout_s)
+    channel.statuses(CallStatus(channel.rank, None))  # every rank has loaded and enabled the pipeline
+    if channel.rank == 0:
+        code = _serve(loaded, args, channel)
+    else:
+        code = follow(loaded, channel, args.timeout_s)
+    if code != 0:  # the ranks are out of step: no collective may run again
+        return code
+    disable(loaded.pipe)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return code
+
+
+def _check_address(host: str, port: int) -> None:
+    """Before minutes of loading: the address is free to listen on (uvicorn binds it again once every rank is
+    ready)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        raise SystemExit(f"xstage_dit.serve: cannot listen on {host}:{port}: {error}") from error
+
+
+def _serve(loaded: loading.LoadedPipeline, args: argparse.Namespace, channel: SideChannel) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    options = ServeOptions(host=args.host, port=args.port, queue_bound=args.queue_bound, max_batch=args.max_batch,
+                           timeout_s=args.timeout_s,
+                           limits=Limits(args.max_n, args.max_steps, args.max_pixels, args.max_frames),
+                           enable={**loading.enable_knobs(args), "dtype": str(loaded.dtype)})
+    service = Service(loaded, model_card(loaded, args.model or args.config), options, channel, ServiceMetrics())
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
+                                           lifespan="off", timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="xstage-serve-http", daemon=True)
+    http.start()
+    deadline = time.monotonic() + STARTUP_S
+    while not server.started:
+        if not http.is_alive() or time.monotonic() > deadline:
+            raise SystemExit(f"xstage_dit.serve: the HTTP server did not start on {args.host}:{args.port}")
+        time.sleep(0.05)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, service.drain)
+    logger.info("serving %s on http://%s:%d (%d rank(s))", service.card.id, args.host, args.port, channel.world)
+    code = service.run()
+    server.should_exit = True
+    http.join(timeout=10)
+    return code
+
+
+if __name__ == "__main__":
+    exit_now(main())

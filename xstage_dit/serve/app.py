@@ -1,0 +1,184 @@
+"""Rank 0's HTTP API (FastAPI), OpenAI-compatible where OpenAI has the endpoint: POST /v1/images/generations,
+POST /v1/videos/generations (an MP4), GET /v1/models, GET /v1/files/{name} (the outputs asked for as `url`),
+GET /health, GET /metrics. `stream: true` answers as Server-Sent Events: `progress` (step i of n), then
+`completed` (the answer's JSON) or `error`."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .admission import Answer, Job, QueueFull
+from .schema import ImageBody, RequestError, VideoBody, check
+from .service import Service, State, Unavailable
+
+POLL_S = 0.1  # how often a waiting handler looks whether its client went away
+KEPT_FILES = 256  # outputs answered as URLs stay fetchable until this many newer ones were made
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
+                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error body."""
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param,
+                      "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class FileStore:
+    """The last KEPT_FILES outputs answered as URLs."""
+
+    def __init__(self) -> None:
+        self._files: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
+
+    def put(self, data: bytes, suffix: str) -> str:
+        name = f"{uuid.uuid4().hex}.{suffix}"
+        self._files[name] = (data, "video/mp4" if suffix == "mp4" else "image/png")
+        while len(self._files) > KEPT_FILES:
+            self._files.popitem(last=False)
+        return name
+
+    def get(self, name: str) -> tuple[bytes, str] | None:
+        return self._files.get(name)
+
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="xstage_dit", version="1")
+    files = FileStore()
+    card, metrics = service.card, service.metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, error: RequestValidationError) -> JSONResponse:
+        metrics.count("invalid")
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"][1:]) or "body"
+        return error_response(422, f"{param}: {first['msg']}", param)
+
+    @app.post("/v1/images/generations")
+    async def images(body: ImageBody, request: Request) -> Response:
+        return await _generate(body, request)
+
+    @app.post("/v1/videos/generations")
+    async def videos(body: VideoBody, request: Request) -> Response:
+        return await _generate(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": card.id, "object": "model", "owned_by": "xstage_dit", "video": card.video,
+            "takes_image": card.takes_image, "service": service.options.describe(service.channel.world)}]}
+
+    @app.get("/v1/files/{name}")
+    async def file(name: str) -> Response:
+        found = files.get(name)
+        if found is None:
+            return error_response(404, f"no file {name} (outputs are kept until {KEPT_FILES} newer ones were "
+                                       f"made)", "name")
+        return Response(found[0], media_type=found[1])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = service.state is State.READY
+        body = {"status": service.state.value, "model": card.id, "ranks": service.channel.world,
+                "queue": len(service.queue)}
+        if not ready:
+            body["reason"] = service.reason
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    async def _generate(body: ImageBody, request: Request) -> Response:
+        try:
+            checked = check(body, card, service.options.limits, uuid.uuid4().hex)
+        except RequestError as error:
+            metrics.count("invalid")
+            return error_response(error.status, error.message, error.param)
+        job = Job(checked, asyncio.get_running_loop())
+        try:
+            service.admit(job)
+        except QueueFull as error:
+            metrics.count("rejected")
+            return error_response(429, str(error), headers={"Retry-After": str(error.retry_after_s)})
+        except Unavailable as error:
+            metrics.count("unavailable")
+            return error_response(503, str(error))
+        if body.stream:
+            return StreamingResponse(_events(job, body, request), media_type="text/event-stream",
+                                     headers={"x-request-id": checked.id})
+        answer = await _wait(job, request)
+        if answer is None:
+            return error_response(499, "the client went away")
+        if answer.status != 200:
+            return error_response(answer.status, answer.error)
+        files = await asyncio.to_thread(answer.outputs.files)  # the ranks' loop goes on meanwhile
+        headers = {"x-request-id": checked.id, **_timing(job, answer)}
+        if checked.video:
+            headers["x-seed"] = str(answer.outputs.seeds[0])
+            return Response(files[0], media_type="video/mp4", headers=headers)
+        return JSONResponse(_result(files, answer, body, request), headers=headers)
+
+    async def _wait(job: Job, request: Request) -> Answer | None:
+        """The job's answer; None (and the job dropped, if it has not started) when the client goes away."""
+        while True:
+            done, _ = await asyncio.wait({job.answer}, timeout=POLL_S)
+            if done:
+                return job.answer.result()
+            if await request.is_disconnected():
+                job.gone = True
+                return None
+
+    async def _events(job: Job, body: ImageBody, request: Request) -> AsyncIterator[str]:
+        try:
+            while not job.answer.done() or not job.progress.empty():
+                try:
+                    progress = await asyncio.wait_for(job.progress.get(), POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.gone = True
+                        return
+                    continue
+                yield _event("progress", {"step": progress.step, "steps": progress.steps})
+            answer = job.answer.result()
+            if answer.status == 200:
+                files = await asyncio.to_thread(answer.outputs.files)
+                yield _event("completed", {**_result(files, answer, body, request), **_timing(job, answer)})
+            else:
+                yield _event("error", {"error": {"message": answer.error, "code": answer.status}})
+        finally:
+            if not job.answer.done():
+                job.gone = True
+
+    def _result(encoded: list[bytes], answer: Answer, body: ImageBody, request: Request) -> dict[str, Any]:
+        suffix = "mp4" if isinstance(body, VideoBody) else "png"
+        data = []
+        for payload, seed in zip(encoded, answer.outputs.seeds):
+            if body.response_format == "url":
+                data.append({"url": f"{request.base_url}v1/files/{files.put(payload, suffix)}", "seed": seed})
+            else:
+                data.append({"b64_json": base64.b64encode(payload).decode(), "seed": seed})
+        return {"created": int(time.time()), "data": data}
+
+    return app
+
+
+def _timing(job: Job, answer: Answer) -> dict[str, str]:
+    """In seconds: the request's wait in the queue, its pipeline call, and the whole time to its answer."""
+    now = time.monotonic()
+    return {"x-queue-seconds": f"{(job.started or now) - job.enqueued:.4f}",
+            "x-call-seconds": f"{answer.outputs.call_s:.4f}", "x-total-seconds": f"{now - job.enqueued:.4f}"}
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"

@@ -1,0 +1,213 @@
+"""The pipeline a job generates with, loaded the same way by the generation example and the service: a diffusers
+checkpoint (`--model`) or a random-weight config of the repository's examples/zoo.py (`--config`: no download, the
+prompt seeds random text embeddings since such configs have no text encoder), and the command-line arguments of
+both: what to load and `enable`'s knobs."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import PIL.Image
+import torch
+
+from ..sp.attention.backends import available_backends
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPERT_PARALLEL = {"auto": None, "on": True, "off": False}  # --expert-parallel -> enable(expert_parallel=...)
+ZOO_STEPS = 4  # random weights: a few steps show the run; more add nothing
+DEFAULT_CONFIG = "tiny-flux"
+_ZOO_FILE = Path(__file__).resolve().parents[2] / "examples" / "zoo.py"
+
+
+def zoo() -> ModuleType:
+    """examples/zoo.py of this source checkout, imported once as `zoo` (the module the examples and tests import):
+    the random-weight configs are not part of the installed library."""
+    module = _zoo_if_present()
+    if module is None:
+        raise SystemExit(f"--config needs the repository's examples/zoo.py (not found at {_ZOO_FILE}); run from a "
+                         f"source checkout, or pass --model")
+    return module
+
+
+def _zoo_if_present() -> ModuleType | None:
+    """The checkout's examples/zoo.py; for an installed copy, a `zoo` on the path (examples/ put there)."""
+    if "zoo" in sys.modules:
+        return sys.modules["zoo"]
+    if not _ZOO_FILE.is_file():
+        return importlib.import_module("zoo") if importlib.util.find_spec("zoo") is not None else None
+    spec = importlib.util.spec_from_file_location("zoo", _ZOO_FILE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["zoo"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --config, --dtype and `enable`'s knobs."""
+    parser.add_argument("--model", help="hub id or local path of a diffusers pipeline with real weights")
+    models = _zoo_if_present()  # an installed copy without the examples serves --model only
+    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(models.ZOO) if models else None,
+                        metavar="NAME",
+                        help="random-weight config of examples/zoo.py used when --model is not given (default: "
+                             f"{DEFAULT_CONFIG})")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument("--backend", default="auto", choices=available_backends())
+    parser.add_argument("--ulysses-degree", type=int,
+                        help="default: as wide as divides the heads within a node (the rest of a CFG group's ranks "
+                             "form a ring)")
+    parser.add_argument("--ring-degree", type=int, help="default: the CFG group's ranks / the Ulysses degree")
+    parser.add_argument("--expert-parallel", choices=EXPERT_PARALLEL, default="auto",
+                        help="a mixture of experts (NucleusMoE-Image, HiDream): on: split over the Ulysses group; "
+                             "off: every expert on every rank; auto: every expert kept, the mode picked per layer "
+                             "call by the planner")
+    parser.add_argument("--cfg-degree", type=int, default=1, choices=(1, 2),
+                        help="2: split the guidance branches over two groups of ranks")
+
+
+def enable_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """`xstage_dit.enable`'s keywords from the arguments `add_pipeline_arguments` added."""
+    return {"backend": args.backend, "ulysses_degree": args.ulysses_degree, "ring_degree": args.ring_degree,
+            "cfg_degree": args.cfg_degree, "expert_parallel": EXPERT_PARALLEL[args.expert_parallel]}
+
+
+def default_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    return DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one pipeline call asks for; None leaves the pipeline's default (--model) or the config's (--config).
+    One image or video per prompt; `prompts` holds the batch."""
+
+    prompts: tuple[str, ...]
+    negative_prompt: str | None = None
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    image: PIL.Image.Image | None = None
+
+
+@dataclass
+class LoadedPipeline:
+    """A loaded pipeline with what building its calls needs: its zoo family (None: a class the zoo does not
+    know) and, for a random-weight config, the config's name."""
+
+    pipe: Any
+    family: Any
+    config: str | None
+    device: torch.device
+    dtype: torch.dtype
+    _batch_dims: dict[str, int] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.config if self.config is not None else "model"
+
+    @property
+    def is_video(self) -> bool:
+        return self.family.video if self.family is not None else hasattr(self.pipe, "video_processor")
+
+    @property
+    def fps(self) -> int:
+        return self.family.fps if self.family is not None else 16
+
+    def takes(self, kwarg: str) -> bool:
+        return kwarg in inspect.signature(self.pipe.__call__).parameters
+
+    def call_kwargs(self, generation: Generation) -> dict[str, Any]:
+        """The pipeline's keyword arguments for `generation` (without generator or output type)."""
+        if self.config is None:
+            return self._model_call(generation)
+        return self._config_call(generation)
+
+    def _model_call(self, generation: Generation) -> dict[str, Any]:
+        batch = len(generation.prompts)
+        size = {"height": generation.height, "width": generation.width, "num_frames": generation.num_frames,
+                "num_inference_steps": generation.steps}
+        call = {k: v for k, v in size.items() if v is not None}
+        call["prompt"] = list(generation.prompts)
+        negative = generation.negative_prompt
+        if generation.guidance is not None:
+            guidance_kwarg = self.family.guidance_kwarg if self.family else "guidance_scale"
+            call[guidance_kwarg] = generation.guidance
+            if guidance_kwarg == "true_cfg_scale" and generation.guidance > 1 and negative is None:
+                negative = ""  # true CFG runs only with a negative prompt
+        if negative is not None:
+            call["negative_prompt"] = [negative] * batch
+        if generation.image is not None:
+            call["image"] = generation.image
+        return call
+
+    def _config_call(self, generation: Generation) -> dict[str, Any]:
+        models = zoo()
+        entry = models.ZOO[self.config]
+        call = models.call_kwargs(
+            self.config, height=generation.height or entry.height, width=generation.width or entry.width,
+            num_frames=generation.num_frames or entry.num_frames, steps=generation.steps or ZOO_STEPS,
+            guidance=1.0 if generation.guidance is None else generation.guidance)
+        call.update(self._config_text(generation.prompts))
+        if generation.image is not None:
+            call["image"] = generation.image
+        return call
+
+    def _config_text(self, prompts: tuple[str, ...]) -> dict[str, Any]:
+        """Each prompt's random embeddings (seeded by the prompt alone, so an image does not depend on the batch it
+        ran in), joined along each input's batch dimension."""
+        models = zoo()
+        drawn = [models.text_embeddings(self.config, 1, models.prompt_seed(p), device=self.device,
+                                        dtype=self.dtype) for p in prompts]
+        if len(drawn) == 1:
+            return drawn[0]
+        joined = {}
+        for name, first in drawn[0].items():
+            if isinstance(first, list):  # one tensor per prompt (Z-Image's captions)
+                joined[name] = [tensor for inputs in drawn for tensor in inputs[name]]
+            else:
+                joined[name] = torch.cat([inputs[name] for inputs in drawn], dim=self.batch_dims()[name])
+        return joined
+
+    def batch_dims(self) -> dict[str, int]:
+        """Which dimension of each text input is the batch (HiDream's Llama states lead with the layer)."""
+        if self._batch_dims is None:
+            models = zoo()
+            one, two = (models.text_embeddings(self.config, b, 0) for b in (1, 2))
+            self._batch_dims = {name: next(d for d, (a, b) in enumerate(zip(t.shape, two[name].shape)) if a != b)
+                                for name, t in one.items() if not isinstance(t, list)}
+        return self._batch_dims
+
+
+def family_of(model: str | None, config: str) -> Any:
+    """The zoo family of the pipeline asked for (None for a pipeline class the zoo does not know, or without the
+    zoo)."""
+    if not model:
+        models = zoo()
+        return models.FAMILIES[models.ZOO[config].family]
+    models = _zoo_if_present()
+    if models is None:
+        return None
+    from diffusers import DiffusionPipeline
+
+    class_name = DiffusionPipeline.load_config(model)["_class_name"]
+    return next((f for f in models.FAMILIES.values()
+                 if class_name.startswith(f.pipeline.removesuffix("Pipeline"))), None)
+
+
+def load_pipeline(model: str | None, config: str, family: Any, device: torch.device, dtype: torch.dtype
+                  ) -> LoadedPipeline:
+    """The pipeline on `device`: `model`'s weights (VAEs that diffusers keeps in float32, Wan's, stay in float32),
+    or `config`'s random ones."""
+    if model:
+        from diffusers import DiffusionPipeline
+
+        dtypes = {"default": dtype, "vae": torch.float32} if family and family.vae_float32 else dtype
+        pipe = DiffusionPipeline.from_pretrained(model, dtype=dtypes).to(device)
+        return LoadedPipeline(pipe, family, None, device, dtype)
+    return LoadedPipeline(zoo().build_pipeline(config, device=device, dtype=dtype), family, config, device, dtype)
