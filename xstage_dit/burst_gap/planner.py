@@ -33,11 +33,12 @@ block's keys and values:
   nodes;
 - overlap (sp/attention/ring.py): the send of block i+1 in flight while block i attends:
   sum_{i<R-1} max(A_i, P) + A_{R-1};
-- fused (X-Stage ring, one node only, sp/attention/ring.py `stored_ring_steps`): beside each step's attention the
-  forward kernel's P = RING_FORWARD_PROGRAMS programs store the block into the next rank's slot (one destination:
-  its drain rate R), a train of one burst whose delivery D = delivery_time(V, P) overlaps the step: the step waits
-  for what outlasts it, max(0, D - A_i), and its attention loses the P programs' SMs while they run,
-  min(D, A_i) * P / #SMs: sum_{i<R-1} (A_i + `ring_forward`) + A_{R-1}.
+- fused (X-Stage ring, one node only, sp/attention/ring.py `stored_ring_steps`): the forward kernel's
+  P = RING_FORWARD_PROGRAMS programs store the block into the next rank's slot (one destination: its drain rate R)
+  on a side stream. The attention kernels the ring runs hold every SM for the whole step, so the forward does not
+  run under them: it adds its delivery D = delivery_time(V, P) to the step (`ring_forward`):
+  sum_{i<R-1} (A_i + D) + A_{R-1}. (Measured on one H200 in loopback, the stored ring costs more than this still:
+  docs/benchmarks/ring-loopback-h200.md.)
 
 Every transport attends with the vendor's kernel (the ring merges by log-sum-exp, which our kernel does not
 return).
@@ -486,11 +487,10 @@ class Planner:
         rate = nodes.internode_rate if nodes.ring_crosses(blocks.ulysses, blocks.ring) else self.costs.alltoall_rate
         return self.costs.launch + blocks.block_bytes() / rate
 
-    def ring_forward(self, blocks: RingBlocks, step: float) -> float:
-        """What forwarding one block by the forward kernel's stores adds to a fused ring step of `step` seconds:
-        the delivery past the step's end, and the SMs its programs take from the attention while they run."""
-        delivery = self.model.delivery_time(blocks.block_bytes(), RING_FORWARD_PROGRAMS)
-        return max(0.0, delivery - step) + min(delivery, step) * RING_FORWARD_PROGRAMS / self.costs.sms
+    def ring_forward(self, blocks: RingBlocks) -> float:
+        """What forwarding one block by the forward kernel's stores adds to a fused ring step: its delivery, which
+        the attention (holding every SM) does not hide."""
+        return self.model.delivery_time(blocks.block_bytes(), RING_FORWARD_PROGRAMS)
 
     def ulysses_around_ring(self, blocks: RingBlocks) -> float:
         """The Ulysses exchanges around the ring (q, k, v in, the output back: the reference path's all-to-alls),
@@ -519,7 +519,7 @@ class Planner:
             send = self.ring_send(blocks, nodes)
             ring = sum(max(step, send) for step in passed) + last
         else:
-            ring = sum(step + self.ring_forward(blocks, step) for step in passed) + last
+            ring = sum(passed) + len(passed) * self.ring_forward(blocks) + last
         return self.ulysses_around_ring(blocks) + ring
 
     def ring_transport(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int, nodes: Nodes | None = None
