@@ -182,7 +182,7 @@ MODEL_LAYERS: tuple[Layer, ...] = (
     Layer("token split", _token_split,
           "hooks that split inputs to this rank's tokens and gather outputs; only where tokens are split"),
     Layer("cache decisions", _cache_decisions,
-          "a diffusers cache head hook decides over the whole sequence; needs the split (each rank has a shard)"),
+          "diffusers' and cache-dit's caches decide over the whole sequence; needs the split (each rank has a shard)"),
     Layer("attention routing", _attention_routing,
           "marks the plan's attention modules and rebinds the family's attention call site to them"),
     Layer("fused RoPE", _fused_rope,
