@@ -1,7 +1,8 @@
 """cache-dit's caches (`cache_dit.enable_cache(pipe)`: DBCache, alone and with its TaylorSeer calibrator) with
 xstage_dit, enabled before `enable` and after it: the parallel result equals one process's with the same cache, at
-a threshold where ranks deciding on their own tokens would decide differently. cache-dit's own parallelism is
-refused, whichever comes first."""
+a threshold where ranks deciding on their own tokens would decide differently (tested to hang then: the ranks
+that compute the remaining blocks wait for the others). cache-dit's own parallelism is refused, whichever comes
+first."""
 from __future__ import annotations
 
 import math
@@ -56,10 +57,11 @@ def _relative_l1(previous: torch.Tensor, current: torch.Tensor) -> float:
     return ((current - previous).abs().sum() / previous.abs().sum()).item()
 
 
-def _threshold_between_ranks(pipe: Any, generate: Callable[[], torch.Tensor], ranks: int) -> float:
+def _threshold_between_ranks(pipe: Any, generate: Callable[[], torch.Tensor], ranks: int
+                             ) -> tuple[float, torch.Tensor]:
     """A threshold at DBCache's first comparison between the whole sequence's statistic (below it: cached) and
-    the nearest statistic above it of one rank's tokens alone (that rank alone would compute): recorded in one
-    process with a threshold that never caches."""
+    the nearest statistic above it of one rank's tokens alone (that rank alone would compute), recorded in one
+    process with a threshold that never caches; and that run's result (the uncached one)."""
     import cache_dit
 
     cache_dit.enable_cache(pipe, **_db_cache(1e-9))
@@ -72,7 +74,7 @@ def _threshold_between_ranks(pipe: Any, generate: Callable[[], torch.Tensor], ra
         return own(t1, t2, **kwargs)
 
     manager.similarity = recorded
-    generate()
+    uncached = generate()
     cache_dit.disable_cache(pipe)
     previous, current = compared[0]
     whole = _relative_l1(previous, current)
@@ -81,7 +83,7 @@ def _threshold_between_ranks(pipe: Any, generate: Callable[[], torch.Tensor], ra
              for start in range(0, previous.shape[1], chunk)]
     above = min(statistic for statistic in alone if statistic > whole)
     assert above > whole * (1 + 1e-4), (whole, alone)  # far enough apart for rounding not to move a decision
-    return (whole + above) / 2
+    return (whole + above) / 2, uncached
 
 
 def _cache_dit_worker(names: list[str], size: str) -> None:
@@ -91,8 +93,7 @@ def _cache_dit_worker(names: list[str], size: str) -> None:
         pipe = zoo.build_pipeline(name)
         pipe.set_progress_bar_config(disable=True)
         generate = _generator(name, size, pipe)
-        uncached = generate()
-        threshold = _threshold_between_ranks(pipe, generate, int(os.environ["WORLD_SIZE"]))
+        threshold, uncached = _threshold_between_ranks(pipe, generate, int(os.environ["WORLD_SIZE"]))
         for cache, options in _caches(threshold).items():
             cache_dit.enable_cache(pipe, **options)
             stock = generate()
@@ -111,6 +112,29 @@ def _cache_dit_worker(names: list[str], size: str) -> None:
                 assert error < TOLERANCE, (f"{name}, {cache} (threshold {threshold:.4f}) enabled {order} "
                                            f"xstage_dit: relative error {error:.2e}")
         assert torch.equal(generate(), uncached), f"{name}: cache-dit or xstage_dit left something behind"
+    if torch.distributed.get_world_size() == 2:
+        _refuses_cache_dits_parallelism()
+
+
+def _refuses_cache_dits_parallelism() -> None:
+    """cache-dit's own parallelism splits the tokens too: refused by `enable`, and at the call where it came
+    after `enable`."""
+    import cache_dit
+    import cache_dit.distributed.dispatch
+    from cache_dit import ParallelismConfig
+
+    cache_dit.distributed.dispatch.maybe_empty_cache = lambda: None  # sleeps 2 s to free GPU memory
+    parallelism = {**_db_cache(0.1), "parallelism_config": ParallelismConfig(ulysses_size=2)}
+    pipe = zoo.build_pipeline("tiny-flux")
+    cache_dit.enable_cache(pipe, **parallelism)
+    with pytest.raises(RuntimeError, match="cache-dit's parallelism .* use one of them"):
+        xstage_dit.enable(pipe, backend="reference", timeout_s=60)
+    pipe = zoo.build_pipeline("tiny-flux")  # cache-dit's parallelism stays after its `disable_cache`
+    pipe.set_progress_bar_config(disable=True)
+    xstage_dit.enable(pipe, backend="reference", timeout_s=60)
+    cache_dit.enable_cache(pipe, **parallelism)
+    with pytest.raises(RuntimeError, match="cache-dit's parallelism .* since xstage_dit.enable"):
+        _generator("tiny-flux", "even", pipe)()
 
 
 # FLUX.1 and Qwen-Image split at the model's input, Wan and CogVideoX inside cache-dit's wrapper (at the first
@@ -120,31 +144,5 @@ FAMILIES = ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-cogvideox"]
 
 @pytest.mark.parametrize("world_size, size", [(2, "even"), (3, "uneven")])
 def test_cache_dit_before_and_after_enable_equals_one_process(world_size: int, size: str) -> None:
+    """At two ranks, cache-dit's own parallelism is also refused whichever comes first."""
     run_on_ranks(world_size, _cache_dit_worker, FAMILIES, size, deadline_s=600)
-
-
-def _parallelism_worker() -> None:
-    import cache_dit
-    from cache_dit import ParallelismConfig
-
-    torch.distributed.init_process_group("gloo")  # cache-dit's parallelism needs the group; enable takes it
-    name = "tiny-flux"
-    pipe = zoo.build_pipeline(name)
-    pipe.set_progress_bar_config(disable=True)
-    generate = _generator(name, "even", pipe)
-    parallelism = {**_db_cache(0.1), "parallelism_config": ParallelismConfig(ulysses_size=2)}
-    cache_dit.enable_cache(pipe, **parallelism)
-    with pytest.raises(RuntimeError, match="cache-dit's parallelism .* use one of them"):
-        xstage_dit.enable(pipe, backend="reference", timeout_s=60)
-    cache_dit.disable_cache(pipe)
-    pipe = zoo.build_pipeline(name)  # cache-dit's parallelism hooks stay after `disable_cache`
-    pipe.set_progress_bar_config(disable=True)
-    generate = _generator(name, "even", pipe)
-    xstage_dit.enable(pipe, backend="reference", timeout_s=60)
-    cache_dit.enable_cache(pipe, **parallelism)
-    with pytest.raises(RuntimeError, match="cache-dit's parallelism .* since xstage_dit.enable"):
-        generate()
-
-
-def test_cache_dits_own_parallelism_is_refused_either_way() -> None:
-    run_on_ranks(2, _parallelism_worker)
