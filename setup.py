@@ -52,7 +52,8 @@ setup(
         "video": ["imageio", "imageio-ffmpeg", "av"],
         "bench": ["matplotlib"],
         # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
-        "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft"],
+        # cache-dit: its caches are tested with xstage_dit, its parallelism (einops) refused
+        "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "cache-dit[parallelism]>=1.5,<1.6"],
     },
     license="MIT",
     license_files=["LICENSE"],

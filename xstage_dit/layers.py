@@ -30,7 +30,8 @@ from .sp.attention import routing
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_hooks import SharedCacheDecisions, stateful_hooks
 from .sp.moe.modes import ExpertModes
-from .sp.plan import PlanContext, SequenceParallelPlan, attention_routes, check_inputs_hooks, token_split_hooks
+from .sp.plan import (PlanContext, SequenceParallelPlan, attention_routes, check_inputs_hooks, split_blocks,
+                      token_split_hooks)
 from .sp.sharding import SequenceShard
 from .vae.decode import ParallelDecode
 
@@ -104,7 +105,7 @@ def _token_split(job: ModelJob) -> list[Change]:
 
 
 def _cache_decisions(job: ModelJob) -> list[Change]:
-    return [SharedCacheDecisions(job.model, job.shard)] if job.split else []
+    return [SharedCacheDecisions(job.model, job.shard, split_blocks(job.model, job.plan))] if job.split else []
 
 
 def _attention_routing(job: ModelJob) -> list[Change]:

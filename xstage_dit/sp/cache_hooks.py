@@ -24,19 +24,20 @@ _FBC_HEAD_HOOK = "fbc_leader_block_hook"  # diffusers.hooks.first_block_cache's 
 class SharedCacheDecisions:
     """Makes the caches on an enabled model decide over the whole sequence, whether they were enabled before or
     after xstage_dit: before every forward, a FirstBlockCache head hook (on the first block of one of the model's
-    block lists) and a cache-dit cache's statistic; when the first block of a list runs, cache-dit's wrapper
-    around that list. A model that another sequence parallelism took over since `enable` is refused at its call.
-    `remove()` gives the caches their own decisions back."""
+    block lists) and a cache-dit cache's statistic; while a cache-dit cache is on the model, its wrapper around a
+    block list whose first block splits the tokens (`split_blocks`), when that block runs (the wrapper stands in
+    for the list only during a forward). A model that another sequence parallelism took over since `enable` is
+    refused at its call. `remove()` gives the caches their own decisions back."""
 
-    def __init__(self, model: nn.Module, shard: SequenceShard) -> None:
+    def __init__(self, model: nn.Module, shard: SequenceShard, split_blocks: list[nn.Module]) -> None:
         self.model = model
         self.shard = shard
+        self._split_blocks = split_blocks
         self._patched: dict[Any, ReplacedForward] = {}  # head hook or cache-dit wrapper -> its decision, replaced
         self._statistic: ReplacedForward | None = None  # cache-dit's, replaced for one forward
-        heads = [blocks[0] for blocks in model.children() if isinstance(blocks, nn.ModuleList) and len(blocks)]
+        self._wrapper_handles: list[torch.utils.hooks.RemovableHandle] = []  # on split_blocks, while cache-dit is on
         self._handles = [model.register_forward_pre_hook(self._share),
-                         model.register_forward_hook(self._give_back_statistic, always_call=True),
-                         *(head.register_forward_pre_hook(self._share_wrappers) for head in heads)]
+                         model.register_forward_hook(self._give_back_statistic, always_call=True)]
 
     @torch.compiler.disable
     def _share(self, model: nn.Module, args: tuple) -> None:
@@ -52,6 +53,14 @@ class SharedCacheDecisions:
         if manager is not None:  # shared by a pipeline's transformers, each with its own split: for this forward
             self._statistic = ReplacedForward(manager, whole_sequence_similarity(manager, self.shard),
                                               attribute="similarity")
+        if (manager is not None) != bool(self._wrapper_handles):
+            self._watch_wrappers(manager is not None)
+
+    def _watch_wrappers(self, on: bool) -> None:
+        for handle in self._wrapper_handles:
+            handle.remove()
+        self._wrapper_handles = [block.register_forward_pre_hook(self._share_wrappers)
+                                 for block in self._split_blocks] if on else []
 
     @torch.compiler.disable
     def _give_back_statistic(self, model: nn.Module, args: tuple, output: Any) -> None:
@@ -68,6 +77,7 @@ class SharedCacheDecisions:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self._watch_wrappers(False)
         self._give_back_statistic(self.model, (), None)
         for decision in self._patched.values():
             decision.restore()

@@ -183,6 +183,14 @@ def _gather_output_hook(shard: SequenceShard, dim: int | TextAndImage):
     return hook
 
 
+def split_blocks(model: nn.Module, plan: SequenceParallelPlan) -> list[nn.Module]:
+    """The blocks of the model's block lists at whose input the plan splits the tokens (e.g. Wan's first block):
+    whatever wraps such a list sees its input whole and its output split."""
+    return [module for path in plan.shard_inputs if "." in path and not path.endswith(".*")
+            for module in _modules_at(model, path)
+            if isinstance(model.get_submodule(path.rsplit(".", 1)[0]), nn.ModuleList)]
+
+
 def check_inputs_hooks(model: nn.Module, plan: SequenceParallelPlan) -> list[torch.utils.hooks.RemovableHandle]:
     """The plan's check of the model's inputs, before anything splits them."""
     if plan.check_inputs is None:
