@@ -17,7 +17,7 @@ import zoo
 from dist_harness import run_on_ranks
 from test_parallel_pipelines import SIZES, TOLERANCE, _relative_error
 
-STEPS = 4
+STEPS = 3
 
 
 @pytest.fixture(autouse=True)
@@ -127,13 +127,13 @@ def _refuses_cache_dits_parallelism() -> None:
     parallelism = {**_db_cache(0.1), "parallelism_config": ParallelismConfig(ulysses_size=2)}
     pipe = zoo.build_pipeline("tiny-flux")
     cache_dit.enable_cache(pipe, **parallelism)
-    with pytest.raises(RuntimeError, match="cache-dit's parallelism .* use one of them"):
+    with pytest.raises(ValueError, match="cache-dit's parallelism .* use one of them"):
         xstage_dit.enable(pipe, backend="reference", timeout_s=60)
     pipe = zoo.build_pipeline("tiny-flux")  # cache-dit's parallelism stays after its `disable_cache`
     pipe.set_progress_bar_config(disable=True)
     xstage_dit.enable(pipe, backend="reference", timeout_s=60)
     cache_dit.enable_cache(pipe, **parallelism)
-    with pytest.raises(RuntimeError, match="cache-dit's parallelism .* since xstage_dit.enable"):
+    with pytest.raises(ValueError, match="cache-dit's parallelism .* since xstage_dit.enable"):
         _generator("tiny-flux", "even", pipe)()
 
 
@@ -146,3 +146,12 @@ FAMILIES = ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-cogvideox"]
 def test_cache_dit_before_and_after_enable_equals_one_process(world_size: int, size: str) -> None:
     """At two ranks, cache-dit's own parallelism is also refused whichever comes first."""
     run_on_ranks(world_size, _cache_dit_worker, FAMILIES, size, deadline_s=600)
+
+
+def test_diffusers_context_parallelism_is_refused_before_any_collective() -> None:
+    from diffusers import ContextParallelConfig
+
+    pipe = zoo.build_pipeline("tiny-flux")
+    pipe.transformer._parallel_config = ContextParallelConfig(ulysses_degree=2)  # what enable_parallelism leaves
+    with pytest.raises(ValueError, match="diffusers' context parallelism .* use one of them"):
+        xstage_dit.enable(pipe)

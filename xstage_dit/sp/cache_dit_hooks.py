@@ -36,9 +36,9 @@ def refuse_other_sequence_parallelism(model: nn.Module, when: str) -> None:
     """A clear error where `model` is already split by another sequence parallelism."""
     other = other_sequence_parallelism(model)
     if other is not None:
-        raise RuntimeError(f"xstage_dit: {type(model).__name__} is parallelised by {other}, {when}; it would split "
-                           f"the same tokens over the same ranks as xstage_dit: use one of them (cache-dit's caches "
-                           f"without its parallelism_config work with xstage_dit)")
+        raise ValueError(f"xstage_dit: {type(model).__name__} is parallelised by {other}, {when}; it would split "
+                         f"the same tokens over the same ranks as xstage_dit: use one of them (cache-dit's caches "
+                         f"without its parallelism_config work with xstage_dit)")
 
 
 def cache_dit_manager(model: nn.Module) -> Any | None:
