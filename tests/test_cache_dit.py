@@ -25,9 +25,9 @@ def _quiet_cache_dit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CACHE_DIT_LOG_LEVEL", "error")  # read when cache_dit is imported, in the ranks
 
 
-def _generator(name: str, size: str, pipe: Any) -> Callable[[], torch.Tensor]:
-    # guidance off: one transformer call per step, so consecutive calls are the ones the cache compares
-    kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=STEPS, guidance=1.0)
+def _generator(name: str, size: str, pipe: Any, guidance: float = 1.0) -> Callable[[], torch.Tensor]:
+    # guidance off by default: one transformer call per step, consecutive calls are the ones the cache compares
+    kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=STEPS, guidance=guidance)
 
     def generate() -> torch.Tensor:
         return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
@@ -57,11 +57,11 @@ def _relative_l1(previous: torch.Tensor, current: torch.Tensor) -> float:
     return ((current - previous).abs().sum() / previous.abs().sum()).item()
 
 
-def _threshold_between_ranks(pipe: Any, generate: Callable[[], torch.Tensor], ranks: int
-                             ) -> tuple[float, torch.Tensor]:
-    """A threshold at DBCache's first comparison between the whole sequence's statistic (below it: cached) and
-    the nearest statistic above it of one rank's tokens alone (that rank alone would compute), recorded in one
-    process with a threshold that never caches; and that run's result (the uncached one)."""
+def _compared(pipe: Any, generate: Callable[[], torch.Tensor], dim: int = 1
+              ) -> tuple[list[float], list[list[float]], torch.Tensor]:
+    """DBCache's statistics in one process with a threshold that never caches, per comparison: the whole
+    sequence's, and those of each rank's part alone (split over this job's ranks along `dim`: tokens, or the
+    batch); and that run's (uncached) result."""
     import cache_dit
 
     cache_dit.enable_cache(pipe, **_db_cache(1e-9))
@@ -76,44 +76,79 @@ def _threshold_between_ranks(pipe: Any, generate: Callable[[], torch.Tensor], ra
     manager.similarity = recorded
     uncached = generate()
     cache_dit.disable_cache(pipe)
-    previous, current = compared[0]
-    whole = _relative_l1(previous, current)
-    chunk = math.ceil(previous.shape[1] / ranks)
-    alone = [_relative_l1(previous[:, start:start + chunk], current[:, start:start + chunk])
-             for start in range(0, previous.shape[1], chunk)]
-    above = min(statistic for statistic in alone if statistic > whole)
-    assert above > whole * (1 + 1e-4), (whole, alone)  # far enough apart for rounding not to move a decision
-    return (whole + above) / 2, uncached
+    chunk = math.ceil(compared[0][0].shape[dim] / int(os.environ["WORLD_SIZE"]))
+    alone = [[_relative_l1(previous.narrow(dim, start, min(chunk, previous.shape[dim] - start)),
+                           current.narrow(dim, start, min(chunk, previous.shape[dim] - start)))
+              for start in range(0, previous.shape[dim], chunk)] for previous, current in compared]
+    return [_relative_l1(previous, current) for previous, current in compared], alone, uncached
+
+
+def _between(low: float, high: float) -> float:
+    assert high > low * (1 + 1e-4), (low, high)  # far enough apart for rounding not to move a decision
+    return (low + high) / 2
+
+
+def _equal_to_one_process(name: str, pipe: Any, generate: Callable[[], torch.Tensor], threshold: float,
+                          uncached: torch.Tensor, **knobs: Any) -> None:
+    """Each cache enabled before and after xstage_dit gives one process's result with the same cache."""
+    import cache_dit
+
+    for cache, options in _caches(threshold).items():
+        cache_dit.enable_cache(pipe, **options)
+        stock = generate()
+        assert not torch.equal(stock, uncached), f"{name}: {cache} changed nothing"
+        xstage_dit.enable(pipe, backend="reference", timeout_s=60, **knobs)  # after cache-dit
+        before = generate()
+        xstage_dit.disable(pipe)
+        cache_dit.disable_cache(pipe)
+        xstage_dit.enable(pipe, backend="reference", timeout_s=60, **knobs)  # before cache-dit
+        cache_dit.enable_cache(pipe, **_caches(threshold)[cache])
+        after = generate()
+        cache_dit.disable_cache(pipe)
+        xstage_dit.disable(pipe)
+        for order, out in (("before", before), ("after", after)):
+            error = _relative_error(out, stock)
+            assert error < TOLERANCE, (f"{name}, {cache} (threshold {threshold:.4f}, {knobs}) enabled {order} "
+                                       f"xstage_dit: relative error {error:.2e}")
+    assert torch.equal(generate(), uncached), f"{name}: cache-dit or xstage_dit left something behind"
 
 
 def _cache_dit_worker(names: list[str], size: str) -> None:
-    import cache_dit
-
+    """The threshold lies between the whole sequence's statistic at DBCache's first comparison (below it: cached)
+    and the nearest above it of one rank's tokens alone (that rank alone would compute)."""
     for name in names:
         pipe = zoo.build_pipeline(name)
         pipe.set_progress_bar_config(disable=True)
         generate = _generator(name, size, pipe)
-        threshold, uncached = _threshold_between_ranks(pipe, generate, int(os.environ["WORLD_SIZE"]))
-        for cache, options in _caches(threshold).items():
-            cache_dit.enable_cache(pipe, **options)
-            stock = generate()
-            assert not torch.equal(stock, uncached), f"{name}: {cache} changed nothing"
-            xstage_dit.enable(pipe, backend="reference", timeout_s=60)  # after cache-dit
-            before = generate()
-            xstage_dit.disable(pipe)
-            cache_dit.disable_cache(pipe)
-            xstage_dit.enable(pipe, backend="reference", timeout_s=60)  # before cache-dit
-            cache_dit.enable_cache(pipe, **_caches(threshold)[cache])
-            after = generate()
-            cache_dit.disable_cache(pipe)
-            xstage_dit.disable(pipe)
-            for order, out in (("before", before), ("after", after)):
-                error = _relative_error(out, stock)
-                assert error < TOLERANCE, (f"{name}, {cache} (threshold {threshold:.4f}) enabled {order} "
-                                           f"xstage_dit: relative error {error:.2e}")
-        assert torch.equal(generate(), uncached), f"{name}: cache-dit or xstage_dit left something behind"
+        (whole, *_), (alone, *_), uncached = _compared(pipe, generate)
+        threshold = _between(whole, min(statistic for statistic in alone if statistic > whole))
+        _equal_to_one_process(name, pipe, generate, threshold, uncached)
     if torch.distributed.get_world_size() == 2:
+        _cfg_split()
         _refuses_cache_dits_parallelism()
+
+
+def _cfg_split() -> None:
+    """CFG split over the two ranks (tokens whole). Batched (CogVideoX: each rank one half of the batch): the
+    threshold lies between the whole batch's statistic and one half's, as between a sequence's and a rank's. In
+    pairs of calls (Qwen-Image: each rank one of each step's two calls), which cache-dit counts in turn: refused."""
+    import cache_dit
+
+    name = "tiny-cogvideox"
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    generate = _generator(name, "even", pipe, guidance=3.0)
+    (whole, *_), (alone, *_), uncached = _compared(pipe, generate, dim=0)
+    threshold = _between(whole, min(statistic for statistic in alone if statistic > whole))
+    _equal_to_one_process(name, pipe, generate, threshold, uncached, cfg_degree=2)
+
+    name = "tiny-qwenimage"
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    cache_dit.enable_cache(pipe, **_db_cache(0.5))
+    xstage_dit.enable(pipe, backend="reference", timeout_s=60, cfg_degree=2)
+    with pytest.raises(ValueError, match="cache-dit's caches take a pipeline's conditional and unconditional"):
+        _generator(name, "even", pipe, guidance=3.0)()
 
 
 def _refuses_cache_dits_parallelism() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..hooks.module_forward import ReplacedForward
@@ -49,8 +50,10 @@ def cache_dit_manager(model: nn.Module) -> Any | None:
     return manager if callable(getattr(manager, "similarity", None)) else None
 
 
-def whole_sequence_similarity(manager: Any, shard: SequenceShard) -> Callable[..., bool]:
-    """`manager.similarity` deciding on the whole sequence's statistic. The calls that compute none (thresholds
+def whole_sequence_similarity(manager: Any, shard: SequenceShard, batch_group: dist.ProcessGroup | None
+                              ) -> Callable[..., bool]:
+    """`manager.similarity` deciding on the whole sequence's (and the whole batch's: `relative_l1`) statistic. The
+    calls that compute none (thresholds
     that always or never cache, shapes that differ, a CFG step reusing the conditional step's statistic) stay
     cache-dit's own, without its reduction."""
     own = manager.similarity
@@ -60,7 +63,7 @@ def whole_sequence_similarity(manager: Any, shard: SequenceShard) -> Callable[..
                    prefix: str = "Fn") -> bool:
         if not 0.0 < threshold < 1.0 or t1.shape != t2.shape or _reuses_conditional_statistic(manager):
             return own(t1, t2, threshold=threshold, parallelized=False, prefix=prefix)
-        diff = shard.relative_l1(t1, t2, manager.get_important_condition_threshold())
+        diff = shard.relative_l1(t1, t2, manager.get_important_condition_threshold(), batch_group)
         manager.add_residual_diff(diff)
         return diff < threshold
 

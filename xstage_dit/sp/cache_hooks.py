@@ -8,9 +8,11 @@ never be joined. Here the ratio is the whole sequence's (`SequenceShard.relative
 single-process decision."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..hooks.module_forward import ReplacedForward
@@ -21,17 +23,31 @@ from .sharding import SequenceShard
 _FBC_HEAD_HOOK = "fbc_leader_block_hook"  # diffusers.hooks.first_block_cache's name for the head block's hook
 
 
-class SharedCacheDecisions:
-    """Makes the caches on an enabled model decide over the whole sequence, whether they were enabled before or
-    after xstage_dit: before every forward, a FirstBlockCache head hook (on the first block of one of the model's
-    block lists) and a cache-dit cache's statistic; while a cache-dit cache is on the model, its wrapper around a
-    block list whose first block splits the tokens (`split_blocks`), when that block runs (the wrapper stands in
-    for the list only during a forward). A model that another sequence parallelism took over since `enable` is
-    refused at its call. `remove()` gives the caches their own decisions back."""
+@dataclass(frozen=True)
+class CfgBranches:
+    """How the CFG split shares a model's calls out: `batch_group`, the ranks holding the other parts of a batched
+    call's batch (the conditional and unconditional halves); `paired`, each rank runs one of each step's two calls."""
 
-    def __init__(self, model: nn.Module, shard: SequenceShard, split_blocks: list[nn.Module]) -> None:
+    batch_group: dist.ProcessGroup | None = None
+    paired: bool = False
+
+
+class SharedCacheDecisions:
+    """Makes the caches on an enabled model decide as one process would, whether they were enabled before or after
+    xstage_dit: on the whole sequence (the sequence group's tokens) and the whole batch (where the CFG split halves
+    it: `cfg`). Before every forward: a FirstBlockCache head hook (on the first block of one of the model's block
+    lists, where tokens or the batch are split) and a cache-dit cache's statistic (always: cache-dit's own
+    reduction would average over every rank of the world); while a cache-dit cache is on a split model, its wrapper
+    around a block list whose first block splits the tokens (`split_blocks`), when that block runs (the wrapper
+    stands in for the list only during a forward). cache-dit under paired CFG calls, and a model that another
+    sequence parallelism took over since `enable`, are refused at the call. `remove()` gives the caches their own
+    decisions back."""
+
+    def __init__(self, model: nn.Module, shard: SequenceShard, split_blocks: list[nn.Module],
+                 cfg: CfgBranches = CfgBranches()) -> None:
         self.model = model
         self.shard = shard
+        self.cfg = cfg
         self._split_blocks = split_blocks
         self._patched: dict[Any, ReplacedForward] = {}  # head hook or cache-dit wrapper -> its decision, replaced
         self._statistic: ReplacedForward | None = None  # cache-dit's, replaced for one forward
@@ -43,17 +59,22 @@ class SharedCacheDecisions:
     def _share(self, model: nn.Module, args: tuple) -> None:
         refuse_other_sequence_parallelism(model, "since xstage_dit.enable")
         heads = [blocks[0] for blocks in model.children() if isinstance(blocks, nn.ModuleList) and len(blocks)]
-        for module in heads:
+        for module in heads if self.shard.degree > 1 or self.cfg.batch_group is not None else []:
             registry = getattr(module, "_diffusers_hook", None)
             hook = registry.get_hook(_FBC_HEAD_HOOK) if registry is not None else None
             if hook is not None and hook not in self._patched:
-                self._patched[hook] = ReplacedForward(hook, _whole_sequence_decision(hook, self.shard),
+                self._patched[hook] = ReplacedForward(hook, _whole_sequence_decision(hook, self.shard, self.cfg),
                                                       attribute="_should_compute_remaining_blocks")
         manager = cache_dit_manager(model)
+        if manager is not None and self.cfg.paired:
+            raise ValueError("xstage_dit: cache-dit's caches take a pipeline's conditional and unconditional calls "
+                             "in turn, and under cfg_degree=2 each rank makes only one of them: enable xstage_dit "
+                             "with cfg_degree=1 to use cache-dit")
         if manager is not None:  # shared by a pipeline's transformers, each with its own split: for this forward
-            self._statistic = ReplacedForward(manager, whole_sequence_similarity(manager, self.shard),
+            self._statistic = ReplacedForward(manager, whole_sequence_similarity(manager, self.shard,
+                                                                                 self.cfg.batch_group),
                                               attribute="similarity")
-        if (manager is not None) != bool(self._wrapper_handles):
+        if (manager is not None and self.shard.degree > 1) != bool(self._wrapper_handles):
             self._watch_wrappers(manager is not None)
 
     def _watch_wrappers(self, on: bool) -> None:
@@ -84,13 +105,13 @@ class SharedCacheDecisions:
         self._patched.clear()
 
 
-def _whole_sequence_decision(hook: Any, shard: SequenceShard):
+def _whole_sequence_decision(hook: Any, shard: SequenceShard, cfg: CfgBranches):
     @torch.compiler.disable
     def should_compute_remaining_blocks(residual: torch.Tensor) -> bool:
         previous = hook.state_manager.get_state().head_block_residual
         if previous is None:
             return True
-        return shard.relative_l1(previous, residual) > hook.threshold
+        return shard.relative_l1(previous, residual, batch_group=cfg.batch_group) > hook.threshold
 
     return should_compute_remaining_blocks
 
