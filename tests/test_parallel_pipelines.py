@@ -561,8 +561,8 @@ def _cache_configs(pipe, steps: int) -> dict[str, list]:
 
 
 def _cache_configs_worker() -> None:
-    """Each cache enabled before xstage_dit (so its hooks already wrap the attention modules' forwards): the
-    parallel result equals one process's with the same cache."""
+    """Each cache enabled before xstage_dit (so its hooks already wrap the attention modules' forwards) and after
+    it: the parallel result equals one process's with the same cache."""
     steps = 6
     for name, guidance in (("tiny-flux", 1.0), ("tiny-wan", 1.0), ("tiny-cogvideox", 3.0)):
         pipe = zoo.build_pipeline(name)
@@ -574,16 +574,23 @@ def _cache_configs_worker() -> None:
                         generator=torch.Generator().manual_seed(8), return_dict=False)[0]
 
         uncached = generate()
-        for config in _cache_configs(pipe, steps)[name]:
+        for index, config in enumerate(_cache_configs(pipe, steps)[name]):
             pipe.transformer.enable_cache(config)
             stock = generate()
             assert not torch.equal(stock, uncached), f"{name}: {type(config).__name__} changed nothing"
             xstage_dit.enable(pipe, backend="reference", timeout_s=60)
-            out = generate()
+            before = generate()
             xstage_dit.disable(pipe)
             pipe.transformer.disable_cache()
-            error = _relative_error(out, stock)
-            assert error < TOLERANCE, f"{name}, {type(config).__name__}: relative error {error:.2e}"
+            xstage_dit.enable(pipe, backend="reference", timeout_s=60)
+            pipe.transformer.enable_cache(_cache_configs(pipe, steps)[name][index])  # a config holds its state
+            after = generate()
+            pipe.transformer.disable_cache()
+            xstage_dit.disable(pipe)
+            for order, out in (("before", before), ("after", after)):
+                error = _relative_error(out, stock)
+                assert error < TOLERANCE, (f"{name}, {type(config).__name__} enabled {order} xstage_dit: relative "
+                                           f"error {error:.2e}")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])  # Flux's 8 prompt tokens: split over 2 ranks, whole over 3
