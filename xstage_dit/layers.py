@@ -105,7 +105,7 @@ def _token_split(job: ModelJob) -> list[Change]:
 
 
 def _cache_decisions(job: ModelJob) -> list[Change]:
-    if not (job.split or job.groups.cfg_degree > 1):  # one process: the caches' own decisions are its
+    if not (job.split or job.groups.cfg_degree > 1):  # nothing split: the caches' own decisions are one process's
         return []
     split_cfg = job.groups.cfg_degree > 1
     cfg = CfgBranches(batch_group=job.groups.cfg_group if split_cfg and job.plan.cfg.mode == BATCH else None,
@@ -188,8 +188,8 @@ MODEL_LAYERS: tuple[Layer, ...] = (
     Layer("token split", _token_split,
           "hooks that split inputs to this rank's tokens and gather outputs; only where tokens are split"),
     Layer("cache decisions", _cache_decisions,
-          "diffusers' and cache-dit's caches decide over the whole sequence (where tokens are split) and on their "
-          "own CFG branch (cache-dit's would average the CFG groups' statistics)"),
+          "diffusers' and cache-dit's caches decide on the whole sequence where tokens are split and the whole "
+          "batch where the CFG split halves it (cache-dit's own reduction would average over every rank)"),
     Layer("attention routing", _attention_routing,
           "marks the plan's attention modules and rebinds the family's attention call site to them"),
     Layer("fused RoPE", _fused_rope,

@@ -53,9 +53,8 @@ def cache_dit_manager(model: nn.Module) -> Any | None:
 def whole_sequence_similarity(manager: Any, shard: SequenceShard, batch_group: dist.ProcessGroup | None
                               ) -> Callable[..., bool]:
     """`manager.similarity` deciding on the whole sequence's (and the whole batch's: `relative_l1`) statistic. The
-    calls that compute none (thresholds
-    that always or never cache, shapes that differ, a CFG step reusing the conditional step's statistic) stay
-    cache-dit's own, without its reduction."""
+    calls that compute none (thresholds that always or never cache, shapes that differ, a CFG step reusing the
+    conditional step's statistic) stay cache-dit's own, without its reduction."""
     own = manager.similarity
 
     @torch.compiler.disable
