@@ -53,8 +53,9 @@ setup(
         "bench": ["matplotlib"],
         "serve": ["fastapi", "uvicorn", "prometheus-client"],  # the generation service (python -m xstage_dit.serve)
         # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
+        # cache-dit: its caches are tested with xstage_dit, its parallelism (einops) refused
         "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "fastapi", "uvicorn",
-                 "prometheus-client", "httpx"],
+                 "prometheus-client", "httpx", "cache-dit[parallelism]>=1.5,<1.6"],
     },
     license="MIT",
     license_files=["LICENSE"],

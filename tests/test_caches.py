@@ -1,5 +1,6 @@
 """diffusers' caches with xstage_dit, enabled before `enable` and after it, on every family they act on: the parallel
-result equals one process's with the same cache."""
+result equals one process's with the same cache. (FirstBlockCache at a threshold between the ranks' own statistics:
+tests/test_parallel_pipelines.py; cache-dit's caches: tests/test_cache_dit.py.)"""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -19,7 +20,7 @@ EVERY_STEP = (-1, 1001)
 def _caches(pipe: Any, name: str) -> dict[str, tuple[float, Callable[[], Any]]]:
     """Each cache's guidance scale and config, made anew for every use (a config holds the cache's state)."""
     from diffusers import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, PyramidAttentionBroadcastConfig,
-                           TaylorSeerCacheConfig)
+                           SeaCacheConfig, TaylorSeerCacheConfig)
 
     def timestep() -> Any:
         return pipe.current_timestep
@@ -33,6 +34,8 @@ def _caches(pipe: Any, name: str) -> dict[str, tuple[float, Callable[[], Any]]]:
             spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=EVERY_STEP,
             current_timestep_callback=timestep)),
     }
+    if name in SEA_CACHE_FAMILIES:  # its step, sigma and step count come from the pipeline's cache context
+        caches["SeaCache"] = (1.0, lambda: SeaCacheConfig(threshold=1.0))
     if name in FASTER_CACHE_FORMATS:  # it skips the unconditional half of a batched CFG call: guidance on
         caches["FasterCache"] = (3.0, lambda: FasterCacheConfig(
             spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=EVERY_STEP,
@@ -43,6 +46,9 @@ def _caches(pipe: Any, name: str) -> dict[str, tuple[float, Callable[[], Any]]]:
 
 # FasterCache splits the unconditional branch's latents by frequency: video latents in these layouts
 FASTER_CACHE_FORMATS = {"tiny-cogvideox": "BFCHW"}
+# SeaCache reads the whole input latents (its built-in adapter: Wan text-to-video) and the scheduler's step, sigma
+# and step count, which only WanPipeline hands the transformer's cache context
+SEA_CACHE_FAMILIES = {"tiny-wan"}
 
 
 def _stock_with(pipe: Any, make: Callable[[], Any], generate: Callable[[], torch.Tensor]) -> torch.Tensor | None:

@@ -114,14 +114,28 @@ def test_a_ring_replays_equal_eager(name):
     run_on_ranks(2, _ring_worker, name, deadline_s=150)
 
 
-def test_a_cached_forward_runs_eagerly_with_one_warning(caplog):
-    """diffusers' FirstBlockCache decides on the host each step: graphs cannot hold it."""
+def _first_block_cache(pipe) -> None:
     from diffusers.hooks import FirstBlockCacheConfig
 
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+
+
+def _cache_dit(pipe) -> None:
+    import cache_dit
+    from cache_dit import DBCacheConfig
+
+    cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0,
+                                                            residual_diff_threshold=0.05))
+
+
+@pytest.mark.parametrize("enable_cache, named", [(_first_block_cache, "fbc_leader_block_hook"),
+                                                 (_cache_dit, "cache-dit's cache")])
+def test_a_cached_forward_runs_eagerly_with_one_warning(enable_cache, named, caplog):
+    """diffusers' FirstBlockCache and cache-dit's DBCache decide on the host each step: graphs cannot hold them."""
     name = "tiny-flux-d64"
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
-    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    enable_cache(pipe)
     xstage_dit.enable(pipe, cuda_graphs=False)
     eager = _generate(pipe, name, SIZES[name][0], 1)
     xstage_dit.disable(pipe)
@@ -130,7 +144,7 @@ def test_a_cached_forward_runs_eagerly_with_one_warning(caplog):
         out = _generate(pipe, name, SIZES[name][0], 1)
     assert torch.equal(out, eager)
     assert _graphed(pipe)[0].captured == 0
-    assert any("fbc_leader_block_hook" in r.getMessage() and "decide on the host" in r.getMessage()
+    assert any(named in r.getMessage() and "decide on the host" in r.getMessage()
                for r in caplog.records), caplog.text
     xstage_dit.disable(pipe)
 

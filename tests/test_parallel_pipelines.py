@@ -493,6 +493,50 @@ def _first_block_cache_worker(name: str, size: str) -> None:
     assert error < TOLERANCE, f"{name}, threshold {threshold:.4f} ({statistics}): relative error {error:.2e}"
 
 
+def _first_block_cache_cfg_worker() -> None:
+    """With the CFG split halving a batched call (CogVideoX, cfg_degree=2), FirstBlockCache decides on the whole
+    batch: with a threshold between the whole batch's statistic at its first comparison and one half's (there one
+    CFG group alone would compute the remaining blocks and the other skip them), the result equals one process's."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    name = "tiny-cogvideox"
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = zoo.call_kwargs(name, **SIZES[name]["even"], steps=4, guidance=3.0)
+
+    def generate() -> torch.Tensor:
+        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
+                    generator=torch.Generator().manual_seed(8), return_dict=False)[0]
+
+    block = pipe.transformer.transformer_blocks[0]
+    residuals = []
+    handle = block.register_forward_hook(
+        lambda module, args, kwargs, output: residuals.append((output[0] - kwargs["hidden_states"]).detach()),
+        with_kwargs=True)
+    uncached = generate()
+    handle.remove()
+    previous, current = residuals[0], residuals[1]  # batch [unconditional, conditional]
+
+    def ratio(rows: slice) -> float:
+        return ((current[rows] - previous[rows]).abs().sum() / previous[rows].abs().sum()).item()
+
+    whole = ratio(slice(None))
+    above = min(half for half in (ratio(slice(0, 1)), ratio(slice(1, 2))) if half > whole)
+    assert above > whole * (1 + 1e-4), (whole, above)
+    threshold = (whole + above) / 2
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    stock = generate()
+    assert not torch.equal(stock, uncached), "FirstBlockCache skipped nothing"
+    xstage_dit.enable(pipe, backend="reference", timeout_s=30, cfg_degree=2)
+    out = generate()
+    error = _relative_error(out, stock)
+    assert error < TOLERANCE, f"{name}, cfg_degree=2, threshold {threshold:.4f}: relative error {error:.2e}"
+
+
+def test_first_block_cache_decides_on_the_whole_batch_under_the_cfg_split() -> None:
+    run_on_ranks(2, _first_block_cache_cfg_worker)
+
+
 def _cache_configs(pipe, steps: int) -> dict[str, list]:
     """diffusers' other cache configs, each on a family it acts on (checked: the cached result differs)."""
     from diffusers import (FasterCacheConfig, MagCacheConfig, PyramidAttentionBroadcastConfig, SeaCacheConfig,
@@ -517,8 +561,8 @@ def _cache_configs(pipe, steps: int) -> dict[str, list]:
 
 
 def _cache_configs_worker() -> None:
-    """Each cache enabled before xstage_dit (so its hooks already wrap the attention modules' forwards): the
-    parallel result equals one process's with the same cache."""
+    """Each cache enabled before xstage_dit (so its hooks already wrap the attention modules' forwards) and after
+    it: the parallel result equals one process's with the same cache."""
     steps = 6
     for name, guidance in (("tiny-flux", 1.0), ("tiny-wan", 1.0), ("tiny-cogvideox", 3.0)):
         pipe = zoo.build_pipeline(name)
@@ -530,16 +574,23 @@ def _cache_configs_worker() -> None:
                         generator=torch.Generator().manual_seed(8), return_dict=False)[0]
 
         uncached = generate()
-        for config in _cache_configs(pipe, steps)[name]:
+        for index, config in enumerate(_cache_configs(pipe, steps)[name]):
             pipe.transformer.enable_cache(config)
             stock = generate()
             assert not torch.equal(stock, uncached), f"{name}: {type(config).__name__} changed nothing"
             xstage_dit.enable(pipe, backend="reference", timeout_s=60)
-            out = generate()
+            before = generate()
             xstage_dit.disable(pipe)
             pipe.transformer.disable_cache()
-            error = _relative_error(out, stock)
-            assert error < TOLERANCE, f"{name}, {type(config).__name__}: relative error {error:.2e}"
+            xstage_dit.enable(pipe, backend="reference", timeout_s=60)
+            pipe.transformer.enable_cache(_cache_configs(pipe, steps)[name][index])  # a config holds its state
+            after = generate()
+            pipe.transformer.disable_cache()
+            xstage_dit.disable(pipe)
+            for order, out in (("before", before), ("after", after)):
+                error = _relative_error(out, stock)
+                assert error < TOLERANCE, (f"{name}, {type(config).__name__} enabled {order} xstage_dit: relative "
+                                           f"error {error:.2e}")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])  # Flux's 8 prompt tokens: split over 2 ranks, whole over 3

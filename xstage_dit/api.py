@@ -25,6 +25,7 @@ from .runtime.cuda_graphs import GraphUse
 from .runtime.distributed import ParallelGroups, local_device, world_group
 from .sp.attention.backends import needs_fabric, resolve_backend
 from .sp.attention.ulysses import UlyssesAttention
+from .sp.cache_dit_hooks import refuse_other_sequence_parallelism
 from .sp.moe.modes import ExpertModes
 from .sp.sharding import SequenceShard
 
@@ -149,6 +150,7 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
     world_size, _ = world_from_env()
     plans = [patches.plan_for(model) for model in models]
     for model, plan in zip(models, plans):
+        refuse_other_sequence_parallelism(model, "which xstage_dit.enable cannot take")
         if plan.check_model is not None:
             plan.check_model(model)
     degrees = _degrees(world_size, config, [plan.num_heads(model) for model, plan in zip(models, plans)])

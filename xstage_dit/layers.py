@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 from torch import nn
 
-from .cfg.plan import PAIRS
+from .cfg.plan import BATCH, PAIRS
 from .cfg.split import CfgSplit, PairedCalls
 from .config import XStageConfig
 from .fusions.gelu import epilogue_gelus
@@ -27,10 +27,11 @@ from .runtime.cuda_graphs import CrossRankWork, GraphedForward, repeated_blocks
 from .runtime.distributed import world_group
 from .sp.attention import routing
 from .sp.attention.ulysses import UlyssesAttention
-from .sp.cache_hooks import SharedCacheDecisions, stateful_hooks
+from .sp.cache_hooks import CfgBranches, SharedCacheDecisions, stateful_hooks
 from .sp.fabric import fabric_of
 from .sp.moe.modes import ExpertModes
-from .sp.plan import PlanContext, SequenceParallelPlan, attention_routes, check_inputs_hooks, token_split_hooks
+from .sp.plan import (PlanContext, SequenceParallelPlan, attention_routes, check_inputs_hooks, split_blocks,
+                      token_split_hooks)
 from .sp.sharding import SequenceShard
 from .vae.decode import ParallelDecode
 
@@ -104,7 +105,12 @@ def _token_split(job: ModelJob) -> list[Change]:
 
 
 def _cache_decisions(job: ModelJob) -> list[Change]:
-    return [SharedCacheDecisions(job.model, job.shard)] if job.split else []
+    if not (job.split or job.groups.cfg_degree > 1):  # nothing split: the caches' own decisions are one process's
+        return []
+    split_cfg = job.groups.cfg_degree > 1
+    cfg = CfgBranches(batch_group=job.groups.cfg_group if split_cfg and job.plan.cfg.mode == BATCH else None,
+                      paired=split_cfg and job.plan.cfg.mode == PAIRS)
+    return [SharedCacheDecisions(job.model, job.shard, split_blocks(job.model, job.plan), cfg)]
 
 
 def _attention_routing(job: ModelJob) -> list[Change]:
@@ -187,7 +193,8 @@ MODEL_LAYERS: tuple[Layer, ...] = (
     Layer("token split", _token_split,
           "hooks that split inputs to this rank's tokens and gather outputs; only where tokens are split"),
     Layer("cache decisions", _cache_decisions,
-          "a diffusers cache head hook decides over the whole sequence; needs the split (each rank has a shard)"),
+          "diffusers' and cache-dit's caches decide on the whole sequence where tokens are split and the whole "
+          "batch where the CFG split halves it (cache-dit's own reduction would average over every rank)"),
     Layer("attention routing", _attention_routing,
           "marks the plan's attention modules and rebinds the family's attention call site to them"),
     Layer("fused RoPE", _fused_rope,

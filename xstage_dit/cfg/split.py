@@ -12,7 +12,6 @@ Pipelines do CFG in one of two ways, and a patch says which:
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, Iterator
 
 import torch
@@ -22,7 +21,7 @@ from torch import nn
 
 from .plan import BATCH, PAIRS, CfgPlan
 from ..logging_utils import warn_once
-from ..hooks.module_forward import ReplacedForward
+from ..hooks.module_forward import ReplacedForward, forward_signature
 from ..runtime import ParallelGroups
 from ..runtime.distributed import all_gather_into
 
@@ -92,7 +91,7 @@ class CfgSplit:
         self.pairs = pairs
         self._replaced = ReplacedForward(model, self._batch_forward if plan.mode == BATCH else self._paired_forward)
         self._forward = self._replaced.inner
-        self._signature = inspect.signature(self._forward)
+        self._signature = forward_signature(model)
         # PAIRS sizes its placeholder output from the call's arguments before sequence sharding (whose hooks run
         # after this one); BATCH needs nothing per call
         self._output_shape: tuple[int, ...] = ()

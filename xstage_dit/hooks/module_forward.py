@@ -6,11 +6,18 @@ the class it replaces (diffusers_registries.py)."""
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable
 
 from torch import nn
 
 from .diffusers_registries import register_like
+
+
+def forward_signature(module: nn.Module) -> inspect.Signature:
+    """The signature of `module`'s own forward (its class's), which the wrappers set on an instance (caches,
+    graphs) take and pass on: a wrapper's own may say no more than (*args, **kwargs)."""
+    return inspect.signature(type(module).forward.__get__(module))
 
 
 class ReplacedForward:

@@ -3,7 +3,6 @@ attention modules see the whole sequence; this module applies such a plan to a m
 and takes it off again."""
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -11,6 +10,7 @@ import torch
 from torch import nn
 
 from ..cfg.plan import CfgPlan
+from ..hooks.module_forward import forward_signature
 from .attention import routing
 from .attention.ulysses import GatheredKeysAttention, UlyssesAttention
 from .moe.modes import ExpertModes
@@ -120,7 +120,7 @@ def _modules_at(model: nn.Module, path: str) -> list[nn.Module]:
 
 
 def _argument_positions(module: nn.Module) -> dict[str, int]:
-    return {name: i for i, name in enumerate(inspect.signature(module.forward).parameters)}
+    return {name: i for i, name in enumerate(forward_signature(module).parameters)}
 
 
 def _shard_inputs_hook(module: nn.Module, shard: SequenceShard,
@@ -154,7 +154,7 @@ def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken | JointTe
 
 
 def _check_inputs_hook(module: nn.Module, check: Callable[[dict[str, Any]], None]):
-    signature = inspect.signature(module.forward)
+    signature = forward_signature(module)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         check(dict(signature.bind_partial(*args, **kwargs).arguments))
@@ -181,6 +181,14 @@ def _gather_output_hook(shard: SequenceShard, dim: int | TextAndImage):
         return shard.gather(output, dim)
 
     return hook
+
+
+def split_blocks(model: nn.Module, plan: SequenceParallelPlan) -> list[nn.Module]:
+    """The blocks of the model's block lists at whose input the plan splits the tokens (e.g. Wan's first block):
+    whatever wraps such a list sees its input whole and its output split."""
+    return [module for path in plan.shard_inputs if "." in path and not path.endswith(".*")
+            for module in _modules_at(model, path)
+            if isinstance(model.get_submodule(path.rsplit(".", 1)[0]), nn.ModuleList)]
 
 
 def check_inputs_hooks(model: nn.Module, plan: SequenceParallelPlan) -> list[torch.utils.hooks.RemovableHandle]:

@@ -93,6 +93,42 @@ class SequenceShard:
         text, image = local.split([local.shape[dim] - self.local_len, self.local_len], dim=dim)
         return torch.cat([text, self.gather(image, dim)], dim=dim)
 
+    def relative_l1(self, previous: torch.Tensor, current: torch.Tensor, token_threshold: float = 0.0,
+                    batch_group: dist.ProcessGroup | None = None) -> float:
+        """sum |current - previous| / sum |previous| over the whole sequence's tokens (rows along dim 1), the
+        statistic caches decide on, the same on every rank of the group (a group of one: this rank's tensors), and
+        over the whole batch where `batch_group`'s ranks hold the other parts of it. A rank holding its chunk counts
+        its own rows (padding left out); a tensor every rank holds whole is counted once. With `token_threshold`,
+        only the tokens whose own ratio (means over the last dim) exceeds it count, where the whole sequence has
+        any."""
+        counted = self._counted_rows(previous.shape[1])
+        size = previous[:, counted].abs()
+        change = (current - previous)[:, counted].abs()
+        sums = [change.sum(dtype=torch.float64), size.sum(dtype=torch.float64)]
+        if token_threshold > 0.0:
+            chosen = (change.mean(dim=-1) / size.mean(dim=-1) > token_threshold).unsqueeze(-1)
+            sums += [(change * chosen).sum(dtype=torch.float64), (size * chosen).sum(dtype=torch.float64),
+                     chosen.sum(dtype=torch.float64)]
+        sums = torch.stack(sums)
+        with torch.no_grad():
+            for group in (self.group if self.degree > 1 else None, batch_group):
+                if group is not None:
+                    dist.all_reduce(sums, group=group)
+        if token_threshold > 0.0 and sums[4] > 0:
+            return (sums[2] / sums[3]).item()
+        return (sums[0] / sums[1]).item()
+
+    def _counted_rows(self, rows: int) -> slice:
+        """The rows of a (B, rows, ...) tensor this rank counts towards a statistic of the whole sequence."""
+        if self.degree == 1:
+            return slice(0, rows)
+        if rows == self.local_len:
+            return slice(0, max(0, min(self.local_len, self.seq_len - self.rank * self.local_len)))
+        if rows == self.seq_len:
+            return slice(0, rows if self.rank == 0 else 0)
+        raise RuntimeError(f"xstage_dit: a cache's statistic over {rows} rows, neither this rank's {self.local_len} "
+                           f"tokens nor the whole sequence's {self.seq_len}: which rows are whose is unknown")
+
     def gather_leading(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         """The inverse of sharding the first `seq_len` entries along `dim` of a tensor whose other entries (text
         tokens after the image tokens) every rank holds whole: the image tokens gathered, the rest kept."""

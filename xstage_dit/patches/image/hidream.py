@@ -10,7 +10,6 @@ token's contributions summed in expert order (the same bits every call), with ev
 tokens, a reduce-scatter of their sums)."""
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 from ...cfg.plan import BATCH, CfgPlan
 from ...fusions.plain import say_fallback
+from ...hooks.module_forward import forward_signature
 from ...sp.moe.choice import gather_tokens, reduce_tokens
 from ...sp.moe.token_choice import GroupedSwiGLUExperts, dispatch
 from ...sp.attention import routing
@@ -30,7 +30,7 @@ class _PatchifyFirst:
     """A forward pre-hook that hands the model already-patchified inputs, as its forward accepts them."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._signature = inspect.signature(model.forward)
+        self._signature = forward_signature(model)
         self._handle = model.register_forward_pre_hook(self._patchify, with_kwargs=True)
 
     def remove(self) -> None:

@@ -12,7 +12,6 @@ target's, runs Ulysses with the prefix as keys-only text. The KV cache holds the
 The flex-attention processor (one BlockMask over the whole sequence) is refused."""
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -21,6 +20,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Att
 from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
+from ...hooks.module_forward import forward_signature
 from ...sp.attention import routing
 from ...sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
 from ...sp.sharding import SequenceShard
@@ -44,7 +44,7 @@ class _PrefixAndTarget:
 
     def __init__(self, model: nn.Module, shard: SequenceShard) -> None:
         self.shard = shard
-        self._signature = inspect.signature(model.forward)
+        self._signature = forward_signature(model)
         self._handle = model.register_forward_pre_hook(self._measure, with_kwargs=True)
 
     def remove(self) -> None:
