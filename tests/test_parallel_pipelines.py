@@ -51,6 +51,7 @@ SIZES["tiny-flux2"] = SIZES["tiny-flux2-klein"] = SIZES["tiny-flux"]  # 2x VAE, 
 SIZES["tiny-zimage"] = {"even": {"height": 24, "width": 64, "num_frames": 1},
                         "uneven": {"height": 20, "width": 28, "num_frames": 1}}
 SIZES["tiny-chroma"] = SIZES["tiny-chroma-img2img"] = SIZES["tiny-flux"]
+SIZES["tiny-flux-controlnet"] = SIZES["tiny-flux-multi-controlnet"] = SIZES["tiny-flux"]
 SIZES["tiny-zimage-img2img"] = SIZES["tiny-zimage-inpaint"] = SIZES["tiny-zimage"]
 SIZES["tiny-flux2-edit"] = SIZES["tiny-flux"]  # + the reference image's 16 x 20 tokens
 # Qwen-Image Edit: about 1000 tokens of the input image besides these (its VAE downsamples 16x)

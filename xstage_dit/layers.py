@@ -165,7 +165,7 @@ def _cuda_graphs(job: ModelJob) -> list[Change]:
 
 
 def _cfg_split(job: ModelJob) -> list[Change]:
-    if job.groups.cfg_degree == 1:
+    if job.groups.cfg_degree == 1 or job.plan.cfg is None:
         return []
     return [CfgSplit(job.model, job.plan.cfg, job.groups, job.pairs)]
 

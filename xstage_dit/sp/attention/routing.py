@@ -36,7 +36,7 @@ def _dispatch_router(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        if _active is not None and _active.routes(key.shape[1]):  # (B, S, H, D)
+        if _active is not None and _active.routes(query.shape[1], key.shape[1]):  # (B, S, H, D)
             return _active(query, key, value, attn_mask, dropout_p, is_causal, scale, _backend_name(backend))
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
                         backend=backend, parallel_config=parallel_config)
@@ -54,15 +54,17 @@ def joint_attention(query: JointTokens, key: JointTokens, value: JointTokens, at
     """A routed `dispatch_attention_fn` call for q, k, v held as JointTokens (a processor that would otherwise
     normalise, join and rotate them first): the active Ulysses attention's, where it takes them; None where it
     does not (or no attention of ours is active), and the caller joins them and dispatches as usual."""
-    if not isinstance(_active, UlyssesAttention) or not _active.routes(key.rows):
+    if not isinstance(_active, UlyssesAttention) or not _active.routes(query.rows, key.rows):
         return None
     return _active.joint(query, key, value, attn_mask, None, _backend_name(backend))
 
 
 def joint_attention_offered(keys: int, device: torch.device) -> bool:
-    """Whether `joint_attention` over `keys` keys on `device` may take JointTokens now, the tensors' own checks
-    aside (asked by a processor that would otherwise leave the whole call to diffusers' code)."""
-    return isinstance(_active, UlyssesAttention) and _active.routes(keys) and _active.takes_joint_tokens(device)
+    """Whether `joint_attention` of self-attention over `keys` tokens on `device` may take JointTokens now, the
+    tensors' own checks aside (asked by a processor that would otherwise leave the whole call to diffusers'
+    code)."""
+    return (isinstance(_active, UlyssesAttention) and _active.routes(keys, keys)
+            and _active.takes_joint_tokens(device))
 
 
 def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
@@ -75,7 +77,7 @@ def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
         @staticmethod
         def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          scale=None, enable_gqa=False):
-            if _active is None or not _active.routes(key.shape[2]):  # (B, H, S, D)
+            if _active is None or not _active.routes(query.shape[2], key.shape[2]):  # (B, H, S, D)
                 return original.scaled_dot_product_attention(
                     query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa,

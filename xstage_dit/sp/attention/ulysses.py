@@ -16,21 +16,27 @@ from ..sharding import SequenceShard
 
 class UlyssesAttention:
     """Ulysses attention for one model: knows the model's token split and the backend choice, not the model. The
-    split's ranks may form a ring of Ulysses groups (`ring`, ring.py); by default they are one Ulysses group."""
+    split's ranks may form a ring of Ulysses groups (`ring`, ring.py); by default they are one Ulysses group.
+    `local_cross_attention`: the model's calls whose queries and keys differ in count are cross-attention over
+    keys every rank holds whole (SequenceParallelPlan.local_cross_attention)."""
 
     def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
                  query_key_masks: QueryKeyMasks | None = None, ulysses: Axis | None = None,
-                 ring: Axis = Axis()) -> None:
+                 ring: Axis = Axis(), local_cross_attention: bool = False) -> None:
         self.shard = shard
         self.choice = choice
         self.text_first = text_first
         self.query_key_masks = query_key_masks
         self.ulysses = Axis(shard.degree, shard.rank, shard.group) if ulysses is None else ulysses
         self.ring = ring
+        self.local_cross_attention = local_cross_attention
 
-    def routes(self, keys: int) -> bool:
-        """Whether a call over `keys` keys is this attention's: not one within a prefix every rank holds whole
-        (SequenceShard.whole_prefix_len), which the model's own attention computes as one process does."""
+    def routes(self, queries: int, keys: int) -> bool:
+        """Whether a call of `queries` queries over `keys` keys is this attention's: not one within a prefix every
+        rank holds whole (SequenceShard.whole_prefix_len), nor, where the model's cross-attention is local, one
+        whose keys are not the queries' tokens; the model's own attention computes those as one process does."""
+        if self.local_cross_attention and queries != keys:
+            return False
         return keys > self.shard.whole_prefix_len
 
     def __call__(
@@ -115,7 +121,7 @@ class GatheredKeysAttention:
     def __init__(self, shard: SequenceShard) -> None:
         self.shard = shard
 
-    def routes(self, keys: int) -> bool:
+    def routes(self, queries: int, keys: int) -> bool:
         return True
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,0 +1,91 @@
+"""What pipelines add to the transformer's inputs, under the token split: ControlNet residuals (the ControlNet's own
+blocks split like the transformer's, its residuals handed over as this rank's tokens) and IP-Adapter image-prompt
+tokens (whole on every rank, attended by each rank's image queries). Equal to one process (CPU, float32, gloo)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xstage_dit
+import zoo
+from dist_harness import run_on_ranks
+from test_parallel_pipelines import SIZES, TOLERANCE, _pipelines_worker, _relative_error
+
+CONTROLNETS = ["tiny-flux-controlnet", "tiny-flux-multi-controlnet"]
+
+
+# 2 ranks: each batch at each size; 3: batch 2 at the uneven size (35 tokens); with CFG the branches split too
+@pytest.mark.parametrize("world_size, cfg_degree, every_case", [(2, 1, False), (3, 1, None), (2, 2, None)])
+def test_controlnet_pipelines_match_single_process(world_size: int, cfg_degree: int, every_case: bool | None):
+    run_on_ranks(world_size, _pipelines_worker, CONTROLNETS, cfg_degree, 3.0, "reference", False, every_case,
+                 deadline_s=600)
+
+
+def test_controlnet_pipelines_on_a_ring_match_single_process():
+    run_on_ranks(2, _pipelines_worker, CONTROLNETS[-1:], 1, 3.0, "reference", False, None, {"ring_degree": 2},
+                 deadline_s=600)
+
+
+def _random_ip_adapter(model: torch.nn.Module, seed: int = 5) -> list[dict]:
+    """An IP-Adapter's state dicts as diffusers' loader takes them (4 image-prompt tokens from a 24-wide image
+    embedding), drawn at random."""
+    generator = torch.Generator().manual_seed(seed)
+    width, tokens, embed = model.config.joint_attention_dim, 4, 24
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * shape[-1] ** -0.5
+
+    adapter = {}
+    for index in range(len(model.transformer_blocks)):
+        for name in ("to_k_ip", "to_v_ip"):
+            adapter[f"{index}.{name}.weight"] = draw(model.inner_dim, width)
+            adapter[f"{index}.{name}.bias"] = draw(model.inner_dim)
+    projection = {"proj.weight": draw(width * tokens, embed), "proj.bias": draw(width * tokens),
+                  "norm.weight": torch.ones(width), "norm.bias": torch.zeros(width)}
+    return [{"image_proj": projection, "ip_adapter": adapter}]
+
+
+def _ip_adapter_worker(name: str, load_after_enable: bool) -> None:
+    """A ControlNet pipeline with an IP-Adapter, true CFG with negative image embeds, 35 image tokens; the adapter
+    loaded before `enable`, or after it and unloaded again (diffusers then makes the other modules' processors
+    anew, of their class)."""
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(11)
+    embeds = {"ip_adapter_image_embeds": [torch.randn(2, 1, 24, generator=generator)],
+              "negative_ip_adapter_image_embeds": [torch.randn(2, 1, 24, generator=generator)]}
+    kwargs = dict(zoo.call_kwargs(name, **SIZES[name]["uneven"], steps=2, guidance=3.0),
+                  **zoo.text_embeddings(name, 2, seed=2), output_type="latent", return_dict=False)
+
+    def generate(**extra) -> torch.Tensor:
+        return pipe(**kwargs, **extra, generator=torch.Generator().manual_seed(7))[0]
+
+    def load() -> None:
+        pipe.transformer._load_ip_adapter_weights(_random_ip_adapter(pipe.transformer))
+
+    plain = generate()
+    load()
+    ref = generate(**embeds)
+    assert _relative_error(plain, ref) > 1e-2, "the IP-Adapter changed nothing: the test would prove nothing"
+    if load_after_enable:
+        pipe.unload_ip_adapter()
+        xstage_dit.enable(pipe, timeout_s=120)
+        load()
+    else:
+        xstage_dit.enable(pipe, timeout_s=120)
+    error = _relative_error(generate(**embeds), ref)
+    assert error < TOLERANCE, f"{name} with an IP-Adapter: relative error {error:.2e}"
+    if load_after_enable:
+        pipe.unload_ip_adapter()
+        error = _relative_error(generate(), plain)
+        assert error < TOLERANCE, f"{name} with its IP-Adapter unloaded: relative error {error:.2e}"
+        xstage_dit.disable(pipe)
+        assert torch.equal(generate(), plain), "disable did not restore the model"
+    else:
+        xstage_dit.disable(pipe)
+        assert torch.equal(generate(**embeds), ref), "disable did not restore the model with its IP-Adapter"
+
+
+@pytest.mark.parametrize("world_size, load_after_enable", [(2, True), (3, False)])
+def test_ip_adapter_matches_single_process(world_size: int, load_after_enable: bool):
+    run_on_ranks(world_size, _ip_adapter_worker, "tiny-flux-controlnet", load_after_enable)
