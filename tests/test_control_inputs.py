@@ -89,3 +89,52 @@ def _ip_adapter_worker(name: str, load_after_enable: bool) -> None:
 @pytest.mark.parametrize("world_size, load_after_enable", [(2, True), (3, False)])
 def test_ip_adapter_matches_single_process(world_size: int, load_after_enable: bool):
     run_on_ranks(world_size, _ip_adapter_worker, "tiny-flux-controlnet", load_after_enable)
+
+
+def test_flux2_reference_kv_cache_matches_single_process():
+    run_on_ranks(2, _pipelines_worker, ["tiny-flux2-klein-kv"], 1, 3.0, "reference", False, False, deadline_s=600)
+
+
+def _flux2_kv_worker(text_len: int, degrees: dict) -> None:
+    """FLUX.2 [dev]'s transformer (guidance embedded) with the KV-cache processors: a call that extracts the cache
+    of 12 reference tokens before 35 image tokens, then one that reads it; batch 2."""
+    from diffusers import Flux2Transformer2DModel
+    from diffusers.models.transformers.transformer_flux2 import (Flux2KVAttnProcessor,
+                                                                 Flux2KVParallelSelfAttnProcessor)
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(**zoo.ZOO["tiny-flux2"].transformer).eval()
+    for block in model.transformer_blocks:
+        block.attn.set_processor(Flux2KVAttnProcessor())
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    generator = torch.Generator().manual_seed(6)
+    reference, image = (torch.randn(2, tokens, 16, generator=generator) for tokens in (12, 35))
+    reference_ids, image_ids = (torch.randint(0, 16, (tokens, 4), generator=generator) for tokens in (12, 35))
+    common = dict(encoder_hidden_states=torch.randn(2, text_len, 32, generator=generator),
+                  txt_ids=torch.randint(0, 16, (text_len, 4), generator=generator), guidance=torch.tensor([3.5, 3.5]),
+                  return_dict=False)
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            first, cache = model(hidden_states=torch.cat([reference, image], dim=1),
+                                 img_ids=torch.cat([reference_ids, image_ids]), timestep=torch.tensor([0.9, 0.9]),
+                                 kv_cache_mode="extract", num_ref_tokens=12, **common)
+            later = model(hidden_states=image, img_ids=image_ids, timestep=torch.tensor([0.5, 0.5]), kv_cache=cache,
+                          kv_cache_mode="cached", **common)[0]
+        return [first, later]
+
+    refs = run()
+    xstage_dit.enable(model, timeout_s=120, **degrees)
+    outs = run()
+    xstage_dit.disable(model)
+    for step, out, ref in zip(("extract", "cached"), outs, refs):
+        error = _relative_error(out, ref)
+        assert error < TOLERANCE, f"FLUX.2 KV cache, {step} call: relative error {error:.2e}"
+    assert all(map(torch.equal, run(), refs)), "disable did not restore the model"
+
+
+# 3 ranks: the prompt split with the tokens (6 text tokens); a ring of 2: the prompt whole (5)
+@pytest.mark.parametrize("world_size, text_len, degrees", [(3, 6, {}), (2, 5, {"ring_degree": 2})])
+def test_flux2_dev_reference_kv_cache_matches_single_process(world_size: int, text_len: int, degrees: dict):
+    run_on_ranks(world_size, _flux2_kv_worker, text_len, degrees)

@@ -7,10 +7,14 @@ Each rank keeps those queries; the block's image keys and values travel around t
 the next block in flight while the current one attends, and the partial outputs merge by their log-sum-exp. The
 text keys every rank holds are attended once, at the first step, with their padding mask. Only a block's true
 tokens travel (the padding sits at the tail of the whole sequence, in the last blocks), and a block of padding
-alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back."""
+alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back.
+
+Keys and values that every rank holds whole, of every head (`WholeKeys`: FLUX.2's cached reference-image keys),
+need no exchange: each rank attends its heads of them once, merged like a ring block. This path runs such calls at
+any ring degree, 1 included."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,18 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2), lse.float()
+
+
+class WholeKeys(NamedTuple):
+    """Keys and values every rank holds whole, (B, R, H, D): attended by every query, exchanged with nobody."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    def heads(self, rank: int, degree: int) -> "WholeKeys":
+        """This rank's heads of them, where a Ulysses group of `degree` ranks splits the heads."""
+        share = self.key.shape[2] // degree
+        return WholeKeys(*(t[:, :, rank * share:(rank + 1) * share] for t in self))
 
 
 class _Merged:
@@ -83,9 +99,11 @@ class _RingPass:
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None) -> torch.Tensor:
+                   group: dist.ProcessGroup | None, scale: float | None, text_mask: torch.Tensor | None,
+                   whole: WholeKeys | None = None) -> torch.Tensor:
     """Attention of this rank's gathered queries, (B, Tq + P, h, D) with P = layout.padded_len rows of its ring
-    block, over the text keys and every ring block's keys: k and v (B, T + P, h_kv, D), text first."""
+    block, over the text keys, every ring block's keys (k and v (B, T + P, h_kv, D), text first) and this rank's
+    heads of the `whole` keys."""
     text_len, degree, rank = layout.text_len, layout.ring_degree, layout.ring_rank
 
     def what() -> str:  # described only when a wait fails
@@ -104,6 +122,8 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if text_len or own:  # while the first block travels
         keys = slice(0, text_len + own)
         merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], with_image_keys(text_mask, own), scale))
+    if whole is not None:
+        merged.add(*attention_with_lse(query, *whole, None, scale))
     for step in range(1, degree):
         block = in_flight.wait()
         in_flight = send_on(block, step)  # passed on while it attends
@@ -113,10 +133,11 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                  ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup, scale: float | None,
-                  text_mask: torch.Tensor | None) -> torch.Tensor:
+                  ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup | None,
+                  scale: float | None, text_mask: torch.Tensor | None, whole: WholeKeys | None = None) -> torch.Tensor:
     """Ulysses inside each ring step: this rank's (B, T + L, H, D) q, k, v (text first or last) exchanged over
-    its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back."""
+    its Ulysses group (where the degree is above 1), ring attention over the ring group (None at ring degree 1)
+    and the `whole` keys, exchanged back."""
     qkv = (query, key, value)
     if layout.degree > 1:
         transport = all_to_all(ulysses_group)
@@ -124,7 +145,9 @@ def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         q, k, v = finish_scatter(start_scatter(qkv, layout, transport, every_head), qkv, layout, every_head)
     else:
         q, k, v = (torch.cat(layout.split(t), dim=1) for t in qkv)  # text first
-    out = ring_attention(q, k, v, layout, ring_group, scale, text_mask)
+    if whole is not None:
+        whole = whole.heads(layout.rank, layout.degree)
+    out = ring_attention(q, k, v, layout, ring_group, scale, text_mask, whole)
     if layout.degree > 1:
         return finish_gather(start_gather(out, layout, transport), layout)
     return layout.join(out[:, :layout.query_text_len], out[:, layout.query_text_len:])

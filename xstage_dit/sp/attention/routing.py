@@ -22,6 +22,7 @@ from ...kernels.rotary_args import JointTokens
 from ...hooks.diffusers_registries import register_like
 from ...hooks.module_forward import ReboundName, ReplacedForward
 from . import ops
+from .ring import WholeKeys
 from .ulysses import GatheredKeysAttention, UlyssesAttention
 
 _active: UlyssesAttention | GatheredKeysAttention | None = None
@@ -57,6 +58,16 @@ def joint_attention(query: JointTokens, key: JointTokens, value: JointTokens, at
     if not isinstance(_active, UlyssesAttention) or not _active.routes(query.rows, key.rows):
         return None
     return _active.joint(query, key, value, attn_mask, None, _backend_name(backend))
+
+
+def attention_with_whole_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, whole: WholeKeys
+                              ) -> torch.Tensor | None:
+    """A routed attention call (B, S, H, D) that also attends keys and values every rank holds whole (cached
+    reference-image keys): the active Ulysses attention's where the tokens are split; None otherwise, and the
+    caller attends over all the keys as diffusers does."""
+    if not isinstance(_active, UlyssesAttention) or not _active.routes(query.shape[1], key.shape[1]):
+        return None
+    return _active.with_whole_keys(query, key, value, whole)
 
 
 def joint_attention_offered(keys: int, device: torch.device) -> bool:

@@ -8,6 +8,7 @@ from .backends import FALLBACK, BackendChoice, may_take_joint_tokens
 from .layout import UlyssesLayout
 from .local import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
+from .ring import WholeKeys
 from .ops import (gathered_keys_attention, local_attention, prologue_kernels_run, say_pair_bias_fallback,
     ulysses_attention)
 from ...runtime.distributed import Axis
@@ -84,6 +85,18 @@ class UlyssesAttention:
         return ulysses_attention(query, key, value, layout, text_mask=text_key_mask(_four_dims(attn_mask), layout),
                                  backend=self.choice.name, group=self.ulysses.group, scale=scale,
                                  attention_backend=attention_backend)
+
+    def with_whole_keys(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, whole: WholeKeys,
+                        scale: float | None = None) -> torch.Tensor | None:
+        """Attention of q, k, v laid out as this attention's calls are, over keys and values every rank holds
+        whole (`whole`, of every head) besides the sequence's; None where the tokens are not split (the caller
+        attends over all the keys itself)."""
+        if self.shard.degree == 1:
+            return None
+        layout = self._layout(query.shape[1], key.shape[1])
+        return ulysses_attention(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout,
+                                 text_mask=None, backend=self.choice.name, group=self.ulysses.group, scale=scale,
+                                 attention_backend=None, ring_group=self.ring.group, whole=whole)
 
     def takes_joint_tokens(self, device: torch.device) -> bool:
         """What `joint` asks before it looks at the tensors: a Ulysses degree above 1, no masks over query-key
