@@ -175,7 +175,8 @@ FAMILIES: dict[str, Family] = {
     "qwenimage": Family(
         "QwenImagePipeline", "QwenImageTransformer2DModel", "AutoencoderKLQwenImage",
         "FlowMatchEulerDiscreteScheduler", _masked("prompt_embeds_mask", "negative_prompt_embeds_mask"),
-        guidance_kwarg="true_cfg_scale"),
+        guidance_kwarg="true_cfg_scale", controlnet="QwenImageControlNetModel",
+        multi_controlnet="QwenImageMultiControlNetModel"),
     "ltx": Family(
         "LTXPipeline", "LTXVideoTransformer3DModel", "AutoencoderKLLTXVideo", "FlowMatchEulerDiscreteScheduler",
         _masked("prompt_attention_mask", "negative_prompt_attention_mask"), video=True, fps=24),
@@ -656,6 +657,11 @@ ZOO["tiny-flux-controlnet"] = dataclasses.replace(
 ZOO["tiny-flux-multi-controlnet"] = dataclasses.replace(
     ZOO["tiny-flux-controlnet"], controlnets=(_TINY_FLUX_CONTROLNET, {**_TINY_FLUX_CONTROLNET, "num_mode": 4}),
     multi_controlnet=True, images={}, call_extra={"controlnet_conditioning_scale": [0.6, 0.4], "control_mode": [None, 2]})
+# a Qwen-Image ControlNet (one block, residuals added after both of the transformer's)
+ZOO["tiny-qwenimage-controlnet"] = dataclasses.replace(
+    ZOO["tiny-qwenimage"], pipeline="QwenImageControlNetPipeline", images={"control_image": None},
+    controlnets=({key: value for key, value in ZOO["tiny-qwenimage"].transformer.items() if key != "guidance_embeds"}
+                 | {"num_layers": 1},), call_extra={"controlnet_conditioning_scale": 0.7})
 ZOO["tiny-wan-d64"] = dataclasses.replace(ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "attention_head_dim": 64})
 
 

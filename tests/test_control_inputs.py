@@ -11,7 +11,7 @@ import zoo
 from dist_harness import run_on_ranks
 from test_parallel_pipelines import SIZES, TOLERANCE, _pipelines_worker, _relative_error
 
-CONTROLNETS = ["tiny-flux-controlnet", "tiny-flux-multi-controlnet"]
+CONTROLNETS = ["tiny-flux-controlnet", "tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"]
 
 
 # 2 ranks: each batch at each size; 3: batch 2 at the uneven size (35 tokens); with CFG the branches split too

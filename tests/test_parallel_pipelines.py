@@ -45,7 +45,7 @@ SIZES = {
                      "uneven": {"height": 32, "width": 64, "num_frames": 1}},
 }
 SIZES["tiny-flux-fill"] = SIZES["tiny-flux-control"] = SIZES["tiny-flux"]  # images enter as channels
-SIZES["tiny-nucleusmoe"] = SIZES["tiny-qwenimage"]  # its VAE and packing are Qwen-Image's
+SIZES["tiny-nucleusmoe"] = SIZES["tiny-qwenimage-controlnet"] = SIZES["tiny-qwenimage"]  # its VAE and packing are Qwen-Image's
 SIZES["tiny-flux2"] = SIZES["tiny-flux2-klein"] = SIZES["tiny-flux"]  # 2x VAE, 2x2 patches: 6 x 8 and 5 x 7
 # Z-Image pads its image tokens to a multiple of 32: 96 tokens (6 x 16), and 35 made 64 ("uneven" only for N = 3)
 SIZES["tiny-zimage"] = {"even": {"height": 24, "width": 64, "num_frames": 1},
