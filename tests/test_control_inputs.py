@@ -14,18 +14,6 @@ from test_parallel_pipelines import SIZES, TOLERANCE, _pipelines_worker, _relati
 CONTROLNETS = ["tiny-flux-controlnet", "tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"]
 
 
-# 2 ranks: each batch at each size; 3: batch 2 at the uneven size (35 tokens); with CFG the branches split too
-@pytest.mark.parametrize("world_size, cfg_degree, every_case", [(2, 1, False), (3, 1, None), (2, 2, None)])
-def test_controlnet_pipelines_match_single_process(world_size: int, cfg_degree: int, every_case: bool | None):
-    run_on_ranks(world_size, _pipelines_worker, CONTROLNETS, cfg_degree, 3.0, "reference", False, every_case,
-                 deadline_s=600)
-
-
-def test_controlnet_pipelines_on_a_ring_match_single_process():
-    run_on_ranks(2, _pipelines_worker, CONTROLNETS[-1:], 1, 3.0, "reference", False, None, {"ring_degree": 2},
-                 deadline_s=600)
-
-
 def _random_ip_adapter(model: torch.nn.Module, seed: int = 5) -> list[dict]:
     """An IP-Adapter's state dicts as diffusers' loader takes them (4 image-prompt tokens from a 24-wide image
     embedding), drawn at random."""
@@ -86,15 +74,6 @@ def _ip_adapter_worker(name: str, load_after_enable: bool) -> None:
         assert torch.equal(generate(**embeds), ref), "disable did not restore the model with its IP-Adapter"
 
 
-@pytest.mark.parametrize("world_size, load_after_enable", [(2, True), (3, False)])
-def test_ip_adapter_matches_single_process(world_size: int, load_after_enable: bool):
-    run_on_ranks(world_size, _ip_adapter_worker, "tiny-flux-controlnet", load_after_enable)
-
-
-def test_flux2_reference_kv_cache_matches_single_process():
-    run_on_ranks(2, _pipelines_worker, ["tiny-flux2-klein-kv"], 1, 3.0, "reference", False, False, deadline_s=600)
-
-
 def _flux2_kv_worker(text_len: int, degrees: dict) -> None:
     """FLUX.2 [dev]'s transformer (guidance embedded) with the KV-cache processors: a call that extracts the cache
     of 12 reference tokens before 35 image tokens, then one that reads it; batch 2."""
@@ -134,7 +113,26 @@ def _flux2_kv_worker(text_len: int, degrees: dict) -> None:
     assert all(map(torch.equal, run(), refs)), "disable did not restore the model"
 
 
-# 3 ranks: the prompt split with the tokens (6 text tokens); a ring of 2: the prompt whole (5)
-@pytest.mark.parametrize("world_size, text_len, degrees", [(3, 6, {}), (2, 5, {"ring_degree": 2})])
-def test_flux2_dev_reference_kv_cache_matches_single_process(world_size: int, text_len: int, degrees: dict):
-    run_on_ranks(world_size, _flux2_kv_worker, text_len, degrees)
+def _every_feature_worker(world_size: int) -> None:
+    """One spawn of ranks runs each feature in turn (a spawn's start-up costs more than a tiny pipeline): the
+    ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2, 35 image tokens), the IP-Adapter (loaded
+    after `enable` on 2 ranks, before it on 3), FLUX.2 [dev]'s KV cache (2 ranks: a ring, the prompt whole; 3:
+    Ulysses, the prompt split with the tokens); on 2 ranks also a ControlNet on a ring."""
+    _pipelines_worker([*CONTROLNETS, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None)
+    _ip_adapter_worker("tiny-flux-controlnet", load_after_enable=world_size == 2)
+    if world_size == 2:
+        _flux2_kv_worker(5, {"ring_degree": 2})
+        _pipelines_worker(["tiny-flux-multi-controlnet"], 1, 3.0, "reference", False, None, {"ring_degree": 2})
+    else:
+        _flux2_kv_worker(6, {})
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_control_inputs_match_single_process(world_size: int):
+    run_on_ranks(world_size, _every_feature_worker, world_size, deadline_s=600)
+
+
+def test_controlnets_with_cfg_parallel_match_single_process():
+    """cfg_degree=2: each branch's rank computes the ControlNet's residuals, which serve both branches."""
+    run_on_ranks(2, _pipelines_worker, ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"], 2, 3.0,
+                 "reference", False, None, deadline_s=600)

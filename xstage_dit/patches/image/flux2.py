@@ -7,8 +7,8 @@ end and masks none of it); otherwise the prompt stays whole on every rank. The r
 the local ids follow each local token.
 
 The reference images' KV cache (`kv_cache_mode`, Flux2KleinKVPipeline): the call that extracts it puts the
-reference tokens before the image tokens; they stay whole on every rank (a prefix that attends only to itself,
-SequenceShard.whole_prefix_len), so each rank caches their keys and values whole, as one process does. Text and
+reference tokens before the image tokens; they stay whole on every rank (they attend only to themselves, which
+every rank computes whole), so each rank caches their keys and values whole, as one process does. Text and
 image queries attend to them through `attention_with_whole_keys` (diffusers' `_flux2_kv_causal_attention`
 rebound): the split tokens' keys exchanged as usual, the reference keys of each rank's heads attended where they
 are, in the extracting call and in every call that reads the cache."""
@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from diffusers import Flux2Transformer2DModel
+from diffusers.models import attention_dispatch
 from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
@@ -35,9 +36,8 @@ _MODULE = "diffusers.models.transformers.transformer_flux2"
 
 
 class _ReferenceTokens:
-    """A forward pre-hook that tells the split, from the call's arguments alone, how many reference tokens lead
-    the image tokens (those of a call that extracts their KV cache, kept whole on every rank) and how many image
-    tokens follow them (split)."""
+    """A forward pre-hook that tells the split, from the call's arguments alone, how many image tokens follow the
+    reference tokens that lead them in a call extracting their KV cache (those stay whole on every rank)."""
 
     def __init__(self, model: nn.Module, shard: SequenceShard) -> None:
         self.shard = shard
@@ -51,14 +51,14 @@ class _ReferenceTokens:
         arguments = self._signature.bind_partial(*args, **kwargs).arguments
         extracting = arguments.get("kv_cache_mode") == "extract"
         reference = arguments.get("num_ref_tokens", 0) if extracting else 0
-        self.shard.whole_prefix_len = reference
         self.shard.seq_len = arguments["hidden_states"].shape[1] - reference
 
 
 def _kv_causal_attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """diffusers' attention of the KV-cache processors, [text, reference, image] tokens, for split image tokens:
     text and image queries over their keys and the reference's whole keys (`attention_with_whole_keys`), the
-    reference's own queries over the reference alone (diffusers' call, which every rank computes whole)."""
+    reference's own queries over the reference alone (diffusers' dispatch, unrouted: every rank computes it
+    whole)."""
 
     @functools.wraps(original)
     def _flux2_kv_causal_attention(query, key, value, num_txt_tokens, num_ref_tokens, kv_cache=None, backend=None):
@@ -75,7 +75,7 @@ def _kv_causal_attention(original: Callable[..., torch.Tensor]) -> Callable[...,
                                                 torch.cat([v_txt, v_img], dim=1), WholeKeys(k_ref, v_ref))
         if out is None:
             return original(query, key, value, num_txt_tokens, num_ref_tokens, kv_cache, backend)
-        reference = original(q_ref, k_ref, v_ref, 0, 0, backend=backend)
+        reference = attention_dispatch.dispatch_attention_fn(q_ref, k_ref, v_ref, backend=backend)
         return torch.cat([out[:, :num_txt_tokens], reference, out[:, num_txt_tokens:]], dim=1)
 
     return _flux2_kv_causal_attention
