@@ -628,10 +628,10 @@ ZOO["tiny-flux2-klein"] = dataclasses.replace(ZOO["tiny-flux2"], pipeline="Flux2
     **ZOO["tiny-flux2"].transformer, "guidance_embeds": False})
 # FLUX.2 with a reference image: its latents' tokens are appended to the image tokens
 ZOO["tiny-flux2-edit"] = dataclasses.replace(ZOO["tiny-flux2"], images={"image": (64, 80)})
-# FLUX.2 [klein] with the reference image's KV cache: its tokens lead the image tokens in the first step, which
-# caches their keys and values for the others
+# FLUX.2 [klein] with the reference image's KV cache: its 16 x 16 tokens lead the image tokens in the first step,
+# which caches their keys and values for the others
 ZOO["tiny-flux2-klein-kv"] = dataclasses.replace(ZOO["tiny-flux2-klein"], pipeline="Flux2KleinKVPipeline",
-                                                 images={"image": (64, 80)})
+                                                 images={"image": (64, 64)})
 # Wan VACE without a control video (its text-to-video use): control blocks before main blocks 0 and 1
 ZOO["tiny-wan-vace"] = dataclasses.replace(ZOO["tiny-wan"], family="wan-vace", transformer={
     **ZOO["tiny-wan"].transformer, "vace_layers": [0, 1], "vace_in_channels": 96})

@@ -53,8 +53,7 @@ SIZES["tiny-zimage"] = {"even": {"height": 24, "width": 64, "num_frames": 1},
 SIZES["tiny-chroma"] = SIZES["tiny-chroma-img2img"] = SIZES["tiny-flux"]
 SIZES["tiny-flux-controlnet"] = SIZES["tiny-flux-multi-controlnet"] = SIZES["tiny-flux"]
 SIZES["tiny-zimage-img2img"] = SIZES["tiny-zimage-inpaint"] = SIZES["tiny-zimage"]
-SIZES["tiny-flux2-edit"] = SIZES["tiny-flux2-klein-kv"] = SIZES["tiny-flux"]  # + the reference image's 16 x 20
-# tokens
+SIZES["tiny-flux2-edit"] = SIZES["tiny-flux2-klein-kv"] = SIZES["tiny-flux"]  # + the reference image's tokens
 # Qwen-Image Edit: about 1000 tokens of the input image besides these (its VAE downsamples 16x)
 SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = SIZES["tiny-qwenimage-edit-2511"] = {
     "even": {"height": 64, "width": 96, "num_frames": 1},      # 2 x 3

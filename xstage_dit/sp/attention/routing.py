@@ -5,9 +5,11 @@ diffusers' processors call either `dispatch_attention_fn` (Flux, Wan, HunyuanVid
 router (and, where a family's plan names it, `apply_rotary_emb` to one that runs our RoPE kernel), and each
 routed attention module is marked active while it runs (`mark_active`): calls made inside an active module go to its
 `UlyssesAttention` (or the RoPE kernel), unless it declines them (`routes`: calls within a prefix every rank holds
-whole); every other call (text refiners, cross-attention, VAEs, models that are not enabled) goes to diffusers or
-torch unchanged. A processor of ours that holds q and k before their norms and rotation (patches/image/flux.py) may
-first offer them as they are (`joint_attention`). No processor code is copied. Bindings are shared by the enabled
+whole, and a family's local cross-attention such as a Flux IP-Adapter's); every other call (text refiners,
+cross-attention, VAEs, models that are not enabled) goes to diffusers or torch unchanged. A processor of ours that
+holds q and k before their norms and rotation (patches/image/flux.py) may first offer them as they are
+(`joint_attention`); code that attends keys every rank holds whole besides the sequence's (FLUX.2's cached
+reference keys) asks `attention_with_whole_keys`. No processor code is copied. Bindings are shared by the enabled
 models (module_forward.ReboundName): the last one's `remove` restores the original."""
 from __future__ import annotations
 
