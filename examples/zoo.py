@@ -657,6 +657,10 @@ ZOO["tiny-flux-controlnet"] = dataclasses.replace(
 ZOO["tiny-flux-multi-controlnet"] = dataclasses.replace(
     ZOO["tiny-flux-controlnet"], controlnets=(_TINY_FLUX_CONTROLNET, {**_TINY_FLUX_CONTROLNET, "num_mode": 4}),
     multi_controlnet=True, images={}, call_extra={"controlnet_conditioning_scale": [0.6, 0.4], "control_mode": [None, 2]})
+ZOO["tiny-flux-multi-controlnet-d64"] = dataclasses.replace(
+    ZOO["tiny-flux-multi-controlnet"], transformer=ZOO["tiny-flux-d64"].transformer,
+    controlnets=tuple({**config, **ZOO["tiny-flux-d64"].transformer, "num_layers": 1, "num_single_layers": 1}
+                      for config in ZOO["tiny-flux-multi-controlnet"].controlnets))
 # a Qwen-Image ControlNet (one block, residuals added after both of the transformer's)
 ZOO["tiny-qwenimage-controlnet"] = dataclasses.replace(
     ZOO["tiny-qwenimage"], pipeline="QwenImageControlNetPipeline", images={"control_image": None},

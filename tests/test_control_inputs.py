@@ -113,6 +113,11 @@ def _flux2_kv_worker(text_len: int, degrees: dict) -> None:
     assert all(map(torch.equal, run(), refs)), "disable did not restore the model"
 
 
+def test_flux2_reference_kv_cache_in_one_process():
+    """Degree 1: the rebound KV attention leaves diffusers' own."""
+    _flux2_kv_worker(5, {})
+
+
 def _every_feature_worker(world_size: int) -> None:
     """One spawn of ranks runs each feature in turn (a spawn's start-up costs more than a tiny pipeline): the
     ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2, 35 image tokens), the IP-Adapter (loaded
