@@ -33,7 +33,7 @@ def _random_ip_adapter(model: torch.nn.Module, seed: int = 5) -> list[dict]:
     return [{"image_proj": projection, "ip_adapter": adapter}]
 
 
-def _ip_adapter_worker(name: str, load_after_enable: bool) -> None:
+def _ip_adapter_worker(name: str, load_after_enable: bool, cfg_degree: int = 1) -> None:
     """A ControlNet pipeline with an IP-Adapter, true CFG with negative image embeds, 35 image tokens; the adapter
     loaded before `enable`, or after it and unloaded again (diffusers then makes the other modules' processors
     anew, of their class)."""
@@ -57,10 +57,10 @@ def _ip_adapter_worker(name: str, load_after_enable: bool) -> None:
     assert _relative_error(plain, ref) > 1e-2, "the IP-Adapter changed nothing: the test would prove nothing"
     if load_after_enable:
         pipe.unload_ip_adapter()
-        xstage_dit.enable(pipe, timeout_s=120)
+        xstage_dit.enable(pipe, timeout_s=120, cfg_degree=cfg_degree)
         load()
     else:
-        xstage_dit.enable(pipe, timeout_s=120)
+        xstage_dit.enable(pipe, timeout_s=120, cfg_degree=cfg_degree)
     error = _relative_error(generate(**embeds), ref)
     assert error < TOLERANCE, f"{name} with an IP-Adapter: relative error {error:.2e}"
     if load_after_enable:
@@ -137,7 +137,12 @@ def test_control_inputs_match_single_process(world_size: int):
     run_on_ranks(world_size, _every_feature_worker, world_size, deadline_s=600)
 
 
-def test_controlnets_with_cfg_parallel_match_single_process():
-    """cfg_degree=2: each branch's rank computes the ControlNet's residuals, which serve both branches."""
-    run_on_ranks(2, _pipelines_worker, ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"], 2, 3.0,
-                 "reference", False, None, deadline_s=600)
+def _cfg_parallel_worker() -> None:
+    _pipelines_worker(["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"], 2, 3.0, "reference", False, None)
+    _ip_adapter_worker("tiny-flux-controlnet", load_after_enable=False, cfg_degree=2)
+
+
+def test_control_inputs_with_cfg_parallel_match_single_process():
+    """cfg_degree=2: each branch's rank computes the ControlNet's residuals, which serve both branches, and its
+    branch's IP-Adapter image embeds."""
+    run_on_ranks(2, _cfg_parallel_worker, deadline_s=600)
