@@ -11,7 +11,8 @@ import zoo
 from dist_harness import run_on_ranks
 from test_parallel_pipelines import SIZES, TOLERANCE, _pipelines_worker, _relative_error
 
-CONTROLNETS = ["tiny-flux-controlnet", "tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"]
+# the single Flux ControlNet runs in the IP-Adapter's worker
+CONTROLNETS = ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"]
 
 
 def _random_ip_adapter(model: torch.nn.Module, seed: int = 5) -> list[dict]:
@@ -51,11 +52,11 @@ def _ip_adapter_worker(name: str, load_after_enable: bool, cfg_degree: int = 1) 
     def load() -> None:
         pipe.transformer._load_ip_adapter_weights(_random_ip_adapter(pipe.transformer))
 
-    plain = generate()
+    plain = generate() if load_after_enable else None
     load()
     ref = generate(**embeds)
-    assert _relative_error(plain, ref) > 1e-2, "the IP-Adapter changed nothing: the test would prove nothing"
     if load_after_enable:
+        assert _relative_error(plain, ref) > 1e-2, "the IP-Adapter changed nothing: the test would prove nothing"
         pipe.unload_ip_adapter()
         xstage_dit.enable(pipe, timeout_s=120, cfg_degree=cfg_degree)
         load()
@@ -113,6 +114,25 @@ def _flux2_kv_worker(text_len: int, degrees: dict) -> None:
     assert all(map(torch.equal, run(), refs)), "disable did not restore the model"
 
 
+def _whole_residuals_worker() -> None:
+    """The enabled transformer alone, given a stock ControlNet's residuals over the whole sequence (35 tokens): it
+    splits them like its own tokens."""
+    from test_parallel_pipelines import _bare_transformer_inputs
+
+    pipe = zoo.build_pipeline("tiny-flux-controlnet")
+    inputs = _bare_transformer_inputs("tiny-flux", torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        blocks, single_blocks = pipe.controlnet(**inputs, controlnet_cond=torch.randn(2, 35, 16),
+                                                conditioning_scale=0.7, return_dict=False)
+        inputs.update(controlnet_block_samples=blocks, controlnet_single_block_samples=single_blocks)
+        ref = pipe.transformer(**inputs).sample
+        xstage_dit.enable(pipe.transformer, timeout_s=120)
+        error = _relative_error(pipe.transformer(**inputs).sample, ref)
+    assert error < TOLERANCE, f"a bare transformer given whole residuals: relative error {error:.2e}"
+    with pytest.raises(TypeError, match="enable the pipeline instead"):
+        xstage_dit.enable(pipe.controlnet)
+
+
 def test_flux2_reference_kv_cache_in_one_process():
     """Degree 1: the rebound KV attention leaves diffusers' own."""
     _flux2_kv_worker(5, {})
@@ -120,9 +140,10 @@ def test_flux2_reference_kv_cache_in_one_process():
 
 def _every_feature_worker(world_size: int) -> None:
     """One spawn of ranks runs each feature in turn (a spawn's start-up costs more than a tiny pipeline): the
-    ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2, 35 image tokens), the IP-Adapter (loaded
-    after `enable` on 2 ranks, before it on 3), FLUX.2 [dev]'s KV cache (2 ranks: a ring, the prompt whole; 3:
-    Ulysses, the prompt split with the tokens); on 2 ranks also a ControlNet on a ring."""
+    ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2, 35 image tokens), the IP-Adapter on the
+    single-ControlNet pipeline (loaded after `enable` on 2 ranks, before it on 3), FLUX.2 [dev]'s KV cache (2 ranks: a ring, the prompt whole; 3:
+    Ulysses, the prompt split with the tokens); on 2 ranks also a ControlNet on a ring, on 3 a bare transformer
+    given whole residuals."""
     _pipelines_worker([*CONTROLNETS, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None)
     _ip_adapter_worker("tiny-flux-controlnet", load_after_enable=world_size == 2)
     if world_size == 2:
@@ -130,6 +151,7 @@ def _every_feature_worker(world_size: int) -> None:
         _pipelines_worker(["tiny-flux-multi-controlnet"], 1, 3.0, "reference", False, None, {"ring_degree": 2})
     else:
         _flux2_kv_worker(6, {})
+        _whole_residuals_worker()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -138,7 +160,7 @@ def test_control_inputs_match_single_process(world_size: int):
 
 
 def _cfg_parallel_worker() -> None:
-    _pipelines_worker(["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"], 2, 3.0, "reference", False, None)
+    _pipelines_worker(CONTROLNETS, 2, 3.0, "reference", False, None)
     _ip_adapter_worker("tiny-flux-controlnet", load_after_enable=False, cfg_degree=2)
 
 
