@@ -140,15 +140,15 @@ def test_flux2_reference_kv_cache_in_one_process():
 
 def _every_feature_worker(world_size: int) -> None:
     """One spawn of ranks runs each feature in turn (a spawn's start-up costs more than a tiny pipeline): the
-    ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2, 35 image tokens), the IP-Adapter on the
-    single-ControlNet pipeline (loaded after `enable` on 2 ranks, before it on 3), FLUX.2 [dev]'s KV cache (2 ranks: a ring, the prompt whole; 3:
-    Ulysses, the prompt split with the tokens); on 2 ranks also a ControlNet on a ring, on 3 a bare transformer
-    given whole residuals."""
-    _pipelines_worker([*CONTROLNETS, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None)
+    ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2, 35 image tokens; on 2 ranks as a ring,
+    on 3 under Ulysses), the IP-Adapter on the single-ControlNet pipeline under Ulysses (loaded after `enable` on 2
+    ranks, before it on 3), FLUX.2 [dev]'s KV cache (2 ranks: a ring, the prompt whole; 3: Ulysses, the prompt
+    split with the tokens); on 3 ranks also a bare transformer given whole residuals."""
+    ring = {"ring_degree": 2} if world_size == 2 else {}
+    _pipelines_worker([*CONTROLNETS, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None, ring)
     _ip_adapter_worker("tiny-flux-controlnet", load_after_enable=world_size == 2)
     if world_size == 2:
-        _flux2_kv_worker(5, {"ring_degree": 2})
-        _pipelines_worker(["tiny-flux-multi-controlnet"], 1, 3.0, "reference", False, None, {"ring_degree": 2})
+        _flux2_kv_worker(5, ring)
     else:
         _flux2_kv_worker(6, {})
         _whole_residuals_worker()

@@ -25,6 +25,7 @@ from ...sp.plan import LocalOrWhole, PerToken, PlanContext, SequenceParallelPlan
 from .. import cfg_rules
 
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
+_QWEN_CONTROLNET = "diffusers.models.controlnets.controlnet_qwenimage"
 TextLengths = tuple[int, torch.Tensor | None, torch.Tensor | None]
 
 
@@ -50,6 +51,10 @@ def _install(model: nn.Module, context: PlanContext) -> list[Any]:
     return [ReboundName(_QWEN, "compute_text_seq_len_from_mask", text_lengths_without_copy)]
 
 
+def _install_controlnet(model: nn.Module, context: PlanContext) -> list[Any]:
+    return [ReboundName(_QWEN_CONTROLNET, "compute_text_seq_len_from_mask", text_lengths_without_copy)]
+
+
 PLANS = {
     QwenImageTransformer2DModel: SequenceParallelPlan(
         family="QwenImage",
@@ -71,5 +76,6 @@ PLANS = {
         # tokens, which the enabled transformer adds to its own
         shard_inputs={"": {"hidden_states": 1}},
         shard_outputs={"pos_embed": {0: 0}, "controlnet_x_embedder": {0: 1}},
+        install=_install_controlnet,
     ),
 }
