@@ -656,7 +656,8 @@ ZOO["tiny-flux-controlnet"] = dataclasses.replace(
     images={"control_image": None}, call_extra={"controlnet_conditioning_scale": 0.7})
 ZOO["tiny-flux-multi-controlnet"] = dataclasses.replace(
     ZOO["tiny-flux-controlnet"], controlnets=(_TINY_FLUX_CONTROLNET, {**_TINY_FLUX_CONTROLNET, "num_mode": 4}),
-    multi_controlnet=True, images={}, call_extra={"controlnet_conditioning_scale": [0.6, 0.4], "control_mode": [None, 2]})
+    multi_controlnet=True, images={},
+    call_extra={"controlnet_conditioning_scale": [0.6, 0.4], "control_mode": [None, 2]})
 ZOO["tiny-flux-multi-controlnet-d64"] = dataclasses.replace(
     ZOO["tiny-flux-multi-controlnet"], transformer=ZOO["tiny-flux-d64"].transformer,
     controlnets=tuple({**config, **ZOO["tiny-flux-d64"].transformer, "num_layers": 1, "num_single_layers": 1}
@@ -724,6 +725,29 @@ def _controlnet(entry: ZooEntry, family: Family, device: torch.device | str, dty
         return getattr(diffusers, family.multi_controlnet)(nets)
     (net,) = nets
     return net
+
+
+IP_ADAPTER_EMBED_DIM = 24
+
+
+def random_ip_adapter(model: torch.nn.Module, seed: int = 5) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """A FLUX.1 IP-Adapter's state dicts as diffusers' loader takes them (`model._load_ip_adapter_weights`), drawn
+    at random: 4 image-prompt tokens from an image embedding of width IP_ADAPTER_EMBED_DIM (the CLIP image features
+    a pipeline takes as `ip_adapter_image_embeds`, (batch, 1, width))."""
+    generator = torch.Generator().manual_seed(seed)
+    width, tokens = model.config.joint_attention_dim, 4
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * shape[-1] ** -0.5
+
+    adapter = {}
+    for index in range(len(model.transformer_blocks)):
+        for name in ("to_k_ip", "to_v_ip"):
+            adapter[f"{index}.{name}.weight"] = draw(model.inner_dim, width)
+            adapter[f"{index}.{name}.bias"] = draw(model.inner_dim)
+    projection = {"proj.weight": draw(width * tokens, IP_ADAPTER_EMBED_DIM), "proj.bias": draw(width * tokens),
+                  "norm.weight": torch.ones(width), "norm.bias": torch.zeros(width)}
+    return [{"image_proj": projection, "ip_adapter": adapter}]
 
 
 def _diffusers_class(name: str) -> type:

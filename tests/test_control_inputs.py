@@ -15,25 +15,6 @@ from test_parallel_pipelines import SIZES, TOLERANCE, _pipelines_worker, _relati
 CONTROLNETS = ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"]
 
 
-def _random_ip_adapter(model: torch.nn.Module, seed: int = 5) -> list[dict]:
-    """An IP-Adapter's state dicts as diffusers' loader takes them (4 image-prompt tokens from a 24-wide image
-    embedding), drawn at random."""
-    generator = torch.Generator().manual_seed(seed)
-    width, tokens, embed = model.config.joint_attention_dim, 4, 24
-
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * shape[-1] ** -0.5
-
-    adapter = {}
-    for index in range(len(model.transformer_blocks)):
-        for name in ("to_k_ip", "to_v_ip"):
-            adapter[f"{index}.{name}.weight"] = draw(model.inner_dim, width)
-            adapter[f"{index}.{name}.bias"] = draw(model.inner_dim)
-    projection = {"proj.weight": draw(width * tokens, embed), "proj.bias": draw(width * tokens),
-                  "norm.weight": torch.ones(width), "norm.bias": torch.zeros(width)}
-    return [{"image_proj": projection, "ip_adapter": adapter}]
-
-
 def _ip_adapter_worker(name: str, load_after_enable: bool, cfg_degree: int = 1) -> None:
     """A ControlNet pipeline with an IP-Adapter, true CFG with negative image embeds, 35 image tokens; the adapter
     loaded before `enable`, or after it and unloaded again (diffusers then makes the other modules' processors
@@ -41,8 +22,8 @@ def _ip_adapter_worker(name: str, load_after_enable: bool, cfg_degree: int = 1) 
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(11)
-    embeds = {"ip_adapter_image_embeds": [torch.randn(2, 1, 24, generator=generator)],
-              "negative_ip_adapter_image_embeds": [torch.randn(2, 1, 24, generator=generator)]}
+    embeds = {kwarg: [torch.randn(2, 1, zoo.IP_ADAPTER_EMBED_DIM, generator=generator)]
+              for kwarg in ("ip_adapter_image_embeds", "negative_ip_adapter_image_embeds")}
     kwargs = dict(zoo.call_kwargs(name, **SIZES[name]["uneven"], steps=2, guidance=3.0),
                   **zoo.text_embeddings(name, 2, seed=2), output_type="latent", return_dict=False)
 
@@ -50,7 +31,7 @@ def _ip_adapter_worker(name: str, load_after_enable: bool, cfg_degree: int = 1) 
         return pipe(**kwargs, **extra, generator=torch.Generator().manual_seed(7))[0]
 
     def load() -> None:
-        pipe.transformer._load_ip_adapter_weights(_random_ip_adapter(pipe.transformer))
+        pipe.transformer._load_ip_adapter_weights(zoo.random_ip_adapter(pipe.transformer))
 
     plain = generate() if load_after_enable else None
     load()
