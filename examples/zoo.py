@@ -32,6 +32,8 @@ class Family:
     vae_float32: bool = False  # diffusers' examples keep this family's VAE in float32
     fps: int = 16  # frames per second of the family's videos, as diffusers' examples write them
     components: Callable[[], dict[str, Any]] | None = None  # pipeline components besides models (a guider)
+    controlnet: str | None = None  # the family's ControlNet model class
+    multi_controlnet: str | None = None  # the model that holds several ControlNets (or one Union ControlNet)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class ZooEntry:
     image_encoder: dict[str, Any] | None = None  # a CLIP vision encoder's config (Wan 2.1 image-to-video)
     # further model components, name -> (class, its config): LTX-2's text connectors, audio VAE and vocoder
     modules: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    # ControlNet configs: one is the pipeline's `controlnet`; in a multi-ControlNet model where `multi_controlnet`
+    controlnets: tuple[dict[str, Any], ...] = ()
+    multi_controlnet: bool = False
 
     @property
     def is_video(self) -> bool:
@@ -159,7 +164,8 @@ def _caption_lists(entry: ZooEntry, batch: int, draw) -> dict[str, list[torch.Te
 
 FAMILIES: dict[str, Family] = {
     "flux": Family("FluxPipeline", "FluxTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
-                   _embeds_and_pooled, guidance_kwarg="true_cfg_scale"),
+                   _embeds_and_pooled, guidance_kwarg="true_cfg_scale", controlnet="FluxControlNetModel",
+                   multi_controlnet="FluxMultiControlNetModel"),
     "wan": Family("WanPipeline", "WanTransformer3DModel", "AutoencoderKLWan", "UniPCMultistepScheduler",
                   _embeds_and_pooled, video=True, vae_float32=True),
     "hunyuan-video": Family(
@@ -169,7 +175,8 @@ FAMILIES: dict[str, Family] = {
     "qwenimage": Family(
         "QwenImagePipeline", "QwenImageTransformer2DModel", "AutoencoderKLQwenImage",
         "FlowMatchEulerDiscreteScheduler", _masked("prompt_embeds_mask", "negative_prompt_embeds_mask"),
-        guidance_kwarg="true_cfg_scale"),
+        guidance_kwarg="true_cfg_scale", controlnet="QwenImageControlNetModel",
+        multi_controlnet="QwenImageMultiControlNetModel"),
     "ltx": Family(
         "LTXPipeline", "LTXVideoTransformer3DModel", "AutoencoderKLLTXVideo", "FlowMatchEulerDiscreteScheduler",
         _masked("prompt_attention_mask", "negative_prompt_attention_mask"), video=True, fps=24),
@@ -621,6 +628,10 @@ ZOO["tiny-flux2-klein"] = dataclasses.replace(ZOO["tiny-flux2"], pipeline="Flux2
     **ZOO["tiny-flux2"].transformer, "guidance_embeds": False})
 # FLUX.2 with a reference image: its latents' tokens are appended to the image tokens
 ZOO["tiny-flux2-edit"] = dataclasses.replace(ZOO["tiny-flux2"], images={"image": (64, 80)})
+# FLUX.2 [klein] with the reference image's KV cache: its 16 x 16 tokens lead the image tokens in the first step,
+# which caches their keys and values for the others
+ZOO["tiny-flux2-klein-kv"] = dataclasses.replace(ZOO["tiny-flux2-klein"], pipeline="Flux2KleinKVPipeline",
+                                                 images={"image": (64, 64)})
 # Wan VACE without a control video (its text-to-video use): control blocks before main blocks 0 and 1
 ZOO["tiny-wan-vace"] = dataclasses.replace(ZOO["tiny-wan"], family="wan-vace", transformer={
     **ZOO["tiny-wan"].transformer, "vace_layers": [0, 1], "vace_in_channels": 96})
@@ -637,6 +648,25 @@ ZOO["tiny-chroma-img2img"] = dataclasses.replace(ZOO["tiny-chroma"], pipeline="C
                                                  images={"image": None})
 ZOO["tiny-zimage-d64"] = dataclasses.replace(ZOO["tiny-zimage"], transformer={
     **ZOO["tiny-zimage"].transformer, "dim": 64 * _TINY_HEADS, "axes_dims": [16, 24, 24]})
+# FLUX.1 ControlNets (InstantX's kind: the control image's latents embedded, residuals after every block): one;
+# several in a multi-ControlNet model (a plain one and a Union one, whose mode token leads the prompt)
+_TINY_FLUX_CONTROLNET = {**ZOO["tiny-flux"].transformer, "num_layers": 1, "num_single_layers": 1}
+ZOO["tiny-flux-controlnet"] = dataclasses.replace(
+    ZOO["tiny-flux"], pipeline="FluxControlNetPipeline", controlnets=(_TINY_FLUX_CONTROLNET,),
+    images={"control_image": None}, call_extra={"controlnet_conditioning_scale": 0.7})
+ZOO["tiny-flux-multi-controlnet"] = dataclasses.replace(
+    ZOO["tiny-flux-controlnet"], controlnets=(_TINY_FLUX_CONTROLNET, {**_TINY_FLUX_CONTROLNET, "num_mode": 4}),
+    multi_controlnet=True, images={},
+    call_extra={"controlnet_conditioning_scale": [0.6, 0.4], "control_mode": [None, 2]})
+ZOO["tiny-flux-multi-controlnet-d64"] = dataclasses.replace(
+    ZOO["tiny-flux-multi-controlnet"], transformer=ZOO["tiny-flux-d64"].transformer,
+    controlnets=tuple({**config, **ZOO["tiny-flux-d64"].transformer, "num_layers": 1, "num_single_layers": 1}
+                      for config in ZOO["tiny-flux-multi-controlnet"].controlnets))
+# a Qwen-Image ControlNet (one block, residuals added after both of the transformer's)
+ZOO["tiny-qwenimage-controlnet"] = dataclasses.replace(
+    ZOO["tiny-qwenimage"], pipeline="QwenImageControlNetPipeline", images={"control_image": None},
+    controlnets=({key: value for key, value in ZOO["tiny-qwenimage"].transformer.items() if key != "guidance_embeds"}
+                 | {"num_layers": 1},), call_extra={"controlnet_conditioning_scale": 0.7})
 ZOO["tiny-wan-d64"] = dataclasses.replace(ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "attention_head_dim": 64})
 
 
@@ -664,6 +694,8 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
                   **(family.components() if family.components is not None else {})}
     if entry.image_encoder is not None:
         components.update(_clip_image_encoder(entry.image_encoder, device, dtype))
+    if entry.controlnets:
+        components["controlnet"] = _controlnet(entry, family, device, dtype)
     with torch.device(device):
         for component, (cls, config) in entry.modules.items():
             components[component] = _in_dtype(dtype, lambda: _diffusers_class(cls)(**config)).eval()
@@ -676,6 +708,46 @@ def build_pipeline(name: str, device: torch.device | str = "cpu", dtype: torch.d
     for attribute, value in entry.pipeline_attributes.items():
         setattr(pipe, attribute, value)
     return pipe
+
+
+def _controlnet(entry: ZooEntry, family: Family, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+    """The entry's ControlNet(s), random: the layers diffusers starts at zero (the residuals' projections, the
+    control image's embedding) are drawn too, so that the control changes the output."""
+    nets = []
+    with torch.device(device):
+        for config in entry.controlnets:
+            net = _in_dtype(dtype, lambda: getattr(diffusers, family.controlnet)(**config)).eval()
+            for module in net.modules():
+                if isinstance(module, torch.nn.Linear) and not module.weight.any():
+                    module.reset_parameters()
+            nets.append(net)
+    if entry.multi_controlnet:
+        return getattr(diffusers, family.multi_controlnet)(nets)
+    (net,) = nets
+    return net
+
+
+IP_ADAPTER_EMBED_DIM = 24
+
+
+def random_ip_adapter(model: torch.nn.Module, seed: int = 5) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """A FLUX.1 IP-Adapter's state dicts as diffusers' loader takes them (`model._load_ip_adapter_weights`), drawn
+    at random: 4 image-prompt tokens from an image embedding of width IP_ADAPTER_EMBED_DIM (the CLIP image features
+    a pipeline takes as `ip_adapter_image_embeds`, (batch, 1, width))."""
+    generator = torch.Generator().manual_seed(seed)
+    width, tokens = model.config.joint_attention_dim, 4
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * shape[-1] ** -0.5
+
+    adapter = {}
+    for index in range(len(model.transformer_blocks)):
+        for name in ("to_k_ip", "to_v_ip"):
+            adapter[f"{index}.{name}.weight"] = draw(model.inner_dim, width)
+            adapter[f"{index}.{name}.bias"] = draw(model.inner_dim)
+    projection = {"proj.weight": draw(width * tokens, IP_ADAPTER_EMBED_DIM), "proj.bias": draw(width * tokens),
+                  "norm.weight": torch.ones(width), "norm.bias": torch.zeros(width)}
+    return [{"image_proj": projection, "ip_adapter": adapter}]
 
 
 def _diffusers_class(name: str) -> type:
@@ -764,6 +836,9 @@ def call_kwargs(name: str, *, height: int, width: int, num_frames: int, steps: i
         kwargs["num_frames"] = num_frames
     for seed, (kwarg, size) in enumerate(entry.images.items()):
         kwargs[kwarg] = random_image(*(size or (height, width)), seed)
+    if entry.multi_controlnet:  # a control image per condition, as many as the conditioning scales
+        kwargs["control_image"] = [random_image(height, width, seed)
+                                   for seed in range(len(entry.call_extra["controlnet_conditioning_scale"]))]
     if _takes(entry, "max_area"):
         kwargs["max_area"] = height * width  # a pipeline that fits its output to an area: the size asked for
     return kwargs

@@ -487,20 +487,6 @@ def test_the_models_attention_backend_runs_at_degree_one(flux_pipe, monkeypatch)
         flux_pipe.transformer.reset_attention_backend()
 
 
-def test_flux2_reference_kv_cache_is_refused_before_any_collective():
-    pipe = zoo.build_pipeline("tiny-flux2")
-    xstage_dit.enable(pipe)
-    generator = torch.Generator().manual_seed(0)
-    inputs = dict(hidden_states=torch.randn(1, 6, 16, generator=generator), timestep=torch.tensor([0.5]),
-                  encoder_hidden_states=torch.randn(1, 4, 32, generator=generator), guidance=torch.tensor([3.0]),
-                  img_ids=torch.zeros(6, 4), txt_ids=torch.zeros(4, 4))
-    try:
-        with pytest.raises(NotImplementedError, match="reference images' KV cache"):
-            pipe.transformer(**inputs, kv_cache_mode="extract", num_ref_tokens=2)
-    finally:
-        xstage_dit.disable(pipe)
-
-
 def test_a_guider_is_split_only_where_it_guides_every_step(caplog):
     """HunyuanVideo 1.5's pipeline guides through a guider: its two calls a step are split where it is diffusers'
     ClassifierFreeGuidance over the whole schedule; otherwise every CFG group computes every call, said once."""

@@ -115,7 +115,7 @@ def _registry_worker(names: list[str], cfg_degree: int) -> set[str]:
 
 def _every_layer_worker() -> None:
     seen = _registry_worker(["tiny-flux", "tiny-nucleusmoe"], cfg_degree=2)
-    seen |= _registry_worker(["tiny-hunyuan-video15"], cfg_degree=1)
+    seen |= _registry_worker(["tiny-hunyuan-video15", "tiny-sd3.5"], cfg_degree=1)
     missing = set(layer_names()) - seen - GPU_ONLY
     if torch.distributed.get_rank() == 0:
         missing.discard("main-rank progress")  # rank 0 shows progress: the layer is on the other ranks
@@ -123,9 +123,9 @@ def _every_layer_worker() -> None:
 
 
 def test_every_layer_comes_off_exactly() -> None:
-    """Four ranks as CFG 2 x Ulysses 2 (FLUX.1: norm + RoPE processors, GELU epilogue, split projection, input
-    checks, parallel VAE; NucleusMoE-Image: its family changes and MoE experts), then HunyuanVideo 1.5 (its own
-    processors) over Ulysses 4."""
+    """Four ranks as CFG 2 x Ulysses 2 (FLUX.1: norm + RoPE processors, GELU epilogue, split projection, parallel
+    VAE; NucleusMoE-Image: its family changes and MoE experts), then HunyuanVideo 1.5 (its own processors) and SD3.5
+    (input checks) over Ulysses 4."""
     run_on_ranks(4, _every_layer_worker, deadline_s=600)
 
 
@@ -137,6 +137,6 @@ def test_installed_layers_names_them_in_order() -> None:
     xstage_dit.disable(flux_pipe)
     order = layer_names()
     assert installed == sorted(installed, key=order.index)
-    assert {"attention routing", "fused RoPE", "GELU epilogue", "split projection", "input checks"} <= set(installed)
+    assert {"attention routing", "fused RoPE", "GELU epilogue", "split projection"} <= set(installed)
     assert not {"token split", "cache decisions", "CFG split", "pipeline call", "parallel VAE"} & set(installed)
     assert xstage_dit.installed_layers(flux_pipe) == []

@@ -45,14 +45,15 @@ SIZES = {
                      "uneven": {"height": 32, "width": 64, "num_frames": 1}},
 }
 SIZES["tiny-flux-fill"] = SIZES["tiny-flux-control"] = SIZES["tiny-flux"]  # images enter as channels
-SIZES["tiny-nucleusmoe"] = SIZES["tiny-qwenimage"]  # its VAE and packing are Qwen-Image's
+SIZES["tiny-nucleusmoe"] = SIZES["tiny-qwenimage-controlnet"] = SIZES["tiny-qwenimage"]  # its VAE and packing are Qwen-Image's
 SIZES["tiny-flux2"] = SIZES["tiny-flux2-klein"] = SIZES["tiny-flux"]  # 2x VAE, 2x2 patches: 6 x 8 and 5 x 7
 # Z-Image pads its image tokens to a multiple of 32: 96 tokens (6 x 16), and 35 made 64 ("uneven" only for N = 3)
 SIZES["tiny-zimage"] = {"even": {"height": 24, "width": 64, "num_frames": 1},
                         "uneven": {"height": 20, "width": 28, "num_frames": 1}}
 SIZES["tiny-chroma"] = SIZES["tiny-chroma-img2img"] = SIZES["tiny-flux"]
+SIZES["tiny-flux-controlnet"] = SIZES["tiny-flux-multi-controlnet"] = SIZES["tiny-flux"]
 SIZES["tiny-zimage-img2img"] = SIZES["tiny-zimage-inpaint"] = SIZES["tiny-zimage"]
-SIZES["tiny-flux2-edit"] = SIZES["tiny-flux"]  # + the reference image's 16 x 20 tokens
+SIZES["tiny-flux2-edit"] = SIZES["tiny-flux2-klein-kv"] = SIZES["tiny-flux"]  # + the reference image's tokens
 # Qwen-Image Edit: about 1000 tokens of the input image besides these (its VAE downsamples 16x)
 SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = SIZES["tiny-qwenimage-edit-2511"] = {
     "even": {"height": 64, "width": 96, "num_frames": 1},      # 2 x 3

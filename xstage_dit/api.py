@@ -34,7 +34,11 @@ _TRANSFORMER_ATTRS = ("transformer", "transformer_2")
 
 
 def _transformers_of(target: Any) -> list[nn.Module]:
+    """The models `enable` splits: a bare transformer, or a pipeline's transformers, then its ControlNets."""
     if isinstance(target, ModelMixin):
+        if patches.is_supported(target) and patches.plan_for(target).cfg is None:
+            raise TypeError(f"xstage_dit.enable: a {type(target).__name__} hands its outputs to its pipeline's "
+                            f"transformer split between the ranks; enable the pipeline instead")
         return [target]
     found = [getattr(target, name, None) for name in _TRANSFORMER_ATTRS]
     found = [model for model in found if model is not None]
@@ -43,7 +47,16 @@ def _transformers_of(target: Any) -> list[nn.Module]:
             f"xstage_dit.enable expects a diffusers pipeline with a `transformer` or a diffusers transformer model, "
             f"got {type(target).__name__}"
         )
-    return found
+    return found + _controlnets_of(target)
+
+
+def _controlnets_of(pipe: Any) -> list[nn.Module]:
+    """A pipeline's ControlNet: its `controlnet`, or each net of a multi-ControlNet model."""
+    controlnet = getattr(pipe, "controlnet", None)
+    if controlnet is None:
+        return []
+    nets = getattr(controlnet, "nets", None)
+    return list(nets) if isinstance(nets, nn.ModuleList) else [controlnet]
 
 
 @dataclass(frozen=True)
@@ -256,7 +269,8 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
         plan = patches.plan_for(model)
         shard = SequenceShard(groups.sequence_degree, groups.sequence_rank, groups.sequence_group)
         attention = UlyssesAttention(shard, choice, text_first=plan.text_first, query_key_masks=plan.query_key_masks,
-                                     ulysses=groups.ulysses, ring=groups.ring)
+                                     ulysses=groups.ulysses, ring=groups.ring,
+                                     local_cross_attention=plan.local_cross_attention)
         experts = ExpertModes.resolve(config.expert_parallel, shard.degree, fabric_ready=fabric is not None)
         job = ModelJob(model=model, plan=plan, config=config, groups=groups, shard=shard, attention=attention,
                        experts=experts, fabric=fabric, pairs=pairs)

@@ -105,9 +105,10 @@ def _token_split(job: ModelJob) -> list[Change]:
 
 
 def _cache_decisions(job: ModelJob) -> list[Change]:
-    if not (job.split or job.groups.cfg_degree > 1):  # nothing split: the caches' own decisions are one process's
+    # a model without a CFG plan (a ControlNet) runs its calls whole in every CFG group
+    split_cfg = job.groups.cfg_degree > 1 and job.plan.cfg is not None
+    if not (job.split or split_cfg):  # nothing split: the caches' own decisions are one process's
         return []
-    split_cfg = job.groups.cfg_degree > 1
     cfg = CfgBranches(batch_group=job.groups.cfg_group if split_cfg and job.plan.cfg.mode == BATCH else None,
                       paired=split_cfg and job.plan.cfg.mode == PAIRS)
     return [SharedCacheDecisions(job.model, job.shard, split_blocks(job.model, job.plan), cfg)]
@@ -176,7 +177,7 @@ def _cuda_graphs(job: ModelJob) -> list[Change]:
 
 
 def _cfg_split(job: ModelJob) -> list[Change]:
-    if job.groups.cfg_degree == 1:
+    if job.groups.cfg_degree == 1 or job.plan.cfg is None:
         return []
     return [CfgSplit(job.model, job.plan.cfg, job.groups, job.pairs)]
 

@@ -19,6 +19,10 @@ def supported_families() -> list[str]:
     return sorted({f"{plan.family} ({cls.__name__})" for cls, plan in _PLANS.items()})
 
 
+def is_supported(model: nn.Module) -> bool:
+    return type(model) in _PLANS
+
+
 def plan_for(model: nn.Module) -> SequenceParallelPlan:
     """The plan for `model`'s class; a clear error naming what is supported otherwise."""
     plan = _PLANS.get(type(model))

@@ -40,11 +40,23 @@ class JointText:
 
 
 @dataclass(frozen=True)
+class LocalOrWhole:
+    """A forward argument of per-token tensors along `dim` (a ControlNet's residuals: a list of them) that may
+    arrive already split: an enabled ControlNet hands over this rank's tokens, which stay as they are; tensors
+    holding the whole sequence are split. List it after the image tokens' argument."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
 class TextAndImage:
     """A forward argument indexed by [text, image] tokens along `dim` (e.g. a padding mask over both): its text
     entries stay whole, its image entries (the last ones) are split. List it after the image tokens' argument."""
 
     dim: int
+
+
+_InputDim = int | PerToken | JointText | TextAndImage | LocalOrWhole
 
 
 @dataclass(frozen=True)
@@ -60,7 +72,7 @@ class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
 
     shard_inputs: module path ("" is the model; "blocks.*" every child of `blocks`) -> {forward argument name:
-        sequence dim, PerToken(dim), JointText(dim) or TextAndImage(dim)} to split on entry.
+        sequence dim, PerToken(dim), JointText(dim), TextAndImage(dim) or LocalOrWhole(dim)} to split on entry.
     shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables); a module
         returning one tensor uses index 0.
     gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence, or TextAndImage(dim)
@@ -70,13 +82,19 @@ class SequenceParallelPlan:
         and whose keys and values are split with the tokens: their keys and values are gathered.
     num_heads: attention heads per layer, to check the Ulysses degree (default: the config's
         `num_attention_heads`, which every diffusers DiT has).
-    cfg: how the family's pipelines run classifier-free guidance, for CFG parallelism.
+    cfg: how the family's pipelines run classifier-free guidance, for CFG parallelism; None for a model whose
+        outputs are inputs of the pipeline's transformer, called once per step whatever the guidance (a
+        ControlNet: its residuals serve both branches, handed over split): every CFG group computes its calls,
+        and it is enabled with its pipeline only.
     call_site: (diffusers module, routing.DISPATCH or routing.SDPA): the name the processors call attention by.
     rotary_site: the diffusers module whose processors call `apply_rotary_emb` by name, routed to our RoPE
         kernel (routing.ROTARY); None where the family rotates some other way.
     text_first: joint attention puts the replicated text tokens before the image tokens (else after).
     query_key_masks: the kind of (B, 1, queries, keys) masks the model builds from a per-token vector
         (masks.QueryKeyMasks), or None: its masks are key-padding masks.
+    local_cross_attention: a routed call whose queries and keys differ in count is cross-attention over keys every
+        rank holds whole (a Flux IP-Adapter's image-prompt tokens): each rank attends its own queries to them, as
+        one process does. For families whose joint attention never has keys-only text.
     check_model: raises, at enable time, for a model configuration the plan cannot shard.
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
     install: the family's own changes (embeddings, helpers rebound, hooks of its own), given a PlanContext; each
@@ -93,15 +111,16 @@ class SequenceParallelPlan:
     family: str
     call_site: tuple[str, str]
     attention_modules: Callable[[nn.Module], list[nn.Module]]
-    cfg: CfgPlan
+    cfg: CfgPlan | None
     num_heads: Callable[[nn.Module], int] = lambda model: model.config.num_attention_heads
     gathered_key_modules: Callable[[nn.Module], list[nn.Module]] | None = None
-    shard_inputs: dict[str, dict[str, int | PerToken | JointText | TextAndImage]] = field(default_factory=dict)
+    shard_inputs: dict[str, dict[str, _InputDim]] = field(default_factory=dict)
     shard_outputs: dict[str, dict[int, int]] = field(default_factory=dict)
     gather_outputs: dict[str, int | TextAndImage] = field(default_factory=dict)
     rotary_site: str | None = None
     text_first: bool = True
     query_key_masks: QueryKeyMasks | None = None
+    local_cross_attention: bool = False
     check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
     install: Callable[[nn.Module, PlanContext], list[Any]] | None = None
@@ -124,7 +143,7 @@ def _argument_positions(module: nn.Module) -> dict[str, int]:
 
 
 def _shard_inputs_hook(module: nn.Module, shard: SequenceShard,
-                       dims: dict[str, int | PerToken | JointText | TextAndImage]):
+                       dims: dict[str, _InputDim]):
     positions = _argument_positions(module)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -140,7 +159,7 @@ def _shard_inputs_hook(module: nn.Module, shard: SequenceShard,
     return hook
 
 
-def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken | JointText | TextAndImage) -> Any:
+def _shard_value(shard: SequenceShard, value: Any, dim: _InputDim) -> Any:
     """A tensor, or a tuple of tensors (rotary tables), split along `dim`."""
     if isinstance(value, (tuple, list)):
         return type(value)(_shard_value(shard, item, dim) for item in value)
@@ -150,6 +169,18 @@ def _shard_value(shard: SequenceShard, value: Any, dim: int | PerToken | JointTe
         return shard.shard_after_text(value, dim.dim)
     if isinstance(dim, PerToken):
         return shard.shard(value, dim.dim) if dim.applies_to(value) else value
+    if isinstance(dim, LocalOrWhole):
+        return _local_or_whole(shard, value, dim.dim)
+    return shard.shard(value, dim)
+
+
+def _local_or_whole(shard: SequenceShard, value: torch.Tensor, dim: int) -> torch.Tensor:
+    tokens = value.shape[dim]
+    if tokens == shard.local_len:
+        return value
+    if tokens != shard.seq_len:
+        raise ValueError(f"xstage_dit: a per-token input with {tokens} tokens, neither the whole sequence's "
+                         f"{shard.seq_len} nor this rank's {shard.local_len}")
     return shard.shard(value, dim)
 
 

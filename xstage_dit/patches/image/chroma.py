@@ -24,7 +24,7 @@ from ...sp.attention import routing
 from ...sp.attention.masks import QueryKeyMasks
 from ...sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
 from .. import cfg_rules
-from .flux import attention_of_both_streams, norm_rope_processors, refuse_controlnet_and_ip_adapter
+from .flux import attention_of_both_streams, norm_rope_processors
 from .flux_mlp import split_projection_blocks
 
 _FLUX = "diffusers.models.transformers.transformer_flux"  # Chroma's blocks run Flux's processor
@@ -51,6 +51,14 @@ def _install(model: nn.Module, context: PlanContext) -> list[Any]:
     return [SwappedClasses(embeddings, DeviceGuidanceEmbeddings)]
 
 
+def _refuse_controlnet_and_ip_adapter(arguments: dict[str, Any]) -> None:
+    """ControlNet residuals and IP-Adapter embeddings, which no Chroma pipeline of diffusers passes, are refused."""
+    if arguments.get("controlnet_block_samples") is not None:
+        raise NotImplementedError("xstage_dit: Chroma with ControlNet residuals is not supported")
+    if "ip_adapter_image_embeds" in (arguments.get("joint_attention_kwargs") or {}):
+        raise NotImplementedError("xstage_dit: Chroma with IP-Adapter is not supported")
+
+
 PLANS = {
     ChromaTransformer2DModel: SequenceParallelPlan(
         family="Chroma",
@@ -60,7 +68,7 @@ PLANS = {
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.token_output_shape, pipeline_uses_cfg=cfg_rules.guidance_above_one),
         shard_inputs={"": {"hidden_states": -2, "img_ids": -2, "attention_mask": TextAndImage(-1)}},
         gather_outputs={"proj_out": -2},
-        check_inputs=refuse_controlnet_and_ip_adapter("Chroma"),
+        check_inputs=_refuse_controlnet_and_ip_adapter,
         query_key_masks=QueryKeyMasks.PAIR_BIAS,
         install=_install,
         norm_rope_processors=norm_rope_processors,

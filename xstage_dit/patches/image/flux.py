@@ -9,21 +9,27 @@ While RoPE is fused (XStageConfig.fuse_rope), the blocks whose processor is diff
 `NormRopeProcessor`: the same attention, with each of query and key normalised, joined ([text, image]) and rotated
 by one kernel pass (ops.norm_rope) where diffusers runs two norms, a concatenation and a rotation. While MLPs are
 fused (XStageConfig.fuse_mlp), the single-stream blocks write no concatenation before their output projection
-(patches/image/flux_mlp.py). Chroma's plan installs the same (install_flux_blocks)."""
+(patches/image/flux_mlp.py). Chroma's plan installs the same (install_flux_blocks).
+
+A ControlNet (FluxControlNetPipeline's, each of a FluxMultiControlNetModel's, Union ones too) is a Flux-like
+transformer of its own: its plan splits its image tokens as the transformer's does and leaves the residuals it
+returns split; the transformer adds this rank's tokens of them to its own (residuals given whole are split on
+entry). An IP-Adapter's attention over the image-prompt tokens (FluxIPAdapterAttnProcessor's second call) is
+cross-attention over keys every rank holds whole: each rank attends its own image queries to them."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers import FluxTransformer2DModel
+from diffusers import FluxControlNetModel, FluxTransformer2DModel
 from diffusers.models.transformers import transformer_flux
 from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
 from ...kernels.rotary_args import JointTokens, NormedTokens
 from ...sp.attention import ops, routing
-from ...sp.plan import JointText, SequenceParallelPlan
+from ...sp.plan import JointText, LocalOrWhole, SequenceParallelPlan
 from .. import cfg_rules
 from .flux_mlp import split_projection_blocks
 from ..processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
@@ -32,21 +38,6 @@ from ..processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
 def attention_of_both_streams(model: nn.Module) -> list[nn.Module]:
     """The `attn` of every dual-stream and single-stream block (the Flux layout, which FLUX.2 keeps)."""
     return [block.attn for block in (*model.transformer_blocks, *model.single_transformer_blocks)]
-
-
-def refuse_controlnet_and_ip_adapter(family: str) -> Callable[[dict[str, Any]], None]:
-    """The input check of a model with Flux's forward: ControlNet residuals and IP-Adapter embeddings are
-    refused."""
-
-    def check(arguments: dict[str, Any]) -> None:
-        for name in ("controlnet_block_samples", "controlnet_single_block_samples"):
-            if arguments.get(name) is not None:
-                raise NotImplementedError(f"xstage_dit: {family} with ControlNet residuals ({name}) is not "
-                                          "supported yet")
-        if "ip_adapter_image_embeds" in (arguments.get("joint_attention_kwargs") or {}):
-            raise NotImplementedError(f"xstage_dit: {family} with IP-Adapter is not supported yet")
-
-    return check
 
 
 def _normed(tokens: torch.Tensor, norm: nn.RMSNorm) -> NormedTokens:
@@ -131,10 +122,26 @@ PLANS = {
         ),
         # ids are (S, 3), or the deprecated (1, S, 3): the sequence is the second-to-last dim either way
         shard_inputs={"": {"hidden_states": -2, "img_ids": -2,
-                           "encoder_hidden_states": JointText(-2), "txt_ids": JointText(-2)}},
+                           "encoder_hidden_states": JointText(-2), "txt_ids": JointText(-2),
+                           "controlnet_block_samples": LocalOrWhole(-2),
+                           "controlnet_single_block_samples": LocalOrWhole(-2)}},
         gather_outputs={"proj_out": -2},
-        check_inputs=refuse_controlnet_and_ip_adapter("Flux"),
+        local_cross_attention=True,
         norm_rope_processors=norm_rope_processors,
         split_projection=split_projection_blocks,
-    )
+    ),
+    FluxControlNetModel: SequenceParallelPlan(
+        family="Flux ControlNet",
+        call_site=("diffusers.models.transformers.transformer_flux", routing.DISPATCH),
+        rotary_site="diffusers.models.transformers.transformer_flux",
+        attention_modules=attention_of_both_streams,
+        cfg=None,
+        # the prompt stays whole: a Union ControlNet puts its mode's token before it; the control image's tokens
+        # are split after their embedding (an image, or tokens, in; tokens out), and the residuals it returns stay
+        # this rank's tokens, which the enabled transformer adds to its own
+        shard_inputs={"": {"hidden_states": -2, "img_ids": -2}},
+        shard_outputs={"controlnet_x_embedder": {0: -2}},
+        norm_rope_processors=norm_rope_processors,
+        split_projection=split_projection_blocks,
+    ),
 }

@@ -5,6 +5,9 @@ table and the text tokens stay whole. The model builds its mask from the local t
 `zero_cond_t` (Edit-2511) pick each image token's modulation by `modulate_index`, which every block gets and
 which is split with the tokens there.
 
+A ControlNet (QwenImageControlNetPipeline's, each of a QwenImageMultiControlNetModel's) is split the same way;
+the residuals it returns stay split, and the transformer adds this rank's tokens of them to its own.
+
 The text lengths the model derives from its mask are computed without diffusers' host-to-device copy of the full
 length (`text_lengths_without_copy`), which would keep the forward out of a CUDA graph."""
 from __future__ import annotations
@@ -12,16 +15,17 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from diffusers import QwenImageTransformer2DModel
+from diffusers import QwenImageControlNetModel, QwenImageTransformer2DModel
 from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
 from ...hooks.module_forward import ReboundName
 from ...sp.attention import routing
-from ...sp.plan import PerToken, PlanContext, SequenceParallelPlan
+from ...sp.plan import LocalOrWhole, PerToken, PlanContext, SequenceParallelPlan
 from .. import cfg_rules
 
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
+_QWEN_CONTROLNET = "diffusers.models.controlnets.controlnet_qwenimage"
 TextLengths = tuple[int, torch.Tensor | None, torch.Tensor | None]
 
 
@@ -47,9 +51,8 @@ def _install(model: nn.Module, context: PlanContext) -> list[Any]:
     return [ReboundName(_QWEN, "compute_text_seq_len_from_mask", text_lengths_without_copy)]
 
 
-def _check_inputs(arguments: dict[str, Any]) -> None:
-    if arguments.get("controlnet_block_samples") is not None:
-        raise NotImplementedError("xstage_dit: QwenImage with ControlNet residuals is not supported yet")
+def _install_controlnet(model: nn.Module, context: PlanContext) -> list[Any]:
+    return [ReboundName(_QWEN_CONTROLNET, "compute_text_seq_len_from_mask", text_lengths_without_copy)]
 
 
 PLANS = {
@@ -58,10 +61,21 @@ PLANS = {
         call_site=(_QWEN, routing.DISPATCH),
         attention_modules=lambda model: [block.attn for block in model.transformer_blocks],
         cfg=CfgPlan(PAIRS, output_shape=cfg_rules.token_output_shape, pipeline_uses_cfg=cfg_rules.true_cfg),
-        shard_inputs={"": {"hidden_states": 1}, "transformer_blocks.*": {"modulate_index": PerToken(1)}},
+        shard_inputs={"": {"hidden_states": 1, "controlnet_block_samples": LocalOrWhole(1)},
+                      "transformer_blocks.*": {"modulate_index": PerToken(1)}},
         shard_outputs={"pos_embed": {0: 0}},
         gather_outputs={"proj_out": 1},
-        check_inputs=_check_inputs,
         install=_install,
-    )
+    ),
+    QwenImageControlNetModel: SequenceParallelPlan(
+        family="QwenImage ControlNet",
+        call_site=(_QWEN, routing.DISPATCH),
+        attention_modules=lambda model: [block.attn for block in model.transformer_blocks],
+        cfg=None,
+        # the control image's tokens split after their embedding; the residuals it returns stay this rank's
+        # tokens, which the enabled transformer adds to its own
+        shard_inputs={"": {"hidden_states": 1}},
+        shard_outputs={"pos_embed": {0: 0}, "controlnet_x_embedder": {0: 1}},
+        install=_install_controlnet,
+    ),
 }

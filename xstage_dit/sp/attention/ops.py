@@ -36,14 +36,14 @@ from ..fabric import fabric_of
 from .layout import UlyssesLayout
 from .local import diffusers_attention, sdpa_bshd
 from .reference import serial_exchange
-from .ring import ring_exchange, ring_stores
+from .ring import WholeKeys, ring_exchange, ring_stores
 from ..sharding import SequenceShard
 
 
 def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
                       text_mask: torch.Tensor | None, backend: str, group: dist.ProcessGroup | None,
                       scale: float | None, attention_backend: str | None, pair_bias: bool = False,
-                      ring_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                      ring_group: dist.ProcessGroup | None = None, whole: WholeKeys | None = None) -> torch.Tensor:
     """Ulysses attention of q, k and v as their joint tokens (1 or 2 parts (B, rows, H, D) each), through
     xstage::ulysses_attention. Where q and k come with a NormRope (both, sharing the tables and `across_heads`:
     a joint-attention processor's prologue), a backend with a joint entry (the fused one) applies it in its stores
@@ -51,7 +51,8 @@ def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, 
     (sp/attention/backends.py) that picks the backend for this call; `attention_backend`, the diffusers attention
     backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor of a pair
     bias (masks.QueryKeyMasks.PAIR_BIAS), which only the reference backend attends with. `group`: the Ulysses
-    group (None at Ulysses degree 1); `ring_group`: the ring's, where `layout.ring_degree` is above 1 (ring.py)."""
+    group (None at Ulysses degree 1); `ring_group`: the ring's, where `layout.ring_degree` is above 1 (ring.py);
+    `whole`: keys and values every rank holds whole, attended besides the sequence's (ring.py's path runs them)."""
     query_norm, key_norm = query.norm_rope, key.norm_rope
     return ulysses_attention_op(
         query_parts=list(query.parts), key_parts=list(key.parts), value_parts=list(value.parts),
@@ -60,6 +61,7 @@ def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, 
         key_norm_weights=[] if key_norm is None else list(key_norm.weights),
         key_norm_eps=[] if key_norm is None else list(key_norm.eps),
         cos=None if query_norm is None else query_norm.cos, sin=None if query_norm is None else query_norm.sin,
+        whole_key=None if whole is None else whole.key, whole_value=None if whole is None else whole.value,
         norm_across_heads=query_norm is not None and query_norm.across_heads, text_mask=text_mask,
         text_len=layout.text_len, seq_len=layout.seq_len, local_len=layout.local_len, degree=layout.degree,
         rank=layout.rank, text_first=layout.text_first, text_queries=layout.text_queries, backend=backend,
@@ -78,6 +80,8 @@ def ulysses_attention_op(
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     text_mask: torch.Tensor | None,
+    whole_key: torch.Tensor | None,
+    whole_value: torch.Tensor | None,
     *,
     query_norm_eps: list[float],
     key_norm_eps: list[float],
@@ -111,15 +115,16 @@ def ulysses_attention_op(
     query = tokens(query_parts, query_norm_weights, query_norm_eps)
     key = tokens(key_parts, key_norm_weights, key_norm_eps)
     value = JointTokens(tuple(value_parts))
-    if ring_degree > 1:
-        if backend not in (FALLBACK, "auto", "fused"):
-            warn_once(f"xstage_dit: with a ring degree above 1 attention runs the ring (its blocks by remote stores "
-                      f"where its ranks share a node), not backend {backend!r}")
-        ring_group = _resolve_process_group(ring_group_name)
+    whole = None if whole_key is None else WholeKeys(whole_key, whole_value)
+    if ring_degree > 1 or whole is not None:
+        ring_group = _resolve_process_group(ring_group_name) if ring_group_name else None
+        if backend not in (FALLBACK, "auto") and not (backend == "fused" and ring_group is not None):
+            why = "a ring degree above 1" if ring_degree > 1 else "keys every rank holds whole"
+            warn_once(f"xstage_dit: attention with {why} runs the ring's path, not backend {backend!r}")
+        stores = None if ring_group is None else ring_stores(backend, ring_group, query_parts[0], layout)
         return ring_exchange(_joined(query), _joined(key), _joined(value), layout,
                              _resolve_process_group(group_name) if group_name else None, ring_group, scale,
-                             text_mask, text_factor=pair_bias,
-                             stores=ring_stores(backend, ring_group, query_parts[0], layout))
+                             text_mask, text_factor=pair_bias, whole=whole, stores=stores)
     chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
     group = _resolve_process_group(group_name)
     if pair_bias:
@@ -137,7 +142,8 @@ def ulysses_attention_op(
 
 
 @ulysses_attention_op.register_fake
-def _(query_parts, key_parts, value_parts, query_norm_weights, key_norm_weights, cos, sin, text_mask, *,
+def _(query_parts, key_parts, value_parts, query_norm_weights, key_norm_weights, cos, sin, text_mask, whole_key,
+      whole_value, *,
       query_norm_eps, key_norm_eps, norm_across_heads, text_len, seq_len, local_len, degree, rank, text_first,
       text_queries, backend, group_name, scale, attention_backend, pair_bias, ring_degree, ring_rank,
       ring_group_name):

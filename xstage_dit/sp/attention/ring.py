@@ -12,7 +12,11 @@ alone is neither sent nor attended. A last all-to-all gives each rank its own to
 The blocks travel one of two ways: point-to-point sends over the ring group (`ring_attention`, any backend choice,
 and across nodes), or, where `enable` opened the ring group's symmetric-memory fabric (its ranks share a node and
 the backend choice may store into a fabric), remote stores issued by a forward kernel beside the attention
-(`stored_ring_steps`, the X-Stage ring)."""
+(`stored_ring_steps`, the X-Stage ring).
+
+Keys and values that every rank holds whole, of every head (`WholeKeys`: FLUX.2's cached reference-image keys),
+need no exchange: each rank attends its heads of them once, merged like a ring block. This path runs such calls at
+any ring degree, 1 included."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -54,6 +58,18 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2), lse.float()
+
+
+class WholeKeys(NamedTuple):
+    """Keys and values every rank holds whole, (B, R, H, D): attended by every query, exchanged with nobody."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    def heads(self, rank: int, degree: int) -> "WholeKeys":
+        """This rank's heads of them, where a Ulysses group of `degree` ranks splits the heads."""
+        share = self.key.shape[2] // degree
+        return WholeKeys(*(t[:, :, rank * share:(rank + 1) * share] for t in self))
 
 
 class _Merged:
@@ -123,12 +139,14 @@ def ring_masks(text_mask: torch.Tensor | None, layout: UlyssesLayout, query_rows
 
 
 def _attend_own(merged: _Merged, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                layout: UlyssesLayout, scale: float | None, masks: RingMasks) -> None:
-    """The first step's keys: the text and this rank's own block."""
+                layout: UlyssesLayout, scale: float | None, masks: RingMasks, whole: WholeKeys | None) -> None:
+    """The first step's keys: the text, this rank's own block and its heads of the `whole` keys."""
     own = layout.block_keys(layout.ring_rank)
     if layout.text_len or own:
         keys = slice(0, layout.text_len + own)
         merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], masks.first, scale))
+    if whole is not None:
+        merged.add(*attention_with_lse(query, *whole, None, scale))
 
 
 def _attend_block(merged: _Merged, query: torch.Tensor, block: torch.Tensor, scale: float | None,
@@ -145,12 +163,12 @@ def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) ->
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None,
-                   text_factor: bool = False) -> torch.Tensor:
+                   group: dist.ProcessGroup | None, scale: float | None, text_mask: torch.Tensor | None,
+                   text_factor: bool = False, whole: WholeKeys | None = None) -> torch.Tensor:
     """Attention of this rank's gathered queries, (B, Tq + P, h, D) with P = layout.padded_len rows of its ring
-    block, over the text keys and every ring block's keys: k and v (B, T + P, h_kv, D), text first. The blocks
-    travel by point-to-point sends. `text_factor`: `text_mask` is the text tokens' factor of a pair bias
-    (masks.QueryKeyMasks.PAIR_BIAS)."""
+    block, over the text keys, every ring block's keys (k and v (B, T + P, h_kv, D), text first) and this rank's
+    heads of the `whole` keys. The blocks travel by point-to-point sends over `group` (None at ring degree 1).
+    `text_factor`: `text_mask` is the text tokens' factor of a pair bias (masks.QueryKeyMasks.PAIR_BIAS)."""
     degree, rank = layout.ring_degree, layout.ring_rank
 
     def what() -> str:  # described only when a wait fails
@@ -166,7 +184,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     in_flight = send_on(_own_block(key, value, layout), 0)
     merged = _Merged(query)
     masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
-    _attend_own(merged, query, key, value, layout, scale, masks)  # while the first block travels
+    _attend_own(merged, query, key, value, layout, scale, masks, whole)  # while the first block travels
     for step in range(1, degree):
         block = in_flight.wait()
         in_flight = send_on(block, step)  # passed on while it attends
@@ -205,7 +223,7 @@ class _Beside:
 
 def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                       fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None, text_factor: bool = False,
-                      programs: int = RING_FORWARD_PROGRAMS) -> Steps[torch.Tensor]:
+                      whole: WholeKeys | None = None, programs: int = RING_FORWARD_PROGRAMS) -> Steps[torch.Tensor]:
     """ring_attention with the blocks delivered by remote stores (the X-Stage ring), one rank over `fabric` (the
     ring group's), paused before each barrier. Every rank holds two slots for incoming blocks: while a step
     attends its block, the forward kernel stores that block into the next ring rank's other slot, beside the
@@ -228,7 +246,7 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                 forward_block(block.reshape(-1), slots.tensor[(step + 1) % 2], slots.destinations,
                               (rank + 1) % degree, programs)
         if step == 0:
-            _attend_own(merged, query, key, value, layout, scale, masks)
+            _attend_own(merged, query, key, value, layout, scale, masks, whole)
         else:
             _attend_block(merged, query, block, scale, masks)
         forward.join()
@@ -243,10 +261,11 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                           fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
-                          text_factor: bool = False, programs: int = RING_FORWARD_PROGRAMS) -> torch.Tensor:
+                          text_factor: bool = False, whole: WholeKeys | None = None,
+                          programs: int = RING_FORWARD_PROGRAMS) -> torch.Tensor:
     """One rank's stored_ring_steps over `fabric`."""
     (out,) = run_in_lockstep([stored_ring_steps(query, key, value, layout, fabric, scale, text_mask, text_factor,
-                                                programs)], fabric.barrier)
+                                                whole, programs)], fabric.barrier)
     return out
 
 
@@ -273,13 +292,14 @@ def ring_stores(backend: str, ring_group: dist.ProcessGroup, query: torch.Tensor
 
 
 def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                  ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup, scale: float | None,
-                  text_mask: torch.Tensor | None, text_factor: bool = False,
-                  stores: Fabric | None = None) -> torch.Tensor:
+                  ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup | None,
+                  scale: float | None, text_mask: torch.Tensor | None, text_factor: bool = False,
+                  whole: WholeKeys | None = None, stores: Fabric | None = None) -> torch.Tensor:
     """Ulysses inside each ring step: this rank's (B, T + L, H, D) q, k, v (text first or last) exchanged over
     its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back.
-    `text_factor`: `text_mask` is a pair bias's text factor (ring_masks); `stores`: the fabric the blocks travel
-    over by stores (ring_stores), None for point-to-point sends."""
+    `text_factor`: `text_mask` is a pair bias's text factor (ring_masks); `whole`: keys every rank holds whole,
+    attended besides the sequence's; `stores`: the fabric the blocks travel over by stores (ring_stores), None for
+    point-to-point sends (`ring_group` None: ring degree 1)."""
     qkv = (query, key, value)
     if layout.degree > 1:
         transport = all_to_all(ulysses_group)
@@ -287,10 +307,12 @@ def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         q, k, v = finish_scatter(start_scatter(qkv, layout, transport, every_head), qkv, layout, every_head)
     else:
         q, k, v = (torch.cat(layout.split(t), dim=1) for t in qkv)  # text first
+    if whole is not None:
+        whole = whole.heads(layout.rank, layout.degree)
     if stores is not None:
-        out = stored_ring_attention(q, k, v, layout, stores, scale, text_mask, text_factor)
+        out = stored_ring_attention(q, k, v, layout, stores, scale, text_mask, text_factor, whole)
     else:
-        out = ring_attention(q, k, v, layout, ring_group, scale, text_mask, text_factor)
+        out = ring_attention(q, k, v, layout, ring_group, scale, text_mask, text_factor, whole)
     if layout.degree > 1:
         return finish_gather(start_gather(out, layout, transport), layout)
     return layout.join(out[:, :layout.query_text_len], out[:, layout.query_text_len:])

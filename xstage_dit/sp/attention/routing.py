@@ -5,9 +5,11 @@ diffusers' processors call either `dispatch_attention_fn` (Flux, Wan, HunyuanVid
 router (and, where a family's plan names it, `apply_rotary_emb` to one that runs our RoPE kernel), and each
 routed attention module is marked active while it runs (`mark_active`): calls made inside an active module go to its
 `UlyssesAttention` (or the RoPE kernel), unless it declines them (`routes`: calls within a prefix every rank holds
-whole); every other call (text refiners, cross-attention, VAEs, models that are not enabled) goes to diffusers or
-torch unchanged. A processor of ours that holds q and k before their norms and rotation (patches/image/flux.py) may
-first offer them as they are (`joint_attention`). No processor code is copied. Bindings are shared by the enabled
+whole, and a family's local cross-attention such as a Flux IP-Adapter's); every other call (text refiners,
+cross-attention, VAEs, models that are not enabled) goes to diffusers or torch unchanged. A processor of ours that
+holds q and k before their norms and rotation (patches/image/flux.py) may first offer them as they are
+(`joint_attention`); code that attends keys every rank holds whole besides the sequence's (FLUX.2's cached
+reference keys) asks `attention_with_whole_keys`. No processor code is copied. Bindings are shared by the enabled
 models (module_forward.ReboundName): the last one's `remove` restores the original."""
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ...kernels.rotary_args import JointTokens
 from ...hooks.diffusers_registries import register_like
 from ...hooks.module_forward import ReboundName, ReplacedForward
 from . import ops
+from .ring import WholeKeys
 from .ulysses import GatheredKeysAttention, UlyssesAttention
 
 _active: UlyssesAttention | GatheredKeysAttention | None = None
@@ -36,7 +39,7 @@ def _dispatch_router(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        if _active is not None and _active.routes(key.shape[1]):  # (B, S, H, D)
+        if _active is not None and _active.routes(query.shape[1], key.shape[1]):  # (B, S, H, D)
             return _active(query, key, value, attn_mask, dropout_p, is_causal, scale, _backend_name(backend))
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
                         backend=backend, parallel_config=parallel_config)
@@ -54,15 +57,27 @@ def joint_attention(query: JointTokens, key: JointTokens, value: JointTokens, at
     """A routed `dispatch_attention_fn` call for q, k, v held as JointTokens (a processor that would otherwise
     normalise, join and rotate them first): the active Ulysses attention's, where it takes them; None where it
     does not (or no attention of ours is active), and the caller joins them and dispatches as usual."""
-    if not isinstance(_active, UlyssesAttention) or not _active.routes(key.rows):
+    if not isinstance(_active, UlyssesAttention) or not _active.routes(query.rows, key.rows):
         return None
     return _active.joint(query, key, value, attn_mask, None, _backend_name(backend))
 
 
+def attention_with_whole_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, whole: WholeKeys
+                              ) -> torch.Tensor | None:
+    """A routed attention call (B, S, H, D) that also attends keys and values every rank holds whole (cached
+    reference-image keys): the active Ulysses attention's where the tokens are split; None otherwise, and the
+    caller attends over all the keys as diffusers does."""
+    if not isinstance(_active, UlyssesAttention) or not _active.routes(query.shape[1], key.shape[1]):
+        return None
+    return _active.with_whole_keys(query, key, value, whole)
+
+
 def joint_attention_offered(keys: int, device: torch.device) -> bool:
-    """Whether `joint_attention` over `keys` keys on `device` may take JointTokens now, the tensors' own checks
-    aside (asked by a processor that would otherwise leave the whole call to diffusers' code)."""
-    return isinstance(_active, UlyssesAttention) and _active.routes(keys) and _active.takes_joint_tokens(device)
+    """Whether `joint_attention` of self-attention over `keys` tokens on `device` may take JointTokens now, the
+    tensors' own checks aside (asked by a processor that would otherwise leave the whole call to diffusers'
+    code)."""
+    return (isinstance(_active, UlyssesAttention) and _active.routes(keys, keys)
+            and _active.takes_joint_tokens(device))
 
 
 def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
@@ -75,7 +90,7 @@ def _sdpa_router(original: types.ModuleType) -> types.ModuleType:
         @staticmethod
         def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          scale=None, enable_gqa=False):
-            if _active is None or not _active.routes(key.shape[2]):  # (B, H, S, D)
+            if _active is None or not _active.routes(query.shape[2], key.shape[2]):  # (B, H, S, D)
                 return original.scaled_dot_product_attention(
                     query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa,

@@ -8,6 +8,7 @@ from .backends import FALLBACK, BackendChoice, may_take_joint_tokens
 from .layout import UlyssesLayout
 from .local import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
+from .ring import WholeKeys
 from .ops import (gathered_keys_attention, local_attention, prologue_kernels_run, say_pair_bias_fallback,
     ulysses_attention)
 from ...runtime.distributed import Axis
@@ -16,21 +17,27 @@ from ..sharding import SequenceShard
 
 class UlyssesAttention:
     """Ulysses attention for one model: knows the model's token split and the backend choice, not the model. The
-    split's ranks may form a ring of Ulysses groups (`ring`, ring.py); by default they are one Ulysses group."""
+    split's ranks may form a ring of Ulysses groups (`ring`, ring.py); by default they are one Ulysses group.
+    `local_cross_attention`: the model's calls whose queries and keys differ in count are cross-attention over
+    keys every rank holds whole (SequenceParallelPlan.local_cross_attention)."""
 
     def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
                  query_key_masks: QueryKeyMasks | None = None, ulysses: Axis | None = None,
-                 ring: Axis = Axis()) -> None:
+                 ring: Axis = Axis(), local_cross_attention: bool = False) -> None:
         self.shard = shard
         self.choice = choice
         self.text_first = text_first
         self.query_key_masks = query_key_masks
         self.ulysses = Axis(shard.degree, shard.rank, shard.group) if ulysses is None else ulysses
         self.ring = ring
+        self.local_cross_attention = local_cross_attention
 
-    def routes(self, keys: int) -> bool:
-        """Whether a call over `keys` keys is this attention's: not one within a prefix every rank holds whole
-        (SequenceShard.whole_prefix_len), which the model's own attention computes as one process does."""
+    def routes(self, queries: int, keys: int) -> bool:
+        """Whether a call of `queries` queries over `keys` keys is this attention's: not one within a prefix every
+        rank holds whole (SequenceShard.whole_prefix_len), nor, where the model's cross-attention is local, one
+        whose keys are not the queries' tokens; the model's own attention computes those as one process does."""
+        if self.local_cross_attention and queries != keys:
+            return False
         return keys > self.shard.whole_prefix_len
 
     def __call__(
@@ -79,6 +86,18 @@ class UlyssesAttention:
                                  backend=self.choice.name, group=self.ulysses.group, scale=scale,
                                  attention_backend=attention_backend)
 
+    def with_whole_keys(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, whole: WholeKeys,
+                        scale: float | None = None) -> torch.Tensor | None:
+        """Attention of q, k, v laid out as this attention's calls are, over keys and values every rank holds
+        whole (`whole`, of every head) besides the sequence's; None where the tokens are not split (the caller
+        attends over all the keys itself)."""
+        if self.shard.degree == 1:
+            return None
+        layout = self._layout(query.shape[1], key.shape[1])
+        return ulysses_attention(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout,
+                                 text_mask=None, backend=self.choice.name, group=self.ulysses.group, scale=scale,
+                                 attention_backend=None, ring_group=self.ring.group, whole=whole)
+
     def takes_joint_tokens(self, device: torch.device) -> bool:
         """What `joint` asks before it looks at the tensors: a Ulysses degree above 1, no masks over query-key
         pairs, and a backend of the choice that takes JointTokens on `device`."""
@@ -115,7 +134,7 @@ class GatheredKeysAttention:
     def __init__(self, shard: SequenceShard) -> None:
         self.shard = shard
 
-    def routes(self, keys: int) -> bool:
+    def routes(self, queries: int, keys: int) -> bool:
         return True
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
