@@ -186,7 +186,8 @@ def _adapters_worker(name: str, device: str = "cpu", dtype: torch.dtype = torch.
                                                                                            len(split_projections))
         flux_mlp.project_joined = project_joined
     if cuda_graphs:
-        assert xstage_dit.cuda_graph_use(pipe).replays > 0
+        use = xstage_dit.cuda_graph_use(pipe)
+        assert use.replays + use.block_replays > 0, use
     if name in WARNED:
         assert any(WARNED[name] in warning for warning in warnings), warnings
     # merged and unloaded: every layer the adapters trained is a plain Linear again

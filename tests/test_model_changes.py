@@ -89,17 +89,22 @@ def test_a_changed_model_drops_its_graphs(monkeypatch) -> None:
 
 
 def test_reading_a_model_costs_microseconds() -> None:
-    """The key of a model of FLUX.1-dev's size (random-free: on the meta device), read as each call reads it."""
+    """The key of a model of FLUX.1-dev's size (on the meta device), read as the pipeline-call check and a
+    CUDA-graphed forward read it."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(num_layers=19, num_single_layers=38)
-    changes = ModelChanges(model)
-    calls = 200
-    start = time.perf_counter()
-    for _ in range(calls):
-        changes.moved()
-    per_call_us = (time.perf_counter() - start) / calls * 1e6
-    print(f"\nModelChanges.moved() on FLUX.1-dev's {len(list(model.parameters()))} parameters: {per_call_us:.0f} µs")
-    changes.remove()
-    assert per_call_us < 5000  # loose: shared CI machines; docs/performance.md has the number
+    for in_place_writes, reader in ((True, "before each pipeline call"), (False, "before each CUDA-graphed forward")):
+        changes = ModelChanges(model, in_place_writes)
+        batches = []  # the fastest batch: the least disturbed by other work on the machine
+        for _ in range(20):
+            start = time.perf_counter()
+            for _ in range(10):
+                changes.moved()
+            batches.append((time.perf_counter() - start) / 10)
+        per_call_us = min(batches) * 1e6
+        changes.remove()
+        print(f"\nModelChanges.moved() {reader}, FLUX.1-dev's {len(list(model.parameters()))} parameters: "
+              f"{per_call_us:.0f} µs")
+        assert per_call_us < 5000  # loose: shared CI machines; docs/performance.md has the number

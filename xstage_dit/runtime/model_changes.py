@@ -12,6 +12,8 @@ PEFT's merges and hot-swaps use; they are seen through the adapter state they ch
 PEFT removes afterwards. Inference tensors and tensor subclasses count only when replaced."""
 from __future__ import annotations
 
+import functools
+import weakref
 from operator import attrgetter
 from typing import Any, Hashable, NamedTuple
 
@@ -54,21 +56,22 @@ def _adapter_state(layer: Any) -> Hashable:
 
 class ModelChanges:
     """Watches `model` from construction until `remove()`: `key()` is its state now, `moved()` says whether that
-    changed since the last time it was asked."""
+    changed since the last time it was asked. `in_place_writes=False` leaves the version counters out (half the
+    cost), for a reader of the parameters' memory, which sees such writes anyway (a CUDA graph)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, in_place_writes: bool = True) -> None:
         self.model = model
+        self._versions = in_place_writes
         self._registrations = 0
         self._walked_at = -1
-        self._hooks = [torch_module.register_module_module_registration_hook(self._registered),
-                       torch_module.register_module_parameter_registration_hook(self._registered),
-                       torch_module.register_module_buffer_registration_hook(self._registered)]
+        # torch keeps the hooks globally: they hold this object weakly, so that a model nobody uses is freed
+        registered = functools.partial(_count_registration, weakref.ref(self))
+        self._hooks = [torch_module.register_module_module_registration_hook(registered),
+                       torch_module.register_module_parameter_registration_hook(registered),
+                       torch_module.register_module_buffer_registration_hook(registered)]
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
         self._walk()
         self.last = self.key()  # as of the last `moved()`
-
-    def _registered(self, module: nn.Module, name: str, value: Any) -> None:
-        if id(module) in self._module_ids:
-            self._registrations += 1
 
     def _walk(self) -> None:
         modules = list(self.model.modules())
@@ -88,7 +91,7 @@ class ModelChanges:
     def key(self) -> ModelKey:
         if self._walked_at != self._registrations:
             self._walk()
-        return ModelKey(self._registrations, sum(map(_VERSION, self._tracked)),
+        return ModelKey(self._registrations, sum(map(_VERSION, self._tracked)) if self._versions else 0,
                         sum(map(torch.Tensor.data_ptr, self._tracked)),
                         tuple(_adapter_state(layer) for layer in self._tuners))
 
@@ -99,9 +102,18 @@ class ModelChanges:
         return moved
 
     def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        _remove_hooks(self._hooks)
+
+
+def _count_registration(changes: weakref.ref[ModelChanges], module: nn.Module, name: str, value: Any) -> None:
+    watching = changes()
+    if watching is not None and id(module) in watching._module_ids:
+        watching._registrations += 1
+
+
+def _remove_hooks(hooks: list[Any]) -> None:
+    for hook in hooks:
+        hook.remove()  # a second time does nothing
 
 
 class ChangesSinceEnable:
