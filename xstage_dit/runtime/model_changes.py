@@ -76,20 +76,13 @@ class ModelChanges:
     def _walk(self) -> None:
         modules = list(self.model.modules())
         self._module_ids = {id(module) for module in modules}
-        self._parameters = list(self.model.parameters())
-        self._tracked = [p for p in self._parameters if type(p) in _PLAIN and not p.is_inference()]
+        self._tracked = [p for p in self.model.parameters() if type(p) in _PLAIN and not p.is_inference()]
         tuner = _tuner_layer_type()
         self._tuners = [module for module in modules if tuner is not None and isinstance(module, tuner)]
         self._walked_at = self._registrations
 
-    def parameters(self) -> list[nn.Parameter]:
-        """The model's parameters now."""
-        if self._walked_at != self._registrations:
-            self._walk()
-        return self._parameters
-
     def key(self) -> ModelKey:
-        if self._walked_at != self._registrations:
+        if self._walked_at != self._registrations:  # walked again only after a registration
             self._walk()
         return ModelKey(self._registrations, sum(map(_VERSION, self._tracked)) if self._versions else 0,
                         sum(map(torch.Tensor.data_ptr, self._tracked)),
@@ -122,14 +115,14 @@ class ChangesSinceEnable:
     such as sharded experts, agree while nobody changes them). The sum is taken again only when the model moved."""
 
     def __init__(self, model: nn.Module, name: str) -> None:
-        self.name = name
+        self.model, self.name = model, name
         self._changes = ModelChanges(model)
-        self._baseline = tensors_checksum(self._changes.parameters())
+        self._baseline = tensors_checksum(model.parameters())
         self._moved_by = 0.0
 
     def add_to(self, fingerprint: Fingerprint) -> None:
         if self._changes.moved():
-            self._moved_by = tensors_checksum(self._changes.parameters()) - self._baseline
+            self._moved_by = tensors_checksum(self.model.parameters()) - self._baseline
         fingerprint.add(f"{self.name}'s adapters (active, disabled, merged, scales)",
                         repr(self._changes.last.adapters))
         fingerprint.add(f"{self.name}'s weights (their sum's change since enable)", self._moved_by)
