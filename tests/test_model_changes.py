@@ -30,38 +30,45 @@ def _scaled_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_every_common_change_moves_the_key() -> None:
+    """Both readers: the ranks' check (version counters) and a CUDA-graphed forward (storage)."""
     pipe = zoo.build_pipeline("tiny-flux")
     model = pipe.transformer
     weight = model.transformer_blocks[0].attn.to_q.weight
     adapters = {name: lora_state_dict(model, ADAPTERS["tiny-flux"]["a"], seed) for name, seed in (("a", 0), ("b", 1))}
-    changes = ModelChanges(model)
-    # (what, the change, whether the key moves)
-    sequence: list[tuple[str, Callable[[], object], bool]] = [
-        ("nothing", lambda: None, False),
-        ("a forward", lambda: model(**_inputs(model)), False),
-        ("in place under no_grad", lambda: torch.no_grad()(weight.mul_)(2.0), True),
-        ("load_state_dict", lambda: model.load_state_dict(_scaled_state(model)), True),
-        ("load_state_dict(assign=True)", lambda: model.load_state_dict(_scaled_state(model), assign=True), True),
-        ("param.data = another tensor", lambda: setattr(model.proj_out.weight, "data", model.proj_out.weight * 2),
+    check = ModelChanges(model, versions=True, storage=False)
+    graphs = ModelChanges(model, versions=False, storage=True)
+    # (what, the change, whether the check's key moves, whether the graphs' key moves)
+    sequence: list[tuple[str, Callable[[], object], bool, bool]] = [
+        ("nothing", lambda: None, False, False),
+        ("a forward", lambda: model(**_inputs(model)), False, False),
+        ("in place under no_grad", lambda: weight.mul_(2.0), True, False),
+        ("load_state_dict", lambda: model.load_state_dict(_scaled_state(model)), True, False),
+        ("load_state_dict(assign=True)", lambda: model.load_state_dict(_scaled_state(model), assign=True), True,
          True),
-        ("param.data.mul_ (not counted by torch)", lambda: model.proj_out.weight.data.mul_(2), False),
-        ("load_lora_weights", lambda: pipe.load_lora_weights(adapters["a"], adapter_name="a"), True),
-        ("set_adapters", lambda: pipe.set_adapters(["a"], [0.5]), True),
-        ("the same set_adapters again", lambda: pipe.set_adapters(["a"], [0.5]), False),
-        ("hotswap", lambda: pipe.load_lora_weights(adapters["b"], adapter_name="a", hotswap=True), True),
-        ("disable_lora", pipe.disable_lora, True),
-        ("enable_lora", pipe.enable_lora, True),
-        ("fuse_lora", pipe.fuse_lora, True),
-        ("unfuse_lora", pipe.unfuse_lora, True),
-        ("delete_adapters", lambda: pipe.delete_adapters("a"), True),
-        ("load again", lambda: pipe.load_lora_weights(adapters["a"], adapter_name="a"), True),
-        ("unload_lora_weights", pipe.unload_lora_weights, True),
+        ("param.data = another tensor", lambda: setattr(model.proj_out.weight, "data", model.proj_out.weight * 2),
+         False, True),
+        ("param.data.mul_ (not counted by torch)", lambda: model.proj_out.weight.data.mul_(2), False, False),
+        ("load_lora_weights", lambda: pipe.load_lora_weights(adapters["a"], adapter_name="a"), True, True),
+        ("set_adapters", lambda: pipe.set_adapters(["a"], [0.5]), True, True),
+        ("the same set_adapters again", lambda: pipe.set_adapters(["a"], [0.5]), False, False),
+        ("hotswap (its scale replaces set_adapters' weight)",
+         lambda: pipe.load_lora_weights(adapters["b"], adapter_name="a", hotswap=True), True, True),
+        ("hotswap at the same scale (written through .data)",
+         lambda: pipe.load_lora_weights(adapters["a"], adapter_name="a", hotswap=True), False, False),
+        ("disable_lora", pipe.disable_lora, True, True),
+        ("enable_lora", pipe.enable_lora, True, True),
+        ("fuse_lora", pipe.fuse_lora, True, True),
+        ("unfuse_lora", pipe.unfuse_lora, True, True),
+        ("delete_adapters", lambda: pipe.delete_adapters("a"), True, True),
+        ("load again", lambda: pipe.load_lora_weights(adapters["a"], adapter_name="a"), True, True),
+        ("unload_lora_weights", pipe.unload_lora_weights, True, True),
     ]
-    for what, change, moves in sequence:
+    for what, change, check_moves, graphs_move in sequence:
         with torch.no_grad():
             change()
-        assert changes.moved() is moves, what
-    changes.remove()
+        assert (check.moved(), graphs.moved()) == (check_moves, graphs_move), what
+    check.remove()
+    graphs.remove()
 
 
 def test_a_changed_model_drops_its_graphs(monkeypatch) -> None:
@@ -95,8 +102,8 @@ def test_reading_a_model_costs_microseconds() -> None:
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(num_layers=19, num_single_layers=38)
-    for in_place_writes, reader in ((True, "before each pipeline call"), (False, "before each CUDA-graphed forward")):
-        changes = ModelChanges(model, in_place_writes)
+    for versions, reader in ((True, "before each pipeline call"), (False, "before each CUDA-graphed forward")):
+        changes = ModelChanges(model, versions=versions, storage=not versions)
         batches = []  # the fastest batch: the least disturbed by other work on the machine
         for _ in range(20):
             start = time.perf_counter()

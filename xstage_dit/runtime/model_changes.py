@@ -3,13 +3,14 @@ modules or parameters are replaced (PEFT injects and removes LoRA layers, `load_
 parameters are written in place or given other storage (`copy_` under no_grad, `load_state_dict`, `.to()`,
 `param.data = ...`), or its adapters' Python state moves (`set_adapters` scales, `disable_lora`/`enable_lora`,
 `fuse_lora`/`unfuse_lora`, a hot-swapped adapter's scale). The first is counted by torch's global registration
-hooks (filtered to this model's modules), the second read from the parameters' version counters and storage
+hooks (filtered to this model's modules), the second read from the parameters' version counters or storage
 pointers, the third from PEFT's tuner layers. Reading them is a pass over the parameters with no host sync and
 nothing walked; the model is walked again only after a registration.
 
-Not seen: writes through `param.data` (`param.data.mul_(2)`: `.data` has a version counter of its own), which
-PEFT's merges and hot-swaps use; they are seen through the adapter state they change with, or the layers that
-PEFT removes afterwards. Inference tensors and tensor subclasses count only when replaced."""
+Not counted by version: writes through `param.data` (`param.data.mul_(2)`, `param.data = ...`: `.data` has a
+version counter of its own), which PEFT's merges and hot-swaps use; those are seen through the adapter state they
+change with, or the layers PEFT removes afterwards. Inference tensors and tensor subclasses count only when
+replaced."""
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,8 @@ class ModelKey(NamedTuple):
     """A model's state as far as the checks see it: equal keys, nothing they see changed in between."""
 
     registrations: int  # modules, parameters and buffers registered on the model's modules
-    versions: int  # the sum of the parameters' version counters (each only grows)
-    storages: int  # the sum of the parameters' data pointers
+    versions: int  # the sum of the parameters' version counters (each only grows), or 0 where not read
+    storages: int  # the sum of the parameters' data pointers, or 0 where not read
     adapters: tuple[Hashable, ...]  # each PEFT tuner layer's active, disabled and merged adapters and scales
 
 
@@ -56,12 +57,13 @@ def _adapter_state(layer: Any) -> Hashable:
 
 class ModelChanges:
     """Watches `model` from construction until `remove()`: `key()` is its state now, `moved()` says whether that
-    changed since the last time it was asked. `in_place_writes=False` leaves the version counters out (half the
-    cost), for a reader of the parameters' memory, which sees such writes anyway (a CUDA graph)."""
+    changed since the last time it was asked. Each reader reads half of the parameters' pass: the one that compares
+    values, their version counters (`versions`); the one that reads their memory, which sees writes into it anyway
+    (a CUDA graph), their storage (`storage`), which `.to()` and offloading move without changing a value."""
 
-    def __init__(self, model: nn.Module, in_place_writes: bool = True) -> None:
+    def __init__(self, model: nn.Module, versions: bool, storage: bool) -> None:
         self.model = model
-        self._versions = in_place_writes
+        self._versions, self._storage = versions, storage
         self._registrations = 0
         self._walked_at = -1
         # torch keeps the hooks globally: they hold this object weakly, so that a model nobody uses is freed
@@ -85,7 +87,7 @@ class ModelChanges:
         if self._walked_at != self._registrations:  # walked again only after a registration
             self._walk()
         return ModelKey(self._registrations, sum(map(_VERSION, self._tracked)) if self._versions else 0,
-                        sum(map(torch.Tensor.data_ptr, self._tracked)),
+                        sum(map(torch.Tensor.data_ptr, self._tracked)) if self._storage else 0,
                         tuple(_adapter_state(layer) for layer in self._tuners))
 
     def moved(self) -> bool:
@@ -116,7 +118,7 @@ class ChangesSinceEnable:
 
     def __init__(self, model: nn.Module, name: str) -> None:
         self.model, self.name = model, name
-        self._changes = ModelChanges(model)
+        self._changes = ModelChanges(model, versions=True, storage=False)
         self._baseline = tensors_checksum(model.parameters())
         self._moved_by = 0.0
 
