@@ -167,7 +167,8 @@ def _adapters_worker(name: str, device: str = "cpu", dtype: torch.dtype = torch.
     adapters = _adapters(pipe.transformer, name)  # the same again: the model may hold, and a hot-swap write, them
     split_projections = []
     project_joined = flux_mlp.project_joined
-    counts = name in SPLIT_PROJECTION and not compiled  # the single-stream blocks the split projection computes
+    # the single-stream blocks the split projection computes (in Python: not in a compiled or replayed call)
+    counts = name in SPLIT_PROJECTION and not compiled and not cuda_graphs
     if counts:
         flux_mlp.project_joined = lambda *args: split_projections.append(1) or project_joined(*args)
     with xstage_warnings() as warnings:

@@ -220,14 +220,14 @@ def _pipeline_call(job: PipelineJob) -> list[Change]:
         return []
     what = f"the arguments and models of a {type(pipe).__name__} call"
     group = world_group(config.timeout_s) if check else None  # created here: all ranks are in enable
-    models = [ChangesSinceEnable(model, f"{name} ({type(model).__name__})")
-              for name, model in job.models.items()] if check else []
+    watched = [ChangesSinceEnable(model, f"{name} ({type(model).__name__})")
+               for name, model in job.models.items()] if check else []
 
     @contextlib.contextmanager
     def around(arguments: dict[str, Any]) -> Iterator[None]:
         if check:
             fingerprint = call_fingerprint(arguments)
-            for model in models:
+            for model in watched:
                 model.add_to(fingerprint)
             check_agreement(fingerprint, what, group)
         uses_cfg = paired and cfg.pipeline_uses_cfg(arguments)
@@ -238,7 +238,7 @@ def _pipeline_call(job: PipelineJob) -> list[Change]:
         with job.pairs.pipeline_call(uses_cfg) if paired else contextlib.nullcontext():
             yield
 
-    return [WrappedPipelineCall(pipe, around), *models]
+    return [WrappedPipelineCall(pipe, around), *watched]
 
 
 def _parallel_vae(job: PipelineJob) -> list[Change]:
