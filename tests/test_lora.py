@@ -280,9 +280,35 @@ def _layerwise_casting_worker() -> None:
     xstage_dit.disable(pipe)
 
 
+def _hooked_norms(pipe):
+    attention = [pipe.transformer.transformer_blocks[0].attn, pipe.transformer.single_transformer_blocks[0].attn]
+    for attn in attention:
+        attn.norm_q.register_forward_hook(lambda module, args, output: output * 1.5)
+    return pipe
+
+
+def _hooked_norms_worker() -> None:
+    """A q/k norm with a forward hook: the norm + RoPE processor, which reads the norms' weights, runs diffusers'
+    processor for that attention instead, with one warning."""
+    ref = _generate(_hooked_norms(_fresh("tiny-flux")), "tiny-flux")
+    pipe = _hooked_norms(_fresh("tiny-flux"))
+    xstage_dit.enable(pipe, timeout_s=120)
+    with xstage_warnings() as warnings:
+        error = _relative_error(_generate(pipe, "tiny-flux"), ref)
+    assert error < TOLERANCE, f"FLUX.1 with hooked norms: relative error {error:.2e}"
+    assert any("FluxAttention.norm_q in the norm + RoPE pass has hooks on its forward" in warning
+               for warning in warnings), warnings
+    xstage_dit.disable(pipe)
+
+
+def _hooked_layers_worker() -> None:
+    _layerwise_casting_worker()
+    _hooked_norms_worker()
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_layerwise_casting_runs_the_stock_projection(world_size: int) -> None:
-    run_on_ranks(world_size, _layerwise_casting_worker)
+def test_hooked_layers_run_diffusers_code(world_size: int) -> None:
+    run_on_ranks(world_size, _hooked_layers_worker)
 
 
 def test_adapters_equal_stock_compiled() -> None:
