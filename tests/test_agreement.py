@@ -1,6 +1,7 @@
-"""The ranks check at `enable`, in one small collective, that they got the same arguments and models: a rank
-with other weights or another backend makes every rank raise an error naming it, instead of silently wrong
-images or a hang in a collective the others never join. `check_inputs=False` skips the check."""
+"""The ranks check at `enable`, in one small collective, that they got the same arguments and models, and before
+each pipeline call that they got the same arguments and changed their models the same way since: a rank with
+other weights, another backend or other arguments makes every rank raise an error naming it, instead of silently
+wrong images or a hang in a collective the others never join. `check_inputs=False` skips the check."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ import torch.distributed as dist
 import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
+from test_lora import ADAPTERS, lora_state_dict
 
 
 def _worker(differ: str, check: bool) -> None:
@@ -56,7 +58,7 @@ def _call_worker() -> None:
              ({"latents": None} if rank == 0 else {"latents": torch.zeros(1, 24, 64)},
               "rank 1 passes other arguments than rank 0")]
     for differ, message in cases:
-        with pytest.raises(ValueError, match=f"the arguments of a FluxPipeline call: {message}"):
+        with pytest.raises(ValueError, match=f"the arguments and models of a FluxPipeline call: {message}"):
             call(**differ)
         dist.barrier()  # every rank raised and none is stuck in a collective
     call()  # the same arguments pass
@@ -64,3 +66,64 @@ def _call_worker() -> None:
 
 def test_ranks_whose_pipeline_calls_differ_are_named():
     run_on_ranks(2, _call_worker, deadline_s=120)
+
+
+def _changed_model_worker() -> None:
+    """After `enable`, before every pipeline call the ranks also compare what changed their transformer since:
+    a rank that changed it alone (weights scaled in place, a state dict loaded, a LoRA loaded and fused, and then
+    unloaded with its weights left merged) makes every rank raise an error naming it; the same change on every
+    rank passes and equals stock diffusers with that change."""
+    rank = int(__import__("os").environ["RANK"])
+    name, alone = "tiny-flux", rank == 2
+    pipe, stock = zoo.build_pipeline(name), zoo.build_pipeline(name)
+    xstage_dit.enable(pipe, backend="reference", timeout_s=60)
+    model = pipe.transformer
+    weight = model.transformer_blocks[0].attn.to_q.weight
+
+    def call(target) -> torch.Tensor:
+        target.set_progress_bar_config(disable=True)
+        kwargs = zoo.call_kwargs(name, height=32, width=48, num_frames=1, steps=1, guidance=1.0)
+        return target(**kwargs, **zoo.text_embeddings(name, 1, seed=0), output_type="latent",
+                      generator=torch.Generator().manual_seed(0), return_dict=False)[0]
+
+    def refused(what: str) -> None:
+        transformer = "transformer \\(FluxTransformer2DModel\\)"
+        with pytest.raises(ValueError, match=f"models of a FluxPipeline call: rank 2's {transformer}'s {what}"):
+            call(pipe)
+        dist.barrier()  # every rank raised and none is stuck in a collective
+
+    with torch.no_grad():
+        weight.mul_(2.0 if alone else 1.0)
+        refused("weights")
+        weight.div_(2.0 if alone else 1.0)
+        call(pipe)  # as it was again
+        saved = {key: value.clone() for key, value in model.state_dict().items()}
+        if alone:
+            model.load_state_dict({key: value * 0.5 for key, value in saved.items()})
+        refused("weights")
+        model.load_state_dict(saved)
+        call(pipe)
+
+    for target in (pipe, stock):  # the same on every rank
+        target.load_lora_weights(lora_state_dict(model, ADAPTERS[name]["a"], 0), adapter_name="a")
+        target.set_adapters(["a"], [0.6])
+    error = ((call(pipe) - call(stock)).norm() / call(stock).norm()).item()
+    assert error < 1e-4, f"a weighted LoRA on every rank: relative error {error:.2e}"
+    for target in (pipe, stock):
+        target.fuse_lora()
+        target.unload_lora_weights()
+    error = ((call(pipe) - call(stock)).norm() / call(stock).norm()).item()
+    assert error < 1e-4, f"a LoRA fused on every rank: relative error {error:.2e}"
+
+    if alone:
+        pipe.load_lora_weights(lora_state_dict(model, ADAPTERS[name]["b"], 1), adapter_name="b")
+        pipe.fuse_lora()
+    refused("adapters")
+    if alone:
+        pipe.unload_lora_weights()  # its weights stay merged
+    refused("weights")
+    xstage_dit.disable(pipe)
+
+
+def test_a_model_changed_on_one_rank_is_named():
+    run_on_ranks(3, _changed_model_worker, deadline_s=180)

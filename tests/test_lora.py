@@ -1,7 +1,7 @@
 """LoRA adapters with xstage_dit enabled equal stock diffusers with the same adapters (float32, CPU, real gloo
 processes at 1 and 2 ranks): adapters loaded through the pipelines' `load_lora_weights` before and after `enable`,
-two of them weighted with `set_adapters`, `disable_lora`/`enable_lora`, `fuse_lora`/`unfuse_lora`, unloading, and
-merging then unloading. The adapters train the layers xstage_dit computes itself from their weights (FLUX.1's split
+two of them weighted with `set_adapters`, one hot-swapped (`hotswap=True`), `disable_lora`/`enable_lora`,
+`fuse_lora`/`unfuse_lora`, unloading, and merging then unloading. The adapters train the layers xstage_dit computes itself from their weights (FLUX.1's split
 single-stream projection, the GELU epilogue's projections) and those its processors call (the attention
 projections): a layer that is an adapter's runs diffusers' code that call (fusions/plain.py), with one warning.
 
@@ -28,8 +28,10 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},      # 5 x 7
          "tiny-wan": {"height": 16, "width": 112, "num_frames": 17},     # 5 frames x 1 x 7
          "tiny-qwenimage": {"height": 40, "width": 56, "num_frames": 1},  # 5 x 7
          "tiny-hidream": {"height": 32, "width": 32, "num_frames": 1},
-         "tiny-nucleusmoe": {"height": 40, "width": 56, "num_frames": 1}}
-SIZES["tiny-chroma"] = SIZES["tiny-flux"]
+         "tiny-nucleusmoe": {"height": 40, "width": 56, "num_frames": 1},
+         "tiny-zimage": {"height": 20, "width": 28, "num_frames": 1},       # 35 image tokens, padded to 64
+         "tiny-hunyuan-video": {"height": 16, "width": 112, "num_frames": 17}}  # 5 frames x 1 x 7
+SIZES["tiny-chroma"] = SIZES["tiny-flux2"] = SIZES["tiny-flux"]
 # adapter "a" (loaded before enable) trains every layer named; "b" (loaded after) some of them, none of FLUX.1's
 # proj_out: with "b" alone the split projection computes its block again
 ADAPTERS = {
@@ -61,6 +63,28 @@ ADAPTERS = {
               "double_stream_blocks.0.block.attn1.to_q", "single_stream_blocks.0.block.attn1.to_v"],
         "b": ["single_stream_blocks.0.block.ff_i.experts.0.w1", "double_stream_blocks.0.block.ff_i.experts.1.w1"],
     },
+    # the single-stream block's fused q/k/v + MLP projection and the SwiGLU feed-forwards
+    "tiny-flux2": {
+        "a": ["single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.0.attn.to_out",
+              "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v",
+              "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.add_k_proj",
+              "transformer_blocks.0.ff.linear_in", "transformer_blocks.0.ff_context.linear_out"],
+        "b": ["single_transformer_blocks.0.attn.to_qkv_mlp_proj", "transformer_blocks.0.ff.linear_in"],
+    },
+    "tiny-zimage": {
+        "a": ["layers.0.attention.to_q", "layers.0.attention.to_k", "layers.0.attention.to_v",
+              "layers.0.attention.to_out.0", "layers.0.feed_forward.w1", "layers.0.feed_forward.w3",
+              "noise_refiner.0.attention.to_q", "context_refiner.0.feed_forward.w2"],
+        "b": ["layers.1.attention.to_v", "layers.0.feed_forward.w1"],
+    },
+    # the single-stream projections that FLUX.1 splits are diffusers' own here
+    "tiny-hunyuan-video": {
+        "a": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v",
+              "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.add_q_proj",
+              "transformer_blocks.0.ff.net.0.proj", "single_transformer_blocks.0.attn.to_q",
+              "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"],
+        "b": ["transformer_blocks.0.ff.net.0.proj", "single_transformer_blocks.0.attn.to_k"],
+    },
 }
 ADAPTERS["tiny-chroma"] = ADAPTERS["tiny-flux"]  # the same blocks; its padded prompts bring a text mask
 SPLIT_PROJECTION = {"tiny-flux", "tiny-chroma"}
@@ -72,6 +96,8 @@ STEPS: list[tuple[str, Callable]] = [
     ("load a", lambda pipe, adapters: pipe.load_lora_weights(adapters["a"], adapter_name="a")),
     ("load b, set_adapters a 0.7, b 0.3", lambda pipe, adapters: (
         pipe.load_lora_weights(adapters["b"], adapter_name="b"), pipe.set_adapters(["a", "b"], [0.7, 0.3]))),
+    ("hotswap a", lambda pipe, adapters: pipe.load_lora_weights(adapters["a swapped"], adapter_name="a",
+                                                                 hotswap=True)),
     ("disable_lora", lambda pipe, adapters: pipe.disable_lora()),
     ("enable_lora", lambda pipe, adapters: pipe.enable_lora()),
     ("fuse_lora", lambda pipe, adapters: pipe.fuse_lora()),
@@ -82,7 +108,7 @@ STEPS: list[tuple[str, Callable]] = [
 ]
 # FLUX.1's and Chroma's steps whose single-stream proj_out is a PEFT layer (merged, disabled or not): its block runs diffusers'
 # forward; after the others the split projection computes it again
-FLUX_PROJ_OUT_WRAPPED = {"load a", "load b, set_adapters a 0.7, b 0.3", "disable_lora", "enable_lora", "fuse_lora",
+FLUX_PROJ_OUT_WRAPPED = {"load a", "load b, set_adapters a 0.7, b 0.3", "hotswap a", "disable_lora", "enable_lora", "fuse_lora",
                          "unfuse_lora"}
 
 
@@ -103,6 +129,14 @@ def lora_state_dict(model: nn.Module, targets: list[str], seed: int) -> dict[str
     return state
 
 
+def _adapters(model: nn.Module, name: str) -> dict[str, dict[str, torch.Tensor]]:
+    """The family's adapters by name, and "a swapped": other weights for a's layers."""
+    adapters = {adapter: lora_state_dict(model, targets, seed)
+                for seed, (adapter, targets) in enumerate(ADAPTERS[name].items())}
+    adapters["a swapped"] = lora_state_dict(model, ADAPTERS[name]["a"], len(adapters))
+    return adapters
+
+
 def _generate(pipe, name: str) -> torch.Tensor:
     kwargs = zoo.call_kwargs(name, **SIZES[name], steps=2, guidance=3.0)
     embeddings = zoo.text_embeddings(name, 1, seed=1, device=pipe.device, dtype=pipe.transformer.dtype)
@@ -117,34 +151,44 @@ def _fresh(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
 
 
 def _adapters_worker(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                     tolerance: float = TOLERANCE, cuda_graphs: bool | None = None, compiled: bool = False) -> None:
+                     tolerance: float = TOLERANCE, cuda_graphs: bool | None = None, compiled: bool = False,
+                     steps: list[str] | None = None, calls: int = 1) -> None:
+    """The sequence (or its `steps`) on stock, then enabled; `calls` pipeline calls after each step (with CUDA
+    graphs the later ones replay graphs captured after the step)."""
     pipe = _fresh(name, device, dtype)
-    adapters = {adapter: lora_state_dict(pipe.transformer, targets, seed)
-                for seed, (adapter, targets) in enumerate(ADAPTERS[name].items())}
+    sequence = [(what, step) for what, step in STEPS if steps is None or what in steps]
     stock = []
-    for _, step in STEPS:
+    adapters = _adapters(pipe.transformer, name)
+    for _, step in sequence:
         step(pipe, adapters)
         stock.append(_generate(pipe, name))
 
     pipe = _fresh(name, device, dtype)
+    adapters = _adapters(pipe.transformer, name)  # the same again: the model may hold, and a hot-swap write, them
     split_projections = []
     project_joined = flux_mlp.project_joined
-    counts = name in SPLIT_PROJECTION and not compiled  # the single-stream blocks the split projection computes
+    # the single-stream blocks the split projection computes (in Python: not in a compiled or replayed call)
+    counts = name in SPLIT_PROJECTION and not compiled and not cuda_graphs
     if counts:
         flux_mlp.project_joined = lambda *args: split_projections.append(1) or project_joined(*args)
     with xstage_warnings() as warnings:
-        for index, ((what, step), ref) in enumerate(zip(STEPS, stock)):
+        for index, ((what, step), ref) in enumerate(zip(sequence, stock)):
             step(pipe, adapters)
             if index == 0:
                 xstage_dit.enable(pipe, timeout_s=120, cuda_graphs=cuda_graphs)
                 if compiled:  # a graph break is an error; the eager backend keeps it fast
                     pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
-            split_projections.clear()
-            error = _relative_error(_generate(pipe, name).float(), ref.float())
-            assert error < tolerance, f"{name} after {what}: relative error {error:.2e}"
-            if counts:
-                assert bool(split_projections) is (what not in FLUX_PROJ_OUT_WRAPPED), (what, len(split_projections))
+            for _ in range(calls):
+                split_projections.clear()
+                error = _relative_error(_generate(pipe, name).float(), ref.float())
+                assert error < tolerance, f"{name} after {what}: relative error {error:.2e}"
+                if counts:
+                    assert bool(split_projections) is (what not in FLUX_PROJ_OUT_WRAPPED), (what,
+                                                                                           len(split_projections))
         flux_mlp.project_joined = project_joined
+    if cuda_graphs:
+        use = xstage_dit.cuda_graph_use(pipe)
+        assert use.replays + use.block_replays > 0, use
     if name in WARNED:
         assert any(WARNED[name] in warning for warning in warnings), warnings
     # merged and unloaded: every layer the adapters trained is a plain Linear again
@@ -153,10 +197,25 @@ def _adapters_worker(name: str, device: str = "cpu", dtype: torch.dtype = torch.
     xstage_dit.disable(pipe)
 
 
+# families without a split projection or grouped experts (HunyuanVideo's GELU epilogue acts on GPUs only): one
+# 2-rank run of them all
+PLAIN_FAMILIES = ["tiny-flux2", "tiny-zimage", "tiny-hunyuan-video"]
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("name", list(ADAPTERS))
+@pytest.mark.parametrize("name", [name for name in ADAPTERS if name not in PLAIN_FAMILIES])
 def test_adapters_equal_stock(name: str, world_size: int) -> None:
     run_on_ranks(world_size, _adapters_worker, name, deadline_s=600)
+
+
+def _families_worker(names: list[str]) -> None:
+    for name in names:
+        _adapters_worker(name, steps=["load a", "load b, set_adapters a 0.7, b 0.3", "hotswap a", "disable_lora",
+                                      "fuse_lora, unload_lora_weights"])
+
+
+def test_adapters_equal_stock_on_more_families() -> None:
+    run_on_ranks(2, _families_worker, PLAIN_FAMILIES, deadline_s=600)
 
 
 def _sharded_experts_worker() -> None:
@@ -221,9 +280,35 @@ def _layerwise_casting_worker() -> None:
     xstage_dit.disable(pipe)
 
 
+def _hooked_norms(pipe):
+    attention = [pipe.transformer.transformer_blocks[0].attn, pipe.transformer.single_transformer_blocks[0].attn]
+    for attn in attention:
+        attn.norm_q.register_forward_hook(lambda module, args, output: output * 1.5)
+    return pipe
+
+
+def _hooked_norms_worker() -> None:
+    """A q/k norm with a forward hook: the norm + RoPE processor, which reads the norms' weights, runs diffusers'
+    processor for that attention instead, with one warning."""
+    ref = _generate(_hooked_norms(_fresh("tiny-flux")), "tiny-flux")
+    pipe = _hooked_norms(_fresh("tiny-flux"))
+    xstage_dit.enable(pipe, timeout_s=120)
+    with xstage_warnings() as warnings:
+        error = _relative_error(_generate(pipe, "tiny-flux"), ref)
+    assert error < TOLERANCE, f"FLUX.1 with hooked norms: relative error {error:.2e}"
+    assert any("FluxAttention.norm_q in the norm + RoPE pass has hooks on its forward" in warning
+               for warning in warnings), warnings
+    xstage_dit.disable(pipe)
+
+
+def _hooked_layers_worker() -> None:
+    _layerwise_casting_worker()
+    _hooked_norms_worker()
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_layerwise_casting_runs_the_stock_projection(world_size: int) -> None:
-    run_on_ranks(world_size, _layerwise_casting_worker)
+def test_hooked_layers_run_diffusers_code(world_size: int) -> None:
+    run_on_ranks(world_size, _hooked_layers_worker)
 
 
 def test_adapters_equal_stock_compiled() -> None:
@@ -235,8 +320,15 @@ def test_adapters_equal_stock_compiled() -> None:
 @pytest.mark.gpu
 def test_adapters_equal_stock_on_gpu() -> None:
     """bfloat16 on a GPU, where the GELU epilogue computes plain projections in one GEMM and calls the LoRA
-    layers (CUDA graphs off: a captured graph replays the adapters' state at its capture)."""
+    layers (CUDA graphs off: the test below has them on)."""
     run_on_ranks(1, _adapters_worker, "tiny-flux", "cuda", torch.bfloat16, 3e-2, False)
+
+
+@pytest.mark.gpu
+def test_adapter_changes_reach_cuda_graphs_on_gpu() -> None:
+    """With CUDA graphs: each change of the adapters drops the graphs captured before it (their scales and
+    layers are baked in), and the calls after it capture and replay the adapters as they are."""
+    run_on_ranks(1, _adapters_worker, "tiny-flux", "cuda", torch.bfloat16, 3e-2, True, False, None, 3)
 
 
 @pytest.mark.gpu

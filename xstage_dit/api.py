@@ -316,7 +316,8 @@ def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, p
                       "enable the pipeline to split the branches; until then every CFG group computes every call")
         return
     world_size, rank = world_from_env()
-    _install(pipe, PIPELINE_LAYERS, PipelineJob(pipe=pipe, plan=plan, config=config, pairs=pairs,
+    named = {name: getattr(pipe, name) for name in _TRANSFORMER_ATTRS if getattr(pipe, name, None) in models}
+    _install(pipe, PIPELINE_LAYERS, PipelineJob(pipe=pipe, models=named, plan=plan, config=config, pairs=pairs,
                                                 world_size=world_size, rank=rank))
 
 

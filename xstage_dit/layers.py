@@ -25,6 +25,7 @@ from .runtime import ParallelGroups
 from .runtime.agreement import call_fingerprint, check_agreement
 from .runtime.cuda_graphs import CrossRankWork, GraphedForward, repeated_blocks
 from .runtime.distributed import world_group
+from .runtime.model_changes import ChangesSinceEnable
 from .sp.attention import routing
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_hooks import CfgBranches, SharedCacheDecisions, stateful_hooks
@@ -64,10 +65,11 @@ class ModelJob:
 
 @dataclass(frozen=True)
 class PipelineJob:
-    """What a pipeline's own layers are installed from: the pipeline, its enabled transformers' family plan, the
-    resolved config, the CFG schedule and the job's world size."""
+    """What a pipeline's own layers are installed from: the pipeline, its enabled transformers by attribute name and
+    their family plan, the resolved config, the CFG schedule and the job's world size."""
 
     pipe: Any
+    models: dict[str, nn.Module]
     plan: SequenceParallelPlan
     config: XStageConfig
     pairs: PairedCalls
@@ -222,20 +224,25 @@ class MainRankProgress:
 
 
 def _pipeline_call(job: PipelineJob) -> list[Change]:
-    """Before each call the ranks check that they got the same arguments, and the call tells the CFG split
-    whether it runs CFG."""
+    """Before each call the ranks check that they got the same arguments and that their transformers changed the
+    same way since `enable` (adapters, weights), and the call tells the CFG split whether it runs CFG."""
     config, pipe, cfg = job.config, job.pipe, job.plan.cfg
     paired = config.cfg_degree > 1 and cfg.mode == PAIRS
     check = config.check_inputs and job.world_size > 1
     if not (paired or check):
         return []
-    what = f"the arguments of a {type(pipe).__name__} call"
+    what = f"the arguments and models of a {type(pipe).__name__} call"
     group = world_group(config.timeout_s) if check else None  # created here: all ranks are in enable
+    watched = [ChangesSinceEnable(model, f"{name} ({type(model).__name__})")
+               for name, model in job.models.items()] if check else []
 
     @contextlib.contextmanager
     def around(arguments: dict[str, Any]) -> Iterator[None]:
         if check:
-            check_agreement(call_fingerprint(arguments), what, group)
+            fingerprint = call_fingerprint(arguments)
+            for model in watched:
+                model.add_to(fingerprint)
+            check_agreement(fingerprint, what, group)
         uses_cfg = paired and cfg.pipeline_uses_cfg(arguments)
         if paired and not uses_cfg:
             warn_once(f"xstage_dit: a {type(pipe).__name__} call whose arguments turn classifier-free guidance "
@@ -244,7 +251,7 @@ def _pipeline_call(job: PipelineJob) -> list[Change]:
         with job.pairs.pipeline_call(uses_cfg) if paired else contextlib.nullcontext():
             yield
 
-    return [WrappedPipelineCall(pipe, around)]
+    return [WrappedPipelineCall(pipe, around), *watched]
 
 
 def _parallel_vae(job: PipelineJob) -> list[Change]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -29,13 +29,18 @@ class Fingerprint:
             self.values.append(float(value))  # type: ignore[arg-type]
 
 
-def weights_checksum(module: torch.nn.Module) -> float:
-    """The sum of every parameter and buffer in float64 (one pass over the weights, one host sync); tensors
-    without storage (meta) are left out."""
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"]
-    if not tensors:
+def tensors_checksum(tensors: Iterable[torch.Tensor]) -> float:
+    """The sum of `tensors` in float64 (one pass over them, one host sync); tensors without storage (meta) are
+    left out."""
+    stored = [t for t in tensors if t.device.type != "meta"]
+    if not stored:
         return 0.0
-    return float(sum(t.detach().sum(dtype=torch.float64) for t in tensors))
+    return float(sum(t.detach().sum(dtype=torch.float64) for t in stored))
+
+
+def weights_checksum(module: torch.nn.Module) -> float:
+    """The float64 sum of every parameter and buffer of `module`."""
+    return tensors_checksum((*module.parameters(), *module.buffers()))
 
 
 def call_fingerprint(arguments: dict[str, Any]) -> Fingerprint:

@@ -19,6 +19,11 @@ the host state it reads besides its arguments (the token split). The blocks of o
 so their graphs of one signature share one set of static inputs and outputs (each graph copies its outputs into
 the shared ones and leaves its own to the pool): the memory they hold does not grow with the depth.
 
+A graph replays the model as it was at its capture: the adapters' scales and which adapters run are baked into
+it, and parameters given other storage are not read. Before each forward the model's state is read
+(runtime/model_changes.py); when it changed (adapters loaded, set, disabled, fused or unloaded, parameters
+replaced), the forward's graphs and its blocks' are dropped and captured again as new signatures are.
+
 Work that crosses ranks inside a replay (collectives, symmetric-memory barriers) is not watched by the host: a
 replay with cross-rank work waits, after launching the next replay, for the previous one within the timeout,
 and raises naming the rank and what it waited for."""
@@ -39,6 +44,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..logging_utils import logger, warn_once
 from ..hooks.module_forward import ReplacedForward, SwappedClasses, named_as
+from .model_changes import ModelChanges
 
 CAPTURED_SIGNATURES = 8
 EAGER_CALLS = 2  # per signature before its capture: a warm-up, then a watch for host synchronisation
@@ -166,10 +172,12 @@ class SignatureGraphs:
 
     def reset(self) -> None:
         """Destroys the graphs now: a graph that holds NCCL collectives and outlives its forward (in a reference
-        cycle, say) keeps `destroy_process_group` from returning (pytorch#115388)."""
+        cycle, say) keeps `destroy_process_group` from returning (pytorch#115388); or one that the model's changes
+        made stale."""
         for held in self._graphs.values():
             held.graph.reset()
         self._graphs.clear()
+        self._seen.clear()  # a signature captured again warms up again (compiled code may recompile)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
@@ -353,6 +361,13 @@ class GraphedBlocks:
                     self.state, shared=shared)
             self._swaps.append(SwappedClasses(blocks, _graph_calling(cls)))
 
+    def reset(self) -> None:
+        """Destroys the blocks' graphs; they are captured again as their signatures come."""
+        for block in self.blocks:
+            graphs = block.__dict__.get(_BLOCK_GRAPHS)
+            if graphs is not None:
+                graphs.reset()
+
     def remove(self) -> None:
         for swap in reversed(self._swaps):
             swap.remove()
@@ -374,11 +389,26 @@ class GraphedForward:
         """`host_decisions(module)` names what in a module decides on the host from call to call (checked before
         each capture of the model and of a block), which keeps it eager."""
         self._blocks = GraphedBlocks(blocks or [], device, cross_rank, host_decisions, block_state)
-        self._replaced = ReplacedForward(model, lambda *args, **kwargs: self._graphs(*args, **kwargs))
+        self._model_changes = ModelChanges(model, versions=False, storage=True)
+        self._replaced = ReplacedForward(model, lambda *args, **kwargs: self._call(*args, **kwargs))
         self._graphs = SignatureGraphs(type(model).__name__, self._replaced.inner, device, cross_rank,
                                        functools.partial(host_decisions, model) if host_decisions else None,
                                        instead=self._capture_blocks)
         functools.update_wrapper(model.forward, self._replaced.inner)  # the model's signature, for layers around it
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()) \
+                and self._model_changes.moved():
+            self.reset()
+        return self._graphs(*args, **kwargs)
+
+    def reset(self) -> None:
+        """Destroys the forward's and its blocks' graphs: the model changed since they were captured."""
+        if self._graphs.captured or self._blocks.use.replays:
+            logger.info("xstage_dit: %s changed (adapters or parameters); its CUDA graphs are captured again",
+                        self._graphs.name)
+        self._graphs.reset()
+        self._blocks.reset()
 
     def _capture_blocks(self) -> str:
         blocks = self._blocks.blocks
@@ -402,3 +432,4 @@ class GraphedForward:
         self._blocks.remove()
         self._replaced.restore()
         self._graphs.reset()
+        self._model_changes.remove()

@@ -27,6 +27,7 @@ from diffusers.models.transformers import transformer_flux
 from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
+from ...fusions.plain import reads_plain
 from ...kernels.rotary_args import JointTokens, NormedTokens
 from ...sp.attention import ops, routing
 from ...sp.plan import JointText, LocalOrWhole, SequenceParallelPlan
@@ -63,6 +64,9 @@ class NormRopeProcessor(StandInProcessor):
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        if not _norms_plain(attn):
+            return transformer_flux.FluxAttnProcessor.__call__(self, attn, hidden_states, encoder_hidden_states,
+                                                               attention_mask, image_rotary_emb)
         projections = transformer_flux._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
         query, key, value, text_query, text_key, text_value = (
             None if t is None else t.unflatten(-1, (-1, attn.head_dim)) for t in projections)
@@ -95,10 +99,19 @@ class NormRopeProcessor(StandInProcessor):
         return image, attn.to_add_out(text.contiguous())
 
 
+def _norm_names(attn: nn.Module) -> list[str]:
+    return ["norm_q", "norm_k", *(["norm_added_q", "norm_added_k"] if attn.added_kv_proj_dim is not None else [])]
+
+
+def _norms_plain(attn: nn.Module) -> bool:
+    """Whether the norms' weights may be read this call (fusions/plain.py): one with hooks, say, runs diffusers'
+    processor instead."""
+    return all(reads_plain(getattr(attn, name), nn.RMSNorm, f"{type(attn).__name__}.{name} in the norm + RoPE pass")
+               for name in _norm_names(attn))
+
+
 def _takes_norm_rope(attn: nn.Module) -> bool:
-    norms = [attn.norm_q, attn.norm_k]
-    if attn.added_kv_proj_dim is not None:
-        norms += [attn.norm_added_q, attn.norm_added_k]
+    norms = [getattr(attn, name) for name in _norm_names(attn)]
     return (type(attn.processor) is transformer_flux.FluxAttnProcessor
             and all(isinstance(norm, nn.RMSNorm) and norm.weight is not None for norm in norms))
 

@@ -22,6 +22,7 @@ from diffusers.models.transformers import transformer_wan
 from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
+from ...fusions.plain import reads_plain
 from ...kernels.rotary_args import JointTokens, NormRope
 from ...sp.attention import routing
 from ...sp.plan import PerToken, SequenceParallelPlan
@@ -48,7 +49,9 @@ class WanNormRopeProcessor(StandInProcessor):
                  rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         hidden = None
         if (rotary_emb is not None and encoder_hidden_states is None and attention_mask is None
-                and routing.joint_attention_offered(hidden_states.shape[1], hidden_states.device)):
+                and routing.joint_attention_offered(hidden_states.shape[1], hidden_states.device)
+                and all(reads_plain(norm, nn.RMSNorm, f"WanAttention.{name} in the norm + RoPE pass")
+                        for name, norm in (("norm_q", attn.norm_q), ("norm_k", attn.norm_k)))):
             query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in
                                  transformer_wan._get_qkv_projections(attn, hidden_states, None))
             cos, sin = (table[0, :, 0] for table in rotary_emb)  # (1, S, 1, D) tables
