@@ -8,6 +8,7 @@ import argparse
 import importlib.metadata
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -84,6 +85,35 @@ def plan_experts(calibration: Calibration, shape: ExpertShape) -> str:
     return "\n".join(lines)
 
 
+def _number(kind: type, least: float, what: str) -> Callable[[str], int | float]:
+    """An argparse type: `kind` parsed from the text, at least `least` (a value outside says so in one line)."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value >= least or value in (math.inf, -math.inf):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+    parse.__name__ = what  # argparse names the type by it in its own messages
+    return parse
+
+
+positive_int = _number(int, 1, "a whole number >= 1")
+non_negative_int = _number(int, 0, "a whole number >= 0")
+positive_float = _number(float, math.ulp(0.0), "a number > 0")
+
+
+def _load(path: Path) -> Calibration:
+    """The calibration in `path`, or one line naming the file and what is wrong with it."""
+    try:
+        return Calibration.load(path)
+    except OSError as error:
+        raise SystemExit(f"xstage-dit plan: cannot read --calibration {path}: {error.strerror or error}") from None
+    except ValueError as error:
+        raise SystemExit(f"xstage-dit plan: --calibration {error}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="xstage-dit", description=__doc__)
     parser.add_argument("--version", action="version", version=f"xstage-dit {_version('xstage_dit')}")
@@ -97,16 +127,17 @@ def main(argv: list[str] | None = None) -> None:
                      help="after a kernel change: measure only the kernel costs again, into these calibrations "
                           "of this GPU (their Burst-Gap fit is kept), written to --out")
     layer = commands.add_parser("plan", help="predicted time per backend for one attention layer")
-    layer.add_argument("--tokens", type=int, required=True, help="image/video tokens of the whole sequence")
-    layer.add_argument("--text", type=int, default=0, help="joint text tokens (replicated)")
-    layer.add_argument("--heads", type=int, required=True)
-    layer.add_argument("--head-dim", type=int, default=128)
-    layer.add_argument("--ranks", type=int, required=True, help="Ulysses degree")
-    layer.add_argument("--batch", type=int, default=1)
-    layer.add_argument("--experts", type=int, help="also plan an expert-choice MoE layer of this many experts")
-    layer.add_argument("--dim", type=int, default=2048, help="the MoE layer's model width")
-    layer.add_argument("--expert-width", type=int, default=1344, help="each expert's hidden width")
-    layer.add_argument("--capacity-factor", type=float, default=4.0)
+    layer.add_argument("--tokens", type=positive_int, required=True, help="image/video tokens of the whole sequence")
+    layer.add_argument("--text", type=non_negative_int, default=0, help="joint text tokens (replicated)")
+    layer.add_argument("--heads", type=positive_int, required=True)
+    layer.add_argument("--head-dim", type=positive_int, default=128)
+    layer.add_argument("--ranks", type=positive_int, required=True, help="Ulysses degree")
+    layer.add_argument("--batch", type=positive_int, default=1)
+    layer.add_argument("--experts", type=positive_int,
+                       help="also plan an expert-choice MoE layer of this many experts")
+    layer.add_argument("--dim", type=positive_int, default=2048, help="the MoE layer's model width")
+    layer.add_argument("--expert-width", type=positive_int, default=1344, help="each expert's hidden width")
+    layer.add_argument("--capacity-factor", type=positive_float, default=4.0)
     layer.add_argument("--calibration", type=Path, help="a calibration JSON (default: the best match for this "
                        "machine's GPU and --ranks in the calibration directory)")
     args = parser.parse_args(argv)
@@ -122,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "plan":
         if args.heads % args.ranks:
             parser.error(f"{args.heads} heads do not split over {args.ranks} ranks")
-        calibration = Calibration.load(args.calibration) if args.calibration else _this_machine(args.ranks)
+        calibration = _load(args.calibration) if args.calibration else _this_machine(args.ranks)
         shape = AttentionShape(args.batch, args.tokens, args.text, args.heads, args.head_dim, args.ranks)
         if args.ranks > calibration.world_size:
             print(f"note: {calibration.filename} measured {calibration.world_size} rank(s); the predictions for "
@@ -136,10 +167,16 @@ def main(argv: list[str] | None = None) -> None:
                   f"{args.experts} experts do not split over {args.ranks} ranks: MoE layers run replicated")
 
 
+SHIPPED_GPU = "NVIDIA H200"  # the GPU of the calibrations shipped with the package
+
+
 def _this_machine(ranks: int) -> Calibration:
+    """This GPU's best calibration for `ranks`; without a GPU, the shipped H200 one (said in a note)."""
     if not torch.cuda.is_available():
-        shipped = ", ".join(str(path) for path in sorted(SHIPPED.glob("*.json")))
-        raise SystemExit(f"xstage-dit plan: no GPU here; pass --calibration FILE (shipped: {shipped})")
+        found = find_calibration(SHIPPED_GPU, ranks, directory=SHIPPED)
+        print(f"note: no GPU here: the predictions are for an H200, from the shipped {found.filename}; "
+              f"--calibration FILE plans for another machine's")
+        return found
     found = find_calibration(torch.cuda.get_device_name(), ranks)
     if found is None:
         raise SystemExit(f"xstage-dit plan: no calibration for {torch.cuda.get_device_name()} in "
