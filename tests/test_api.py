@@ -98,7 +98,10 @@ def test_z_image_heads_name_the_degrees_they_allow(world):
         ({"ulysses_degree": 4, "cfg_degree": 2}, r"ulysses_degree=4 does not fit the world size 4 with cfg_degree=2"),
         ({"backend": "nope"}, "unknown xstage_dit backend 'nope'"),
         ({"backend": "fused"}, "backend 'fused' needs CUDA GPUs"),
+        ({"ulysses_degree": 0}, r"ulysses_degree must be None or an int >= 1, got 0"),
+        ({"ring_degree": -2}, r"ring_degree must be None or an int >= 1, got -2"),
         ({"timeout_s": 0}, "timeout_s must be a positive number of seconds, got 0"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a positive number of seconds, got nan"),
         ({"timeout_s": float("inf")}, "timeout_s must be a positive number"),
         ({"cuda_graphs": True}, "cuda_graphs=True needs a GPU; this rank runs on cpu"),
         ({"expert_parallel": True}, "FluxTransformer2DModel has no mixture-of-experts layers that xstage_dit can "
@@ -182,7 +185,10 @@ def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flu
     ({"ulysses_degree": "2"}, r"ulysses_degree must be None or an int >= 1, got '2'"),
     ({"ulysses_degree": 2.0}, r"ulysses_degree must be None or an int >= 1, got 2.0"),
     ({"ulysses_degree": True}, r"ulysses_degree must be None or an int >= 1, got True"),
-    ({"ulysses_degree": 0}, r"ulysses_degree must be None or an int >= 1, got 0"),
+    ({"ring_degree": 1.5}, r"ring_degree must be None or an int >= 1, got 1.5"),
+    ({"cfg_degree": "2"}, r"cfg_degree must be 1 or 2 \(guidance has two branches\), got '2'"),
+    ({"timeout_s": "60"}, r"timeout_s must be a positive number of seconds, got '60'"),
+    ({"timeout_s": True}, r"timeout_s must be a positive number of seconds, got True"),
     ({"backend": None}, r"backend must be the name of a backend \(one of xstage_dit.available_backends\(\)\), "
                         r"got None"),
     ({"fuse_rope": "yes"}, r"fuse_rope must be True or False, got 'yes'"),
