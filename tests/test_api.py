@@ -64,6 +64,21 @@ def test_unsupported_transformer_names_supported_families():
         xstage_dit.enable(model)
 
 
+def test_a_model_compiled_before_enable_says_to_compile_after(flux_pipe):
+    transformer = flux_pipe.transformer
+    flux_pipe.transformer = torch.compile(transformer)
+    message = (r"xstage_dit.enable: {} is a torch.compile'd FluxTransformer2DModel; call xstage_dit.enable first, or "
+               r"compile after it")
+    try:
+        with pytest.raises(TypeError, match=message.format("pipe.transformer")):
+            xstage_dit.enable(flux_pipe)
+        with pytest.raises(TypeError, match=message.format("the model")):
+            xstage_dit.enable(flux_pipe.transformer)
+    finally:
+        flux_pipe.transformer = transformer
+    assert not xstage_dit.installed_layers(flux_pipe)
+
+
 @pytest.mark.parametrize("size, kwargs, message", [
     (8, {"ulysses_degree": 8}, r"12 attention heads, which ulysses_degree=8 cannot split; over these 8 ranks these "
                                r"work: ulysses_degree=1 x ring_degree=8, ulysses_degree=2 x ring_degree=4, "

@@ -32,10 +32,21 @@ _STATE_ATTR = "_xstage_dit_applied"
 _TRANSFORMER_ATTRS = ("transformer", "transformer_2")
 
 
+def _refuse_compiled(model: Any, where: str) -> None:
+    """torch.compile's wrapper hides the model's class and runs a graph traced before the patches: say what to do."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError(f"xstage_dit.enable: {where} is a torch.compile'd {type(model._orig_mod).__name__}; call "
+                        f"xstage_dit.enable first, or compile after it (e.g. "
+                        f"pipe.transformer.compile_repeated_blocks(fullgraph=True), as docs/usage.md shows)")
+
+
 def _transformers_of(target: Any) -> list[nn.Module]:
+    _refuse_compiled(target, "the model")
     if isinstance(target, ModelMixin):
         return [target]
     found = [getattr(target, name, None) for name in _TRANSFORMER_ATTRS]
+    for name, model in zip(_TRANSFORMER_ATTRS, found):
+        _refuse_compiled(model, f"pipe.{name}")
     found = [model for model in found if model is not None]
     if not found:
         raise TypeError(
