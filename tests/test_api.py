@@ -64,6 +64,23 @@ def test_unsupported_transformer_names_supported_families():
         xstage_dit.enable(model)
 
 
+def test_a_one_process_accelerate_launch_is_said_once(flux_pipe, monkeypatch, caplog):
+    """accelerate's one-process launcher (`accelerate launch --num_processes 2` without --multi_gpu) sets
+    ACCELERATE_USE_CPU and no WORLD_SIZE: the unsplit run is said, with the flag that splits it."""
+    from xstage_dit import logging_utils
+
+    monkeypatch.setattr(logging_utils, "_already_warned", set())
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    with caplog.at_level(logging.WARNING, logger="xstage_dit"):
+        for _ in range(2):
+            xstage_dit.enable(flux_pipe)
+            xstage_dit.disable(flux_pipe)
+    said = [r.getMessage() for r in caplog.records if "accelerate launch" in r.getMessage()]
+    assert said == ["xstage_dit: `accelerate launch` started one process, so the model runs unsplit; it starts "
+                    "several only with --multi_gpu (`accelerate launch --multi_gpu --num_processes N`, on CPUs too)"]
+
+
 def test_a_model_compiled_before_enable_says_to_compile_after(flux_pipe):
     transformer = flux_pipe.transformer
     flux_pipe.transformer = torch.compile(transformer)

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..logging_utils import logger
+from ..logging_utils import logger, warn_once
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,10 @@ def ensure_process_group(timeout_s: float) -> None:
     """Start the default process group from the launcher's environment unless one is running or the job has one
     process. NCCL on GPUs, gloo on CPU; every collective is bounded by `timeout_s`."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if not dist.is_initialized() and "WORLD_SIZE" not in os.environ and "ACCELERATE_USE_CPU" in os.environ:
+            # accelerate's one-process launcher sets this; its multi-process one (torchrun's) sets WORLD_SIZE
+            warn_once("xstage_dit: `accelerate launch` started one process, so the model runs unsplit; it starts "
+                      "several only with --multi_gpu (`accelerate launch --multi_gpu --num_processes N`, on CPUs too)")
         return
     device = local_device()
     if device.type == "cuda":
