@@ -36,13 +36,13 @@ import xstage_dit
 from xstage_dit.cli import positive_int
 
 import zoo
+from provenance import OUTPUT_DIR
 from step_timer import StepTimer, reporting_steps
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EXPERT_PARALLEL = {"auto": None, "on": True, "off": False}  # --expert-parallel -> enable(expert_parallel=...)
 IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp"), (".gif", ".mp4")
 ZOO_STEPS = 4  # random weights: a few steps show the run; more add nothing
-OUTPUT_DIR = Path("out")  # the default outputs' folder (ignored by git in the checkout)
 
 
 def refuse(message: str) -> NoReturn:
