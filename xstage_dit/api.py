@@ -21,7 +21,7 @@ from .patches.vaes import supported_vaes, vae_rule_for
 from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import GraphUse
-from .runtime.distributed import local_device, world_group
+from .runtime.distributed import every_rank_joining, local_device, world_group
 from .sp.attention.backends import needs_fabric, resolve_backend
 from .sp.attention.masks import QueryKeyMasks
 from .sp.attention.ulysses import UlyssesAttention
@@ -232,19 +232,20 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     config = _resolve(pipe, models, _config_of(config, knobs))
     if any(state is not None for state in enabled):
         return _attach(pipe, models, enabled, config)
-    ensure_process_group(config.timeout_s)
-    if config.check_inputs:  # before the groups: a rank with other degrees would build other groups
-        check_agreement(_fingerprint(models, config), "xstage_dit.enable's arguments and models",
-                        world_group(config.timeout_s))
-    groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s, config.ring_degree)
-    _move_to_rank_device(pipe, models, groups.device)
-    choice = resolve_backend(config.backend, groups.device)
-    fabric = None
-    if needs_fabric(choice, groups.device) and groups.ulysses_group is not None and groups.ring_degree == 1:
-        # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
-        from .sp.fabric import open_fabric
+    with every_rank_joining("xstage_dit.enable", config.timeout_s):
+        ensure_process_group(config.timeout_s)
+        if config.check_inputs:  # before the groups: a rank with other degrees would build other groups
+            check_agreement(_fingerprint(models, config), "xstage_dit.enable's arguments and models",
+                            world_group(config.timeout_s))
+        groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s, config.ring_degree)
+        _move_to_rank_device(pipe, models, groups.device)
+        choice = resolve_backend(config.backend, groups.device)
+        fabric = None
+        if needs_fabric(choice, groups.device) and groups.ulysses_group is not None and groups.ring_degree == 1:
+            # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
+            from .sp.fabric import open_fabric
 
-        fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+            fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)

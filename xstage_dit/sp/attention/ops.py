@@ -24,12 +24,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ...kernels import triton_runs_on
 from ...kernels.rotary_args import JointTokens, NormedTokens, NormRope
 from ...logging_utils import warn_once
-from ...runtime.distributed import waiting_for
+from ...runtime.distributed import resolve_group, waiting_for
 from .backends import FALLBACK, Backend, LocalAttention, get_backend, get_choice
 from .exchange import all_to_all
 from ..fabric import fabric_of
@@ -116,10 +115,10 @@ def ulysses_attention_op(
             warn_once(f"xstage_dit: with a ring degree above 1 attention runs the ring's reference path, not "
                       f"backend {backend!r}")
         return ring_exchange(_joined(query), _joined(key), _joined(value), layout,
-                             _resolve_process_group(group_name) if group_name else None,
-                             _resolve_process_group(ring_group_name), scale, text_mask)
+                             resolve_group(group_name) if group_name else None,
+                             resolve_group(ring_group_name), scale, text_mask)
     chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
-    group = _resolve_process_group(group_name)
+    group = resolve_group(group_name)
     if pair_bias:
         say_pair_bias_fallback(chosen.name)
         return serial_exchange(_joined(query), _joined(key), _joined(value), layout, all_to_all(group), scale,
@@ -181,7 +180,7 @@ def gathered_keys_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 def gathered_keys_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, seq_len: int,
                                degree: int, rank: int, group_name: str, scale: float | None,
                                attention_backend: str | None) -> torch.Tensor:
-    shard = SequenceShard(degree, rank, _resolve_process_group(group_name))
+    shard = SequenceShard(degree, rank, resolve_group(group_name))
     shard.seq_len = seq_len
     with waiting_for(lambda: "the other ranks' keys and values for an attention over all their tokens"):
         key, value = shard.gather(torch.stack([key, value]), 2).unbind(0)  # one collective for both
