@@ -2,7 +2,8 @@
 `-p diffusers_peer`; tests/run_diffusers_peer.py runs it): with XSTAGE_PEER_ENABLE=1 every transformer xstage_dit
 supports is enabled at degree 1 as soon as it is built (its class's __init__ returns) or loaded
 (`ModelMixin.from_pretrained` returns); with XSTAGE_PEER_REPORT=FILE each test's outcome is written to FILE as
-JSON ({test id: "passed" | "failed" | "skipped"}). Without either variable it does nothing."""
+JSON ({test id: "passed" | "failed" | "skipped"}); with XSTAGE_PEER_COMPILE_ON_CPU=1 diffusers' torch.compile
+tests run without an accelerator. Without these variables it does nothing."""
 from __future__ import annotations
 
 import contextlib
@@ -71,6 +72,23 @@ def install() -> Callable[[], None]:
     undo = [_enable_when_built(cls) for cls in supported_models()]
     undo.append(_enable_when_loaded(ModelMixin, supported_models()))
     return lambda: [step() for step in reversed(undo)]
+
+
+ACCELERATOR_GATE = "test requires a hardware accelerator"  # diffusers' require_accelerator skip reason
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With XSTAGE_PEER_COMPILE_ON_CPU=1, diffusers' torch.compile tests run on the CPU too: their classes'
+    accelerator gate is lifted (no other test's)."""
+    if os.environ.get("XSTAGE_PEER_COMPILE_ON_CPU") != "1":
+        return
+    for item in items:
+        cls = getattr(item, "cls", None)
+        if cls is None or not any(base.__name__ == "TorchCompileTesterMixin" for base in cls.__mro__):
+            continue
+        for node in item.listchain():
+            node.own_markers[:] = [mark for mark in node.own_markers
+                                   if not (mark.name == "skipif" and mark.kwargs.get("reason") == ACCELERATOR_GATE)]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -8,7 +8,8 @@ PATH/TO/DIFFUSERS is a checkout of diffusers' repository (its tests/ folder, ide
 version; the sdist on the package index does not ship the model tests). Every test file under
 tests/models/transformers/ that names a transformer class xstage_dit supports runs twice in a process of its own:
 stock, and with the plugin tests/diffusers_peer.py enabling each such model at degree 1 as soon as it is built or
-loaded. Failures enabled that tests/diffusers_peer_exceptions.txt excuses are counted apart, with their reason."""
+loaded, diffusers' torch.compile tests included (their accelerator gate lifted on a CPU). Failures enabled that
+tests/diffusers_peer_exceptions.txt excuses are counted apart, with their reason."""
 from __future__ import annotations
 
 import argparse
@@ -58,11 +59,13 @@ def test_files(checkout: Path, only: list[str]) -> list[Path]:
             if names.search(path.read_text()) and (not only or any(word in path.name for word in only))]
 
 
-def run(checkout: Path, test_file: Path, enabled: bool, pytest_args: list[str]) -> dict[str, str]:
+def run(checkout: Path, test_file: Path, enabled: bool, compile_on_cpu: bool,
+        pytest_args: list[str]) -> dict[str, str]:
     """The outcomes of one test file run in a process of its own, stock or enabled."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "outcomes.json"
         environment = {**os.environ, "XSTAGE_PEER_REPORT": str(report), "XSTAGE_PEER_ENABLE": "1" if enabled else "0",
+                       "XSTAGE_PEER_COMPILE_ON_CPU": "1" if compile_on_cpu else "0",
                        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), str(HERE.parent),
                                                                    os.environ.get("PYTHONPATH")]))}
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "diffusers_peer", "-p", "no:cacheprovider",
@@ -95,6 +98,8 @@ def main() -> None:
     parser.add_argument("checkout", type=Path, help="a checkout of diffusers' repository (its tests/ folder)")
     parser.add_argument("--only", nargs="+", default=[], help="test files whose name contains one of these words")
     parser.add_argument("--out", type=Path, help="also write every outcome and the comparison here (JSON)")
+    parser.add_argument("--no-compile-on-cpu", action="store_true",
+                        help="keep diffusers' accelerator gate on its torch.compile tests (they are slow on a CPU)")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest after `--` (e.g. -- -k lora)")
     args = parser.parse_args()
     if not (args.checkout / "tests" / "models" / "transformers").is_dir():
@@ -105,8 +110,8 @@ def main() -> None:
     excused = exceptions()
     results = []
     for test_file in files:
-        stock = run(args.checkout.resolve(), test_file, False, args.pytest_args)
-        enabled = run(args.checkout.resolve(), test_file, True, args.pytest_args)
+        stock, enabled = (run(args.checkout.resolve(), test_file, enable, not args.no_compile_on_cpu,
+                              args.pytest_args) for enable in (False, True))
         result = compare(test_file.name, stock, enabled, excused)
         results.append(result)
         print(f"{test_file.name}: stock {counts(stock)}; enabled {counts(enabled)}; pass on stock but fail enabled: "
