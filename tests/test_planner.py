@@ -197,8 +197,8 @@ def test_plan_command_without_a_gpu_plans_for_the_shipped_calibration(capsys):
     (["--heads", "many"], "argument --heads: 'many' is not a whole number >= 1"),
     (["--text", "-1"], "argument --text: -1 is not a whole number >= 0"),
     (["--experts", "0"], "argument --experts: 0 is not a whole number >= 1"),
-    (["--capacity-factor", "0"], "argument --capacity-factor: 0 is not a number > 0"),
-    (["--capacity-factor", "nan"], "argument --capacity-factor: nan is not a number > 0"),
+    (["--capacity-factor", "0"], "argument --capacity-factor: 0 is not a finite number > 0"),
+    (["--capacity-factor", "nan"], "argument --capacity-factor: nan is not a finite number > 0"),
 ])
 def test_plan_command_refuses_numbers_out_of_range_in_one_line(capsys, arguments, message):
     from xstage_dit.cli import main

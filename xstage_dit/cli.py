@@ -85,23 +85,22 @@ def plan_experts(calibration: Calibration, shape: ExpertShape) -> str:
     return "\n".join(lines)
 
 
-def _number(kind: type, least: float, what: str) -> Callable[[str], int | float]:
-    """An argparse type: `kind` parsed from the text, at least `least` (a value outside says so in one line)."""
+def _number(kind: type, accepts: Callable[[float], bool], what: str) -> Callable[[str], int | float]:
+    """An argparse type: `kind` parsed from the text, refused in one line unless `accepts` it."""
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not value >= least or value in (math.inf, -math.inf):
+        if not accepts(value):
             raise argparse.ArgumentTypeError(f"{text} is not {what}")
         return value
-    parse.__name__ = what  # argparse names the type by it in its own messages
     return parse
 
 
-positive_int = _number(int, 1, "a whole number >= 1")
-non_negative_int = _number(int, 0, "a whole number >= 0")
-positive_float = _number(float, math.ulp(0.0), "a number > 0")
+positive_int = _number(int, lambda value: value >= 1, "a whole number >= 1")
+non_negative_int = _number(int, lambda value: value >= 0, "a whole number >= 0")
+positive_float = _number(float, lambda value: 0 < value < math.inf, "a finite number > 0")  # NaN compares false
 
 
 def _load(path: Path) -> Calibration:
