@@ -161,7 +161,7 @@ def every_rank_joining(call: str, timeout_s: float) -> Iterator[None]:
     a rank never does (a call made on some ranks only), the store's bare timeout is said as that."""
     try:
         yield
-    except dist.DistError as error:
+    except dist.DistStoreError as error:
         world, rank = world_from_env()
         raise RuntimeError(f"xstage_dit: rank {rank} waited {timeout_s:g} s for all {world} ranks of the job to "
                            f"call {call} and gave up: every rank must call it ({type(error).__name__}: {error})") \
