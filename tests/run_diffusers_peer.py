@@ -2,7 +2,7 @@
 and list the tests that pass on stock but fail enabled (a peer check of the plugin; not part of the default test
 run, since it needs a checkout of diffusers' tests).
 
-    python tests/run_diffusers_peer.py PATH/TO/DIFFUSERS [--only flux chroma] [--out out/diffusers-peer.json]
+    python tests/run_diffusers_peer.py PATH/TO/DIFFUSERS [--only flux.py chroma] [--out FILE] [-- PYTEST ARGS]
 
 PATH/TO/DIFFUSERS is a checkout of diffusers' repository (its tests/ folder, ideally at the tag of the installed
 version; the sdist on the package index does not ship the model tests). Every test file under
@@ -100,8 +100,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write every outcome and the comparison here (JSON)")
     parser.add_argument("--no-compile-on-cpu", action="store_true",
                         help="keep diffusers' accelerator gate on its torch.compile tests (they are slow on a CPU)")
-    parser.add_argument("pytest_args", nargs="*", help="passed to pytest after `--` (e.g. -- -k lora)")
-    args = parser.parse_args()
+    parser.epilog = "Arguments after `--` go to pytest (e.g. -- -k lora)."
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.pytest_args = argv[split + 1:]
     if not (args.checkout / "tests" / "models" / "transformers").is_dir():
         parser.error(f"{args.checkout} has no tests/models/transformers: give the root of a diffusers checkout")
     files = test_files(args.checkout.resolve(), args.only)
