@@ -17,7 +17,7 @@ import torch
 
 import xstage_dit
 import zoo
-from provenance import provenance, write_records
+from provenance import OUTPUT_DIR, provenance, write_records
 from xstage_dit import layers
 from xstage_dit.runtime import ensure_process_group
 
@@ -102,14 +102,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", default=["tiny-flux"], choices=sorted(zoo.ZOO))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="bench-check", help="output path prefix (.json, .md)")
+    parser.add_argument("--out", type=Path, default=f"{OUTPUT_DIR}/bench-check",
+                        help="output path prefix (.json, .md)")
     args = parser.parse_args()
     device = xstage_dit.local_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ensure_process_group(timeout_s=600)
     records = [bench(name, args.repeats, device, dtype) for name in args.config]
     if xstage_dit.is_main_process():
-        write(records, Path(args.out))
+        write(records, args.out)
 
 
 if __name__ == "__main__":

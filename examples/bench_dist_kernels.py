@@ -32,7 +32,7 @@ from xstage_dit.burst_gap import AttentionShape, Planner, find_calibration
 from xstage_dit.burst_gap.planner import TileOrder
 
 from bench_kernels import back_to_back_ms
-from provenance import provenance
+from provenance import OUTPUT_DIR, provenance
 
 # (name, text tokens, image tokens, heads): the paper's lengths, then Flux 1024² and Wan 14B 720p
 SHAPES = [(f"seq-{s}", 0, s, 24) for s in (8192, 16384, 32768, 65536)] + [
@@ -133,7 +133,7 @@ def plot(rows: dict, labels: list[str], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="dist-kernels")
+    parser.add_argument("--out", type=Path, default=f"{OUTPUT_DIR}/dist-kernels")
     parser.add_argument("--shapes", nargs="+", choices=[s[0] for s in SHAPES], default=[s[0] for s in SHAPES])
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args()
@@ -151,7 +151,7 @@ def main() -> None:
         env = {**provenance(), "calibration": calibration.filename if calibration else None,
                "ranks_note": ("ranks share one GPU (a dry run: no scaling or speed claim)" if ranks_share_gpus()
                               else "one rank per GPU")}
-        write([{**r, **env} for r in records], Path(args.out))
+        write([{**r, **env} for r in records], args.out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -36,7 +36,7 @@ from xstage_dit.runtime import world_from_env
 
 import zoo
 from kernel_profile import kernel_times, write_profiles
-from provenance import provenance
+from provenance import OUTPUT_DIR, provenance
 from step_timer import StepTimer, reporting_steps
 
 DIFFUSERS_ROPE = "+diffusers-rope"  # backend-name suffix: that backend with enable(fuse_rope=False)
@@ -69,7 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="on a GPU, also run one call per variant under torch.profiler: GPU time by kernel per "
                              "step, in OUT-profile.json and OUT-profile.md")
-    parser.add_argument("--out", default="bench-e2e", help="output path prefix (.json, .md, .png)")
+    parser.add_argument("--out", type=Path, default=f"{OUTPUT_DIR}/bench-e2e",
+                        help="output path prefix (.json, .md, .png)")
     return parser.parse_args()
 
 
@@ -335,7 +336,7 @@ def main() -> None:
         records += timed
         profiles += profiled
     if xstage_dit.is_main_process():
-        prefix = Path(args.out)
+        prefix = args.out
         prefix.parent.mkdir(parents=True, exist_ok=True)
         write_outputs(records, prefix)
         if profiles:  # one profile file per rank count (the timing file accumulates runs at every count)

@@ -54,7 +54,7 @@ from xstage_dit.sp.attention.reference import serial_exchange
 from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_calibration
 from xstage_dit.burst_gap.planner import TileOrder
 
-from provenance import provenance
+from provenance import OUTPUT_DIR, provenance
 
 ATTENTION_SHAPES = [  # (B, H, S, D)
     (1, 24, 4608, 128), (1, 24, 16896, 128), (1, 40, 75600, 128), (1, 5, 75600, 128), (1, 3, 119056, 128),
@@ -461,7 +461,7 @@ def write(records: list[dict], prefix: Path, calibration: Calibration | None) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="bench-kernels")
+    parser.add_argument("--out", type=Path, default=f"{OUTPUT_DIR}/bench-kernels")
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--calibration", type=Path, help="default: this GPU's loopback calibration, if any")
@@ -477,7 +477,7 @@ def main() -> None:
              "host": bench_host, "loopback": lambda: bench_loopback(args.ranks, args.heads, planner)}
     records = [row for part in args.parts for row in parts[part]()]
     env = provenance()
-    write([{**r, **env} for r in records], Path(args.out), calibration)
+    write([{**r, **env} for r in records], args.out, calibration)
 
 
 if __name__ == "__main__":

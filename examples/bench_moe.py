@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMo
 
 import xstage_dit
 import zoo
-from provenance import provenance, write_records
+from provenance import OUTPUT_DIR, provenance, write_records
 from xstage_dit.patches.image.nucleusmoe import ExactExpertChoice
 from xstage_dit.runtime import ensure_process_group
 from xstage_dit.sp.moe.choice import capacity_of
@@ -256,7 +256,8 @@ def write(records: list[dict], prefix: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default="bench-moe", help="output path prefix (.json, .md)")
+    parser.add_argument("--out", type=Path, default=f"{OUTPUT_DIR}/bench-moe",
+                        help="output path prefix (.json, .md)")
     args = parser.parse_args()
     device = xstage_dit.local_device()
     if device.type != "cuda":
@@ -265,7 +266,7 @@ def main() -> None:
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     records = [r for size in TOKENS for factor in (4.0, 2.0) for r in bench(size, factor, args.repeats, device)]
     if xstage_dit.is_main_process():
-        write(records, Path(args.out))
+        write(records, args.out)
     if dist.is_initialized():
         dist.destroy_process_group()
 

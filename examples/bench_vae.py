@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import xstage_dit
 import zoo
-from provenance import provenance, write_records
+from provenance import OUTPUT_DIR, provenance, write_records
 from xstage_dit.patches.vaes import vae_rule_for
 from xstage_dit.vae.decode import ParallelDecode
 
@@ -90,7 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vae", nargs="+", default=["flux", "wan2.1-720p"], choices=list(zoo.VAES))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench-vae", help="output path prefix (.json, .md)")
+    parser.add_argument("--out", type=Path, default=f"{OUTPUT_DIR}/bench-vae",
+                        help="output path prefix (.json, .md)")
     args = parser.parse_args()
     device = xstage_dit.local_device()
     if device.type == "cuda":
@@ -98,7 +99,7 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     records = [bench(name, args.repeats, device) for name in args.vae]
     if xstage_dit.is_main_process():
-        write(records, Path(args.out))
+        write(records, args.out)
     dist.destroy_process_group()
 
 

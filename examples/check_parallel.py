@@ -26,7 +26,7 @@ from xstage_dit.sp.fabric import symmetric_backends_in_use
 
 import zoo
 from generate import EXPERT_PARALLEL
-from provenance import provenance
+from provenance import OUTPUT_DIR, provenance
 
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-3}
 REPEAT_MARGIN = 1.5  # how much further from the single GPU than its own repeat a parallel result may be
@@ -77,7 +77,7 @@ def main() -> None:
                         help="mixture-of-experts models: each setting in turn (generate.py's --expert-parallel)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--out", default="check-parallel")
+    parser.add_argument("--out", type=Path, default=f"{OUTPUT_DIR}/check-parallel")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     records = [r for name in args.config
@@ -85,7 +85,7 @@ def main() -> None:
     if xstage_dit.is_main_process():
         env = provenance()
         records = [{**r, **env} for r in records]
-        prefix = Path(args.out)
+        prefix = args.out
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
         lines = [f"# Parallel vs single-GPU: {env['card']}, {env['date']}", "", f"`{env['command']}`", "",

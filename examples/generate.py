@@ -2,6 +2,7 @@ r"""Generate an image or a video with xstage_dit's Ulysses sequence parallelism.
 
     python examples/generate.py                                   # tiny random Flux, one process
     torchrun --nproc_per_node 2 examples/generate.py              # the same on 2 ranks
+    accelerate launch --multi_gpu --num_processes 2 examples/generate.py   # the same with accelerate (CPU too)
     torchrun --nproc_per_node 2 examples/generate.py --config tiny-flux-kontext --image in.png
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     torchrun --nproc_per_node 8 examples/generate.py --model black-forest-labs/FLUX.1-dev --prompt "a cat"
@@ -10,7 +11,8 @@ Without --model the pipeline is built from a config in examples/zoo.py with rand
 the prompt seeds random text embeddings, since such configs have no text encoder; configs whose pipeline takes
 images (Kontext, Fill, Control, image-to-video) draw random ones unless --image is given. With --model, steps
 and guidance are the pipeline's own defaults unless given, and VAEs that diffusers keeps in float32 (Wan's) stay
-in float32. Only the main rank shows progress and writes the output: PNG/JPEG for images, GIF or MP4 (at the
+in float32. Only the main rank shows progress and writes the output (--output, by default into out/ of the current
+directory, which git ignores in the checkout): PNG/JPEG for images, GIF or MP4 (at the
 model's frame rate; MP4 needs the `video` extra, which also muxes the sound of audio-video models, LTX-2's) for
 videos."""
 from __future__ import annotations
@@ -19,59 +21,104 @@ import argparse
 import logging
 import statistics
 from pathlib import Path
+from typing import NoReturn
 
 import PIL.Image
 import torch
+from diffusers.utils import logging as diffusers_logging
+from transformers.utils import logging as transformers_logging
 
 import xstage_dit
+from xstage_dit.cli import positive_int
 from xstage_dit.serve import loading, media
 from xstage_dit.serve.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 
+from provenance import OUTPUT_DIR
 from step_timer import StepTimer, reporting_steps
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def refuse(message: str) -> NoReturn:
+    """Stop the job before anything is loaded: the message once, on the main rank; a quiet exit on the others."""
+    raise SystemExit(message if xstage_dit.is_main_process() else 2)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are printed once for the job, not once per rank."""
+
+    def error(self, message: str) -> NoReturn:
+        if not xstage_dit.is_main_process():
+            raise SystemExit(2)
+        super().error(message)
+
+
+def quiet_libraries() -> None:
+    """Library warnings that tell a user of this script nothing are not shown (transformers' note, at import of
+    diffusers' pipelines, that its image processors fall back to PIL without torchvision); the other ranks show
+    only errors, so that each warning appears once, on the main rank."""
+    logging.getLogger("transformers.utils.import_utils").addFilter(
+        lambda record: "requires torchvision (not installed)" not in record.getMessage())
+    if not xstage_dit.is_main_process():
+        transformers_logging.set_verbosity_error()
+        diffusers_logging.set_verbosity_error()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     loading.add_pipeline_arguments(parser)
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
     parser.add_argument("--negative-prompt", help="--model only (a config's negative embeddings are random)")
     parser.add_argument("--image", type=Path, help="input image of image-to-image/video pipelines (Kontext, Edit, "
                                                    "image-to-video): the pipeline's `image` argument")
-    parser.add_argument("--height", type=int)
-    parser.add_argument("--width", type=int)
-    parser.add_argument("--num-frames", type=int, help="video models only")
-    parser.add_argument("--steps", type=int,
+    parser.add_argument("--height", type=positive_int)
+    parser.add_argument("--width", type=positive_int)
+    parser.add_argument("--num-frames", type=positive_int, help="video models only")
+    parser.add_argument("--steps", type=positive_int,
                         help=f"default: the pipeline's own (--model), {loading.ZOO_STEPS} (--config)")
     parser.add_argument("--guidance", type=float,
                         help="classifier-free guidance scale (true CFG for Flux, HunyuanVideo, QwenImage; 1 disables "
                              "it); default: the pipeline's own (--model), 1 (--config)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, help="output file (default: output.png, or output.gif for video)")
-    return parser.parse_args()
+    parser.add_argument("--output", type=Path, help=f"output file (default: {OUTPUT_DIR / 'output.png'}, or "
+                                                    f"{OUTPUT_DIR / 'output.gif'} for video)")
+    return parser.parse_args(argv)
 
 
 def output_path(args: argparse.Namespace, is_video: bool) -> Path:
     """The file to write, checked before anything is loaded or generated."""
-    output = args.output or Path("output.gif" if is_video else "output.png")
+    output = args.output or OUTPUT_DIR / ("output.gif" if is_video else "output.png")
     suffixes = VIDEO_SUFFIXES if is_video else IMAGE_SUFFIXES
     if output.suffix.lower() not in suffixes:
-        raise SystemExit(f"--output {output}: a {'video' if is_video else 'image'} is written as "
-                         f"{', '.join(suffixes)}")
+        refuse(f"--output {output}: a {'video' if is_video else 'image'} is written as {', '.join(suffixes)}")
     if output.suffix.lower() == ".mp4" and not media.can_write_mp4():
-        raise SystemExit(f"--output {output}: MP4 needs imageio, imageio-ffmpeg and PyAV (pip install "
-                         f"'xstage_dit[video]'); or write a .gif")
-    if not output.parent.resolve().is_dir():
-        raise SystemExit(f"--output {output}: no directory {output.parent}")
+        refuse(f"--output {output}: MP4 needs imageio, imageio-ffmpeg and PyAV (pip install 'xstage_dit[video]'); "
+               f"or write a .gif")
+    if args.output is not None and not output.parent.resolve().is_dir():
+        refuse(f"--output {output}: no directory {output.parent}")
     return output
 
 
-def main() -> None:
-    args = parse_args()
+def input_image(path: Path | None) -> PIL.Image.Image | None:
+    """The --image file as RGB, read before anything is loaded."""
+    if path is None:
+        return None
+    try:
+        with PIL.Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        refuse(f"--image {path}: no such file")
+    except OSError as error:  # a directory, a file PIL cannot read
+        refuse(f"--image {path}: not an image this script can read ({error})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if xstage_dit.is_main_process() else logging.WARNING)
+    quiet_libraries()
     device = xstage_dit.local_device()
     family = loading.family_of(args.model, args.config)
     # a pipeline class the zoo does not know: video or not is known once loaded
     output = output_path(args, is_video=family.video) if family else None
-    image = PIL.Image.open(args.image).convert("RGB") if args.image else None
+    image = input_image(args.image)
     if args.negative_prompt is not None and not args.model:
         logging.getLogger(__name__).warning("--negative-prompt needs --model: a config's negative embeddings are "
                                             "random")
@@ -91,6 +138,7 @@ def main() -> None:
         timer.finish()
 
     if xstage_dit.is_main_process():
+        output.parent.mkdir(parents=True, exist_ok=True)  # the default folder
         media.write_output(result, 0, output, loaded.fps, pipe)
         steps = timer.step_seconds
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

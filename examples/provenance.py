@@ -24,6 +24,9 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+OUTPUT_DIR = Path("out")  # the examples' default outputs' folder, ignored by git in the checkout
+
+
 def relative_command(argv: Sequence[str], repository: Path, out: Path | None) -> list[str]:
     """`argv` with each absolute path inside `out` (the run's output folder, $OUT) written relative to it, and each
     other one inside `repository` relative to the repository: a record names its command as it runs from any

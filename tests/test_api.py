@@ -64,6 +64,38 @@ def test_unsupported_transformer_names_supported_families():
         xstage_dit.enable(model)
 
 
+def test_a_one_process_accelerate_launch_is_said_once(flux_pipe, monkeypatch, caplog):
+    """accelerate's one-process launcher (`accelerate launch --num_processes 2` without --multi_gpu) sets
+    ACCELERATE_USE_CPU and no WORLD_SIZE: the unsplit run is said, with the flag that splits it."""
+    from xstage_dit import logging_utils
+
+    monkeypatch.setattr(logging_utils, "_already_warned", set())
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    with caplog.at_level(logging.WARNING, logger="xstage_dit"):
+        for _ in range(2):
+            xstage_dit.enable(flux_pipe)
+            xstage_dit.disable(flux_pipe)
+    said = [r.getMessage() for r in caplog.records if "accelerate launch" in r.getMessage()]
+    assert said == ["xstage_dit: `accelerate launch` started one process, so the model runs unsplit; it starts "
+                    "several only with --multi_gpu (`accelerate launch --multi_gpu --num_processes N`, on CPUs too)"]
+
+
+def test_a_model_compiled_before_enable_says_to_compile_after(flux_pipe):
+    transformer = flux_pipe.transformer
+    flux_pipe.transformer = torch.compile(transformer)
+    message = (r"xstage_dit.enable: {} is a torch.compile'd FluxTransformer2DModel; call xstage_dit.enable first, or "
+               r"compile after it")
+    try:
+        with pytest.raises(TypeError, match=message.format("pipe.transformer")):
+            xstage_dit.enable(flux_pipe)
+        with pytest.raises(TypeError, match=message.format("the model")):
+            xstage_dit.enable(flux_pipe.transformer)
+    finally:
+        flux_pipe.transformer = transformer
+    assert not xstage_dit.installed_layers(flux_pipe)
+
+
 @pytest.mark.parametrize("size, kwargs, message", [
     (8, {"ulysses_degree": 8}, r"12 attention heads, which ulysses_degree=8 cannot split; over these 8 ranks these "
                                r"work: ulysses_degree=1 x ring_degree=8, ulysses_degree=2 x ring_degree=4, "
@@ -98,7 +130,10 @@ def test_z_image_heads_name_the_degrees_they_allow(world):
         ({"ulysses_degree": 4, "cfg_degree": 2}, r"ulysses_degree=4 does not fit the world size 4 with cfg_degree=2"),
         ({"backend": "nope"}, "unknown xstage_dit backend 'nope'"),
         ({"backend": "fused"}, "backend 'fused' needs CUDA GPUs"),
+        ({"ulysses_degree": 0}, r"ulysses_degree must be None or an int >= 1, got 0"),
+        ({"ring_degree": -2}, r"ring_degree must be None or an int >= 1, got -2"),
         ({"timeout_s": 0}, "timeout_s must be a positive number of seconds, got 0"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a positive number of seconds, got nan"),
         ({"timeout_s": float("inf")}, "timeout_s must be a positive number"),
         ({"cuda_graphs": True}, "cuda_graphs=True needs a GPU; this rank runs on cpu"),
         ({"expert_parallel": True}, "FluxTransformer2DModel has no mixture-of-experts layers that xstage_dit can "
@@ -182,7 +217,10 @@ def test_cfg_degree_that_does_not_divide_the_world_names_only_what_was_given(flu
     ({"ulysses_degree": "2"}, r"ulysses_degree must be None or an int >= 1, got '2'"),
     ({"ulysses_degree": 2.0}, r"ulysses_degree must be None or an int >= 1, got 2.0"),
     ({"ulysses_degree": True}, r"ulysses_degree must be None or an int >= 1, got True"),
-    ({"ulysses_degree": 0}, r"ulysses_degree must be None or an int >= 1, got 0"),
+    ({"ring_degree": 1.5}, r"ring_degree must be None or an int >= 1, got 1.5"),
+    ({"cfg_degree": "2"}, r"cfg_degree must be 1 or 2 \(guidance has two branches\), got '2'"),
+    ({"timeout_s": "60"}, r"timeout_s must be a positive number of seconds, got '60'"),
+    ({"timeout_s": True}, r"timeout_s must be a positive number of seconds, got True"),
     ({"backend": None}, r"backend must be the name of a backend \(one of xstage_dit.available_backends\(\)\), "
                         r"got None"),
     ({"fuse_rope": "yes"}, r"fuse_rope must be True or False, got 'yes'"),

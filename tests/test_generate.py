@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import PIL.Image
 import pytest
+from transformers.utils import logging as transformers_logging
 
 import generate
 import zoo
@@ -30,6 +33,7 @@ def test_an_input_image_reaches_the_pipeline_and_the_image_is_written(tmp_path: 
     assert run.returncode == 0, run.stderr[-2000:]
     assert PIL.Image.open(out).size == (32, 24)
     assert "wrote" in run.stdout
+    assert "torchvision" not in run.stderr  # transformers' note on its image processors says nothing to a user
 
 
 @pytest.mark.parametrize("output, message", [("out.png", "a video is written as"), ("missing/out.gif", "no directory")])
@@ -60,3 +64,56 @@ def test_an_audio_video_model_writes_its_sound_into_the_mp4(tmp_path: Path) -> N
     assert run.returncode == 0, run.stderr[-2000:]
     with av.open(str(out)) as container:
         assert [stream.type for stream in container.streams] == ["video", "audio"]
+
+
+@pytest.fixture
+def rank(monkeypatch):
+    """Pretend to be one rank of a two-rank job (nothing here starts a process group)."""
+    def set_rank(number: int) -> None:
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(number))
+    return set_rank
+
+
+@pytest.mark.parametrize("number", [0, 1])
+def test_an_argument_out_of_range_is_one_line_once_for_the_job(rank, capsys, number: int) -> None:
+    rank(number)
+    with pytest.raises(SystemExit) as exit:
+        generate.parse_args(["--steps", "0"])
+    printed = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert "argument --steps: 0 is not a whole number >= 1" in printed if number == 0 else printed == ""
+
+
+@pytest.mark.parametrize("number", [0, 1])
+def test_a_missing_or_unreadable_input_image_is_one_line_once_for_the_job(rank, tmp_path: Path, capsys,
+                                                                          number: int) -> None:
+    rank(number)
+    with pytest.raises(SystemExit) as exit:
+        generate.input_image(tmp_path / "missing.png")
+    assert exit.value.code == (f"--image {tmp_path / 'missing.png'}: no such file" if number == 0 else 2)
+    (tmp_path / "notes.png").write_text("not an image")
+    with pytest.raises(SystemExit, match="notes.png: not an image this script can read" if number == 0 else "2"):
+        generate.input_image(tmp_path / "notes.png")
+    assert capsys.readouterr().err == ""  # SystemExit's message is printed by the interpreter, once
+
+
+def test_the_default_output_is_ignored_by_git() -> None:
+    """Run from the checkout, the default output lands in a folder git ignores."""
+    output = generate.output_path(argparse.Namespace(output=None), is_video=False)
+    assert output == Path("out", "output.png")
+    checkout = Path(__file__).parent.parent
+    if shutil.which("git") is None or not (checkout / ".git").exists():
+        pytest.skip("not a git checkout")
+    for where in (output, Path("examples") / output):
+        assert subprocess.run(["git", "check-ignore", "-q", str(where)], cwd=checkout).returncode == 0, where
+
+
+def test_library_warnings_are_left_to_the_main_rank(rank) -> None:
+    before = transformers_logging.get_verbosity()
+    try:
+        rank(1)
+        generate.quiet_libraries()
+        assert transformers_logging.get_verbosity() == logging.ERROR
+    finally:
+        transformers_logging.set_verbosity(before)

@@ -184,6 +184,39 @@ def test_plan_command_prints_predictions_and_the_choice(tmp_path, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="plans for this machine's GPU")
+@pytest.mark.parametrize("arguments, message", [
+    (["--ranks", "0"], "argument --ranks: 0 is not a whole number >= 1"),
+    (["--tokens", "-5"], "argument --tokens: -5 is not a whole number >= 1"),
+    (["--heads", "many"], "argument --heads: 'many' is not a whole number >= 1"),
+    (["--text", "-1"], "argument --text: -1 is not a whole number >= 0"),
+    (["--experts", "0"], "argument --experts: 0 is not a whole number >= 1"),
+    (["--capacity-factor", "0"], "argument --capacity-factor: 0 is not a finite number > 0"),
+    (["--capacity-factor", "nan"], "argument --capacity-factor: nan is not a finite number > 0"),
+])
+def test_plan_command_refuses_numbers_out_of_range_in_one_line(capsys, arguments, message):
+    from xstage_dit.cli import main
+
+    given = {"--tokens": "4096", "--heads": "24", "--ranks": "2", **dict(zip(arguments[::2], arguments[1::2]))}
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", *[part for pair in given.items() for part in pair]])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, r"cannot read --calibration .*missing.json: No such file or directory"),
+    ("not json", r"--calibration .*bad.json is not a calibration JSON \(Expecting value"),
+    ('{"gpu": "H200"}', r"--calibration .*bad.json is not a calibration: it has no field 'key'"),
+])
+def test_plan_command_names_the_calibration_it_could_not_read(tmp_path, content, message):
+    from xstage_dit.cli import main
+
+    path = tmp_path / ("missing.json" if content is None else "bad.json")
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit, match=f"^xstage-dit plan: {message}"):
+        main(["plan", "--tokens", "4096", "--heads", "24", "--ranks", "2", "--calibration", str(path)])
+
+
 def test_plan_command_without_a_gpu_plans_for_the_shipped_h200(capsys):
     """The README's example: 30 heads cannot split over 8 ranks by Ulysses alone; the plan is a split with a
     ring, and what enable() runs with no degrees."""

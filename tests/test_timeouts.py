@@ -69,3 +69,35 @@ def _stalled_peer_worker(point: str) -> None:
 @pytest.mark.parametrize("point", list(POINTS))
 def test_a_stopped_peer_raises_within_timeout_s_under_the_callers_group(point):
     run_on_ranks(2, _stalled_peer_worker, point, deadline_s=90)
+
+
+def _enable_on_some_ranks_worker(caller_starts_the_group: bool) -> None:
+    if caller_starts_the_group:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    if os.environ["RANK"] == "1":
+        return  # never calls enable
+    pipe = zoo.build_pipeline("tiny-flux")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"^xstage_dit: rank 0 waited {TIMEOUT_S:g} s for all 2 ranks of the job "
+                                           r"to call xstage_dit.enable and gave up: every rank must call it"):
+        xstage_dit.enable(pipe, backend="reference", timeout_s=TIMEOUT_S)
+    assert time.monotonic() - start < TIMEOUT_S + 5
+
+
+@pytest.mark.parametrize("caller_starts_the_group", [False, True], ids=["enable-starts-it", "caller-started-it"])
+def test_enable_on_some_ranks_only_says_so_within_timeout_s(caller_starts_the_group):
+    run_on_ranks(2, _enable_on_some_ranks_worker, caller_starts_the_group, deadline_s=90)
+
+
+def _call_after_the_group_is_gone_worker() -> None:
+    pipe = zoo.build_pipeline("tiny-flux")
+    xstage_dit.enable(pipe, backend="reference", timeout_s=TIMEOUT_S)
+    dist.destroy_process_group()
+    kwargs = zoo.call_kwargs("tiny-flux", height=16, width=16, num_frames=1, steps=1, guidance=1.0)
+    with pytest.raises(RuntimeError, match=r"^xstage_dit: the process group is gone \(torch.distributed."
+                                           r"destroy_process_group was called after xstage_dit.enable\)"):
+        pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=0), output_type="latent")
+
+
+def test_a_call_after_the_process_group_is_destroyed_says_so():
+    run_on_ranks(2, _call_after_the_group_is_gone_worker, deadline_s=90)

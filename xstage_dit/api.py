@@ -22,7 +22,7 @@ from .patches.vaes import supported_vaes, vae_rule_for
 from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import GraphUse
-from .runtime.distributed import ParallelGroups, local_device, world_group
+from .runtime.distributed import ParallelGroups, every_rank_joining, local_device, world_group
 from .sp.attention.backends import needs_fabric, resolve_backend
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_dit_hooks import refuse_other_sequence_parallelism
@@ -33,14 +33,25 @@ _STATE_ATTR = "_xstage_dit_applied"
 _TRANSFORMER_ATTRS = ("transformer", "transformer_2")
 
 
+def _refuse_compiled(model: Any, where: str) -> None:
+    """torch.compile's wrapper hides the model's class and runs a graph traced before the patches: say what to do."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError(f"xstage_dit.enable: {where} is a torch.compile'd {type(model._orig_mod).__name__}; call "
+                        f"xstage_dit.enable first, or compile after it (e.g. "
+                        f"pipe.transformer.compile_repeated_blocks(fullgraph=True), as docs/usage.md shows)")
+
+
 def _transformers_of(target: Any) -> list[nn.Module]:
     """The models `enable` splits: a bare transformer, or a pipeline's transformers, then its ControlNets."""
+    _refuse_compiled(target, "the model")
     if isinstance(target, ModelMixin):
         if patches.is_supported(target) and patches.plan_for(target).cfg is None:
             raise TypeError(f"xstage_dit.enable: a {type(target).__name__} hands its outputs to its pipeline's "
                             f"transformer split between the ranks; enable the pipeline instead")
         return [target]
     found = [getattr(target, name, None) for name in _TRANSFORMER_ATTRS]
+    for name, model in zip(_TRANSFORMER_ATTRS, found):
+        _refuse_compiled(model, f"pipe.{name}")
     found = [model for model in found if model is not None]
     if not found:
         raise TypeError(
@@ -245,25 +256,26 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     config = _resolve(pipe, models, _config_of(config, knobs))
     if any(state is not None for state in enabled):
         return _attach(pipe, models, enabled, config)
-    ensure_process_group(config.timeout_s)
-    if config.check_inputs:  # before the groups: a rank with other degrees would build other groups
-        check_agreement(_fingerprint(models, config), "xstage_dit.enable's arguments and models",
-                        world_group(config.timeout_s))
-    groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s, config.ring_degree)
-    _move_to_rank_device(pipe, models, groups.device)
-    choice = resolve_backend(config.backend, groups.device)
-    fabric = None
-    if needs_fabric(choice, groups.device) and groups.ulysses_group is not None and groups.ring_degree == 1:
-        if groups.ulysses_within_node:
-            # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
-            from .sp.fabric import open_fabric
+    with every_rank_joining("xstage_dit.enable", config.timeout_s):
+        ensure_process_group(config.timeout_s)
+        if config.check_inputs:  # before the groups: a rank with other degrees would build other groups
+            check_agreement(_fingerprint(models, config), "xstage_dit.enable's arguments and models",
+                            world_group(config.timeout_s))
+        groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s, config.ring_degree)
+        _move_to_rank_device(pipe, models, groups.device)
+        choice = resolve_backend(config.backend, groups.device)
+        fabric = None
+        if needs_fabric(choice, groups.device) and groups.ulysses_group is not None and groups.ring_degree == 1:
+            if groups.ulysses_within_node:
+                # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
+                from .sp.fabric import open_fabric
 
-            fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
-        else:
-            warn_once("xstage_dit: the Ulysses group spans nodes and symmetric memory spans one: its exchanges run "
-                      "over NCCL (the reference and overlap backends), not the fused backend's stores")
-    if groups.ring_degree > 1:
-        _open_ring_fabric(groups, needs_fabric(choice, groups.device), config.timeout_s)
+                fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+            else:
+                warn_once("xstage_dit: the Ulysses group spans nodes and symmetric memory spans one: its exchanges "
+                          "run over NCCL (the reference and overlap backends), not the fused backend's stores")
+        if groups.ring_degree > 1:
+            _open_ring_fabric(groups, needs_fabric(choice, groups.device), config.timeout_s)
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)

@@ -12,6 +12,7 @@ import importlib.metadata
 import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -106,6 +107,34 @@ def plan_experts(calibration: Calibration, shape: ExpertShape) -> str:
     return "\n".join(lines)
 
 
+def _number(kind: type, accepts: Callable[[float], bool], what: str) -> Callable[[str], int | float]:
+    """An argparse type: `kind` parsed from the text, refused in one line unless `accepts` it."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+    return parse
+
+
+positive_int = _number(int, lambda value: value >= 1, "a whole number >= 1")
+non_negative_int = _number(int, lambda value: value >= 0, "a whole number >= 0")
+positive_float = _number(float, lambda value: 0 < value < math.inf, "a finite number > 0")  # NaN compares false
+
+
+def _load(path: Path) -> Calibration:
+    """The calibration in `path`, or one line naming the file and what is wrong with it."""
+    try:
+        return Calibration.load(path)
+    except OSError as error:
+        raise SystemExit(f"xstage-dit plan: cannot read --calibration {path}: {error.strerror or error}") from None
+    except ValueError as error:
+        raise SystemExit(f"xstage-dit plan: --calibration {error}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # its own parser (python -m xstage_dit.serve --help)
@@ -126,22 +155,24 @@ def main(argv: list[str] | None = None) -> None:
                      help="after a kernel change: measure only the kernel costs again, into these calibrations "
                           "of this GPU (their Burst-Gap fit is kept), written to --out")
     layer = commands.add_parser("plan", help="predicted time per backend for one attention layer")
-    layer.add_argument("--tokens", type=int, required=True, help="image/video tokens of the whole sequence")
-    layer.add_argument("--text", type=int, default=0, help="joint text tokens (replicated)")
-    layer.add_argument("--heads", type=int, required=True)
-    layer.add_argument("--head-dim", type=int, default=128)
-    layer.add_argument("--ranks", type=int, required=True, help="ranks that split one sequence (Ulysses x ring)")
-    layer.add_argument("--ulysses", type=int, help="plan only this Ulysses degree (default: every one that splits "
-                       "the heads within a node)")
-    layer.add_argument("--ranks-per-node", type=int, help="consecutive ranks that share a node (default: --ranks, "
-                       "at most 8)")
-    layer.add_argument("--internode-gbps", type=float, default=INTERNODE_RATE * 8 / 1e9,
+    layer.add_argument("--tokens", type=positive_int, required=True, help="image/video tokens of the whole sequence")
+    layer.add_argument("--text", type=non_negative_int, default=0, help="joint text tokens (replicated)")
+    layer.add_argument("--heads", type=positive_int, required=True)
+    layer.add_argument("--head-dim", type=positive_int, default=128)
+    layer.add_argument("--ranks", type=positive_int, required=True,
+                       help="ranks that split one sequence (Ulysses x ring)")
+    layer.add_argument("--ulysses", type=positive_int, help="plan only this Ulysses degree (default: every one that "
+                       "splits the heads within a node)")
+    layer.add_argument("--ranks-per-node", type=positive_int, help="consecutive ranks that share a node (default: "
+                       "--ranks, at most 8)")
+    layer.add_argument("--internode-gbps", type=positive_float, default=INTERNODE_RATE * 8 / 1e9,
                        help="what one rank sends to another node, Gb/s (an assumption: no calibration measures it)")
-    layer.add_argument("--batch", type=int, default=1)
-    layer.add_argument("--experts", type=int, help="also plan an expert-choice MoE layer of this many experts")
-    layer.add_argument("--dim", type=int, default=2048, help="the MoE layer's model width")
-    layer.add_argument("--expert-width", type=int, default=1344, help="each expert's hidden width")
-    layer.add_argument("--capacity-factor", type=float, default=4.0)
+    layer.add_argument("--batch", type=positive_int, default=1)
+    layer.add_argument("--experts", type=positive_int,
+                       help="also plan an expert-choice MoE layer of this many experts")
+    layer.add_argument("--dim", type=positive_int, default=2048, help="the MoE layer's model width")
+    layer.add_argument("--expert-width", type=positive_int, default=1344, help="each expert's hidden width")
+    layer.add_argument("--capacity-factor", type=positive_float, default=4.0)
     layer.add_argument("--calibration", type=Path, help="a calibration JSON (default: the best match for this "
                        "machine's GPU and --ranks in the calibration directory)")
     args = parser.parse_args(argv)
@@ -161,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         nodes = Nodes(args.ranks_per_node or min(args.ranks, 8), args.internode_gbps * 1e9 / 8)
         if ulysses is not None and ulysses > nodes.ranks_per_node:
             parser.error(f"--ulysses {ulysses}: the planner keeps Ulysses within a node of {nodes.ranks_per_node}")
-        calibration = Calibration.load(args.calibration) if args.calibration else _this_machine(args.ranks)
+        calibration = _load(args.calibration) if args.calibration else _this_machine(args.ranks)
         shape = AttentionShape(args.batch, args.tokens, args.text, args.heads, args.head_dim, args.ranks)
         if args.ranks > calibration.world_size:
             print(f"note: {calibration.filename} measured {calibration.world_size} rank(s); the predictions for "
@@ -186,6 +217,7 @@ def _one_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes, ul
 
 
 def _this_machine(ranks: int) -> Calibration:
+    """This GPU's best calibration for `ranks`; without a GPU, the shipped H200 one (said in a note)."""
     if not torch.cuda.is_available():
         shipped = find_calibration(SHIPPED_GPU, ranks, directory=SHIPPED)
         print(f"note: no GPU here: planning for an {SHIPPED_GPU} with the shipped {shipped.filename} (--calibration "

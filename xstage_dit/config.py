@@ -54,17 +54,24 @@ class XStageConfig:
     expert_parallel: bool | None = None
 
     def __post_init__(self) -> None:
+        # a value of the wrong type raises TypeError, one of the right type out of range ValueError
         for name in ("ulysses_degree", "ring_degree"):
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and value >= 1):
+            if value is not None and not _is_int(value):
                 raise TypeError(f"{name} must be None or an int >= 1, got {value!r}")
-        if not (_is_int(self.cfg_degree) and self.cfg_degree in (1, 2)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        if not _is_int(self.cfg_degree):
+            raise TypeError(f"cfg_degree must be 1 or 2 (guidance has two branches), got {self.cfg_degree!r}")
+        if self.cfg_degree not in (1, 2):
             raise ValueError(f"cfg_degree must be 1 or 2 (guidance has two branches), got {self.cfg_degree!r}")
         if not isinstance(self.backend, str):
             raise TypeError(f"backend must be the name of a backend (one of xstage_dit.available_backends()), "
                             f"got {self.backend!r}")
         timeout = self.timeout_s
-        if not (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and 0 < timeout < math.inf):
+        if not isinstance(timeout, numbers.Real) or isinstance(timeout, bool):
+            raise TypeError(f"timeout_s must be a positive number of seconds, got {timeout!r}")
+        if not 0 < timeout < math.inf:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout!r}")
         for name in ("fuse_rope", "fuse_mlp", "check_inputs"):
             if not isinstance(getattr(self, name), bool):

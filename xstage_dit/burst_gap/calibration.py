@@ -109,7 +109,14 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Path) -> "Calibration":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The calibration in `path`; a file that is not one raises ValueError naming it (OSError where it cannot
+        be read)."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except KeyError as error:
+            raise ValueError(f"{path} is not a calibration: it has no field {error}") from error
+        except (ValueError, TypeError, AttributeError) as error:  # not JSON, or JSON of another shape
+            raise ValueError(f"{path} is not a calibration JSON ({error})") from error
 
 
 def slug(name: str) -> str:

@@ -15,6 +15,11 @@ _PLANS: dict[type, SequenceParallelPlan] = {
 }
 
 
+def supported_models() -> tuple[type, ...]:
+    """The transformer classes `enable` has a plan for."""
+    return tuple(_PLANS)
+
+
 def supported_families() -> list[str]:
     return sorted({f"{plan.family} ({cls.__name__})" for cls, plan in _PLANS.items()})
 

@@ -12,8 +12,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..logging_utils import logger
+from ..logging_utils import logger, warn_once
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,10 @@ def ensure_process_group(timeout_s: float) -> None:
     """Start the default process group from the launcher's environment unless one is running or the job has one
     process. NCCL on GPUs, gloo on CPU; every collective is bounded by `timeout_s`."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if not dist.is_initialized() and "WORLD_SIZE" not in os.environ and "ACCELERATE_USE_CPU" in os.environ:
+            # accelerate's one-process launcher sets this; its multi-process one (torchrun's) sets WORLD_SIZE
+            warn_once("xstage_dit: `accelerate launch` started one process, so the model runs unsplit; it starts "
+                      "several only with --multi_gpu (`accelerate launch --multi_gpu --num_processes N`, on CPUs too)")
         return
     device = local_device()
     if device.type == "cuda":
@@ -143,6 +148,23 @@ def all_gather_stacked(local: torch.Tensor, size: int, group: dist.ProcessGroup,
     return whole
 
 
+def _check_process_group_alive() -> None:
+    """A collective of an enabled model that failed because the job's process group was destroyed says so."""
+    if not dist.is_initialized():
+        raise RuntimeError("xstage_dit: the process group is gone (torch.distributed.destroy_process_group was "
+                           "called after xstage_dit.enable); an enabled pipeline's calls need it: make them before "
+                           "destroying it, and call xstage_dit.disable(pipe) to run the pipeline alone after")
+
+
+def resolve_group(name: str) -> dist.ProcessGroup:
+    """The process group registered under `name` (as custom ops take groups), or the error above where it is gone."""
+    try:
+        return _resolve_process_group(name)
+    except (RuntimeError, ValueError):
+        _check_process_group_alive()
+        raise
+
+
 @contextlib.contextmanager
 def waiting_for(what: str | Callable[[], str]) -> Iterator[None]:
     """A collective in the block that fails (a peer dead, or past the group's timeout) re-raises naming this rank
@@ -151,8 +173,22 @@ def waiting_for(what: str | Callable[[], str]) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, dist.DistError) as error:
+        _check_process_group_alive()
         described = what() if callable(what) else what
-        raise RuntimeError(f"xstage_dit: rank {dist.get_rank()} waited for {described} and gave up: {error}") \
+        raise RuntimeError(f"xstage_dit: rank {world_from_env()[1]} waited for {described} and gave up: {error}") \
+            from error
+
+
+@contextlib.contextmanager
+def every_rank_joining(call: str, timeout_s: float) -> Iterator[None]:
+    """Starting the process group and creating groups wait for every rank of the job to make the same call: where
+    a rank never does (a call made on some ranks only), the store's bare timeout is said as that."""
+    try:
+        yield
+    except dist.DistStoreError as error:
+        world, rank = world_from_env()
+        raise RuntimeError(f"xstage_dit: rank {rank} waited {timeout_s:g} s for all {world} ranks of the job to "
+                           f"call {call} and gave up: every rank must call it ({type(error).__name__}: {error})") \
             from error
 
 

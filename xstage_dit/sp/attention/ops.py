@@ -24,12 +24,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ...kernels import triton_runs_on
 from ...kernels.rotary_args import JointTokens, NormedTokens, NormRope
 from ...logging_utils import warn_once
-from ...runtime.distributed import waiting_for
+from ...runtime.distributed import resolve_group, waiting_for
 from .backends import FALLBACK, Backend, LocalAttention, get_backend, get_choice
 from .exchange import all_to_all
 from ..fabric import fabric_of
@@ -117,16 +116,16 @@ def ulysses_attention_op(
     value = JointTokens(tuple(value_parts))
     whole = None if whole_key is None else WholeKeys(whole_key, whole_value)
     if ring_degree > 1 or whole is not None:
-        ring_group = _resolve_process_group(ring_group_name) if ring_group_name else None
+        ring_group = resolve_group(ring_group_name) if ring_group_name else None
         if backend not in (FALLBACK, "auto") and not (backend == "fused" and ring_group is not None):
             why = "a ring degree above 1" if ring_degree > 1 else "keys every rank holds whole"
             warn_once(f"xstage_dit: attention with {why} runs the ring's path, not backend {backend!r}")
         stores = None if ring_group is None else ring_stores(backend, ring_group, query_parts[0], layout)
         return ring_exchange(_joined(query), _joined(key), _joined(value), layout,
-                             _resolve_process_group(group_name) if group_name else None, ring_group, scale,
+                             resolve_group(group_name) if group_name else None, ring_group, scale,
                              text_mask, text_factor=pair_bias, whole=whole, stores=stores)
     chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
-    group = _resolve_process_group(group_name)
+    group = resolve_group(group_name)
     if pair_bias:
         say_pair_bias_fallback(chosen.name)
         return serial_exchange(_joined(query), _joined(key), _joined(value), layout, all_to_all(group), scale,
@@ -189,7 +188,7 @@ def gathered_keys_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 def gathered_keys_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, seq_len: int,
                                degree: int, rank: int, group_name: str, scale: float | None,
                                attention_backend: str | None) -> torch.Tensor:
-    shard = SequenceShard(degree, rank, _resolve_process_group(group_name))
+    shard = SequenceShard(degree, rank, resolve_group(group_name))
     shard.seq_len = seq_len
     with waiting_for(lambda: "the other ranks' keys and values for an attention over all their tokens"):
         key, value = shard.gather(torch.stack([key, value]), 2).unbind(0)  # one collective for both

@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ...burst_gap.planner import ExpertMode, ExpertSchedule
+from ...runtime.distributed import resolve_group
 from ..sharding import SequenceShard
 from .grouped import add_contributions
 from .layer import ExpertChoiceCall, run_expert_choice
@@ -28,7 +28,7 @@ def expert_choice_op(hidden: torch.Tensor, shared: torch.Tensor, scores: torch.T
     """`expert_choice`'s records as the op's scalars: the modes as their codes in the order of preference, the
     stores mode's fixed schedule as its fields (`waves` 0: the planner's), this rank's experts and the split as
     theirs."""
-    shard = SequenceShard(degree, rank, _resolve_process_group(group_name) if degree > 1 else None)
+    shard = SequenceShard(degree, rank, resolve_group(group_name) if degree > 1 else None)
     shard.seq_len = seq_len
     call = ExpertChoiceCall(capacity_factor, route_scale, ExpertModes(tuple(_MODES[code] for code in modes)),
                             slice(own_start, own_stop), ExpertSchedule(waves, interleaved) if waves else None)
