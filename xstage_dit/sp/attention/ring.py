@@ -241,7 +241,7 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         forward = _Beside(query.device)
         if step + 1 < degree:
             with forward:
-                if forward.stream is not None:  # the step after next may free it while the stores still read it
+                if step == 0 and forward.stream is not None:  # its own block, freed by the caching allocator
                     block.record_stream(forward.stream)
                 forward_block(block.reshape(-1), slots.tensor[(step + 1) % 2], slots.destinations,
                               (rank + 1) % degree, programs)
@@ -273,8 +273,8 @@ def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 def _stores_predicted_faster(planner: Planner | None, shape: AttentionShape, ring_degree: int,
                              ulysses_degree: int) -> bool:
     """Whether the planner predicts the stored ring faster than point-to-point sends for `shape` (without a
-    calibration: the stores)."""
-    return planner is None or planner.ring_transport(shape, ring_degree, ulysses_degree) is RingTransport.FUSED
+    calibration: no, as measured on an H200)."""
+    return planner is not None and planner.ring_transport(shape, ring_degree, ulysses_degree) is RingTransport.FUSED
 
 
 def ring_stores(backend: str, ring_group: dist.ProcessGroup, query: torch.Tensor,
