@@ -273,7 +273,7 @@ def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 def _stores_predicted_faster(planner: Planner | None, shape: AttentionShape, ring_degree: int,
                              ulysses_degree: int) -> bool:
     """Whether the planner predicts the stored ring faster than point-to-point sends for `shape` (without a
-    calibration: no, as measured on an H200)."""
+    calibration: no)."""
     return planner is not None and planner.ring_transport(shape, ring_degree, ulysses_degree) is RingTransport.FUSED
 
 
