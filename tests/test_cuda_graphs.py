@@ -225,11 +225,12 @@ def test_a_forward_that_syncs_the_host_runs_eagerly_with_one_warning(caplog):
 
 # the tiny configs whose forward runs eagerly with graphs on: the warning's words (the diffusers code that
 # synchronises the host: a modulation index built from host lists; a host check of the conditioning and a
-# boolean-mask index; Qwen-Image 2.1's KV cache object), and whether their blocks replay instead
+# boolean-mask index; Qwen-Image 2.1's and FLUX.2's KV cache objects), and whether their blocks replay instead
 EAGER_FORWARDS = {
     "tiny-qwenimage-edit-2511": ("synchronises the host", True),
     "tiny-hunyuan-video15": ("synchronises the host", True),
     "tiny-qwenimage21": ("gets an argument of type QwenImage21KVCache", False),
+    "tiny-flux2-klein-kv": ("gets an argument of type Flux2KVCache", False),
 }
 
 
