@@ -37,8 +37,7 @@ block's keys and values:
   P = RING_FORWARD_PROGRAMS programs store the block into the next rank's slot (one destination: its drain rate R)
   on a side stream. The attention kernels the ring runs hold every SM for the whole step, so the forward does not
   run under them: it adds its delivery D = delivery_time(V, P) to the step (`ring_forward`):
-  sum_{i<R-1} (A_i + D) + A_{R-1}. (Measured on one H200 in loopback, the stored ring costs more than this still:
-  docs/benchmarks/ring-loopback-h200.md.)
+  sum_{i<R-1} (A_i + D) + A_{R-1}.
 
 Every transport attends with the vendor's kernel (the ring merges by log-sum-exp, which our kernel does not
 return).
@@ -205,7 +204,7 @@ INTERNODE_RATE = 50e9
 
 # programs of the fused ring's forward kernel (kernels/ring.py): few enough to leave the attention its SMs, enough
 # to drain a block under it
-RING_FORWARD_PROGRAMS = 16
+RING_FORWARD_PROGRAMS = 32
 
 
 @dataclass(frozen=True)

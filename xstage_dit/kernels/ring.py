@@ -10,8 +10,10 @@ import triton.language as tl
 
 from .tables import ALIGN_ELEMENTS
 
-# elements per program and iteration: 16 KiB of bf16 in flight per program
-BLOCK = 8192
+# elements per program and iteration, and its warps: 64 KiB of bf16 in flight per program, so that a few programs
+# drain a block at a large share of the memory's rate
+BLOCK = 32768
+WARPS = 16
 
 
 @triton.jit
@@ -33,4 +35,4 @@ def forward_block(src: torch.Tensor, base: torch.Tensor, offsets: torch.Tensor, 
         raise ValueError("forward_block: a contiguous block of the buffer's dtype that fits in it")
     if src.numel():
         _forward_kernel[(max(1, min(programs, triton.cdiv(src.numel(), BLOCK))),)](
-            src, base, offsets, to_rank, src.numel(), BLOCK=BLOCK, ALIGN=ALIGN_ELEMENTS, num_warps=4)
+            src, base, offsets, to_rank, src.numel(), BLOCK=BLOCK, ALIGN=ALIGN_ELEMENTS, num_warps=WARPS)
