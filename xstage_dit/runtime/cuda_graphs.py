@@ -215,6 +215,16 @@ class SignatureGraphs:
         """Graphs held (one per signature)."""
         return len(self._graphs)
 
+    def _decides_on_host(self) -> bool:
+        """Whether something in the forward decides on the host from call to call (then it stays eager, said
+        once)."""
+        deciding = self.host_decisions() if self.host_decisions is not None else None
+        if deciding:
+            self._eager_only = True
+            warn_once(f"xstage_dit: {self.name} has {deciding}, which decide on the host from call to call: it runs "
+                      "eagerly, without CUDA graphs")
+        return bool(deciding)
+
     def _give_up(self, why: str) -> None:
         self._eager_only = True
         what_now = self.instead() if self.instead is not None else "it runs eagerly"
@@ -225,6 +235,8 @@ class SignatureGraphs:
         self._seen[key] = calls
         if len(self._seen) > 4 * CAPTURED_SIGNATURES:
             self._seen.popitem(last=False)
+        if calls == 1 and self._decides_on_host():  # said at a signature's first call, whether or not it recurs
+            return self.inner(*args, **kwargs)
         if calls < EAGER_CALLS:
             return self.inner(*args, **kwargs)
         with _host_syncs() as syncs:
@@ -240,11 +252,7 @@ class SignatureGraphs:
         return output
 
     def _capture(self, key: Hashable, leaves: list[Any], spec: TreeSpec) -> _Graph | None:
-        deciding = self.host_decisions() if self.host_decisions is not None else None
-        if deciding:
-            self._eager_only = True
-            warn_once(f"xstage_dit: {self.name} has {deciding}, which decide on the host from call to call: it runs "
-                      "eagerly, without CUDA graphs")
+        if self._decides_on_host():
             return None
         if len(self._graphs) == CAPTURED_SIGNATURES:
             self._graphs.popitem(last=False)
