@@ -74,6 +74,31 @@ def test_every_common_change_moves_the_key() -> None:
     graphs.remove()
 
 
+def test_the_hooks_are_there_only_while_a_model_is_watched() -> None:
+    """write_hooks.py's wrappers sit on `nn.Parameter` and PEFT's tuner layer classes from the first watcher to
+    the last (removed or freed); writes to parameters of no watched model move nothing."""
+    import gc
+
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    classes = (nn.Parameter, LoraLinear, LoraLayer, BaseTunerLayer)
+    before = {cls: dict(vars(cls)) for cls in classes}
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    first, second = ModelChanges(model, writes=True, storage=False), ModelChanges(model, writes=True, storage=False)
+    assert "data" in vars(nn.Parameter) and vars(LoraLayer)["set_scale"] is not before[LoraLayer]["set_scale"]
+    with torch.no_grad():
+        other.weight.mul_(2.0)
+        other.weight.data.mul_(2.0)
+    assert not first.moved()
+    first.remove()
+    assert "data" in vars(nn.Parameter)  # the second still watches
+    del second
+    gc.collect()
+    assert {cls: dict(vars(cls)) for cls in classes} == before
+
+
 def test_a_changed_model_drops_its_graphs(monkeypatch) -> None:
     """The invalidation itself, without a GPU: the forward runs eagerly (its arguments are on the CPU), and the
     check before it drops the graphs exactly when the model moved."""
