@@ -61,6 +61,7 @@ class ModelChanges:
         self._writes, self._storage = writes, storage
         self._registrations = 0
         self._walked_at = -1
+        self._module_ids: set[int] = set()  # until the first walk, in `key()` below
         self._counts = WriteCounts()
         self._counted: tuple[int, int, int] | None = None  # the counters as of the last read
         # torch keeps the hooks globally: they hold this object weakly, so that a model nobody uses is freed
