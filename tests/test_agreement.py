@@ -70,9 +70,10 @@ def test_ranks_whose_pipeline_calls_differ_are_named():
 
 def _changed_model_worker() -> None:
     """After `enable`, before every pipeline call the ranks also compare what changed their transformer since:
-    a rank that changed it alone (weights scaled in place, a state dict loaded, a LoRA loaded and fused, and then
-    unloaded with its weights left merged) makes every rank raise an error naming it; the same change on every
-    rank passes and equals stock diffusers with that change."""
+    a rank that changed it alone (weights scaled in place, directly or through `.data`, given other memory through
+    `.data`, a state dict loaded, a LoRA loaded and fused, and then unloaded with its weights left merged) makes
+    every rank raise an error naming it; the same change on every rank passes and equals stock diffusers with that
+    change."""
     rank = int(__import__("os").environ["RANK"])
     name, alone = "tiny-flux", rank == 2
     pipe, stock = zoo.build_pipeline(name), zoo.build_pipeline(name)
@@ -103,6 +104,22 @@ def _changed_model_worker() -> None:
         refused("weights")
         model.load_state_dict(saved)
         call(pipe)
+        weight.data.mul_(2.0 if alone else 1.0)  # through `.data`, which torch's version counters miss
+        refused("weights")
+        weight.data.div_(2.0 if alone else 1.0)
+        call(pipe)
+        if alone:
+            weight.data = weight.data * 2.0  # other memory
+        refused("weights")
+        weight.data = weight.data / (2.0 if alone else 1.0)
+        call(pipe)
+
+    for target in (pipe, stock):  # written through `.data` on every rank
+        written = target.transformer.transformer_blocks[0].attn.to_q
+        written.weight.data = written.weight.data * 1.5
+        written.bias.data.mul_(0.5)
+    error = ((call(pipe) - call(stock)).norm() / call(stock).norm()).item()
+    assert error < 1e-4, f"weights written through .data on every rank: relative error {error:.2e}"
 
     for target in (pipe, stock):  # the same on every rank
         target.load_lora_weights(lora_state_dict(model, ADAPTERS[name]["a"], 0), adapter_name="a")

@@ -198,7 +198,7 @@ def _adapters_worker(name: str, device: str = "cpu", dtype: torch.dtype = torch.
 
 
 # families without a split projection or grouped experts (HunyuanVideo's GELU epilogue acts on GPUs only): one
-# 2-rank run of them all
+# run of them all at each world size
 PLAIN_FAMILIES = ["tiny-flux2", "tiny-zimage", "tiny-hunyuan-video"]
 
 
@@ -214,8 +214,9 @@ def _families_worker(names: list[str]) -> None:
                                       "fuse_lora, unload_lora_weights"])
 
 
-def test_adapters_equal_stock_on_more_families() -> None:
-    run_on_ranks(2, _families_worker, PLAIN_FAMILIES, deadline_s=600)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_adapters_equal_stock_on_more_families(world_size: int) -> None:
+    run_on_ranks(world_size, _families_worker, PLAIN_FAMILIES, deadline_s=600)
 
 
 def _sharded_experts_worker() -> None:

@@ -397,7 +397,7 @@ class GraphedForward:
         """`host_decisions(module)` names what in a module decides on the host from call to call (checked before
         each capture of the model and of a block), which keeps it eager."""
         self._blocks = GraphedBlocks(blocks or [], device, cross_rank, host_decisions, block_state)
-        self._model_changes = ModelChanges(model, versions=False, storage=True)
+        self._model_changes = ModelChanges(model, writes=False, storage=True)
         self._replaced = ReplacedForward(model, lambda *args, **kwargs: self._call(*args, **kwargs))
         self._graphs = SignatureGraphs(type(model).__name__, self._replaced.inner, device, cross_rank,
                                        functools.partial(host_decisions, model) if host_decisions else None,
