@@ -13,7 +13,7 @@ and refiners and builds its sequences inline, so its enabled forward is ours (`_
 control tokens split after their embedding, the transformer's noise refiner run on the image chunk (split by the
 shard its routed attention reads), the ControlNet's own blocks on the control chunk, then on [chunk, whole caption]
 like the transformer's main layers. Its hints (`SplitHints`) hold this rank's rows, which the transformer adds to
-its own after the layers they belong to (`_FittedHints`)."""
+its own, each call's hints first fitted to the rows it builds (`_FittedHints`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -22,6 +22,7 @@ import torch
 from diffusers import ZImageControlNetModel, ZImageTransformer2DModel
 from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF
 from torch import nn
+from torch.utils._pytree import register_pytree_node
 
 from ...cfg.plan import BATCH, CfgPlan
 from ...hooks.module_forward import ReplacedForward, forward_signature
@@ -81,6 +82,11 @@ class _SplitSequences:
 class SplitHints(dict):
     """A ControlNet's hints, layer index -> (B, rows, D), over this rank's [image chunk, caption] rows (what an
     enabled ControlNet returns); a plain dict's rows hold the whole image."""
+
+
+# a pytree node like a dict: CUDA graphs see the hints' tensors as a forward's inputs and outputs
+register_pytree_node(SplitHints, lambda hints: (list(hints.values()), list(hints)),
+                     lambda values, keys: SplitHints(zip(keys, values)))
 
 
 def _padded_rows(tokens: int) -> int:
