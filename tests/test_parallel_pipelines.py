@@ -174,7 +174,8 @@ ULYSSES = {
 }
 # (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,
 # then batching ones); CFG and Ulysses together (2 x 2) for each way of calling: pairs, pairs over two
-# transformers, pairs with a text mask, a batch; guidance off: every CFG group computes every call
+# transformers, pairs with a text mask, a batch (Z-Image's through its ControlNet pipeline: its transformer with
+# the hints split along the batch); guidance off: every CFG group computes every call
 CFG = {
     (2, 3.0): ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-sd3.5",
                "tiny-cogvideox", "tiny-ltx", "tiny-hidream", "tiny-flux-kontext", "tiny-wan2.2-i2v", "tiny-ltx-i2v",
@@ -182,8 +183,7 @@ CFG = {
                "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-ltx2", "tiny-ltx2-i2v",
                "tiny-qwenimage21", "tiny-hunyuan-video15", "tiny-qwenimage-edit-2511"],
     (4, 3.0): ["tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5", "tiny-ltx-i2v",
-               "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage", "tiny-zimage-controlnet",
-               "tiny-qwenimage21"],
+               "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage-controlnet", "tiny-qwenimage21"],
     (2, 1.0): ["tiny-wan"],
 }
 
