@@ -12,8 +12,7 @@ from dist_harness import run_on_ranks
 from test_parallel_pipelines import SIZES, TOLERANCE, _pipelines_worker, _relative_error
 
 # the single Flux ControlNet runs in the IP-Adapter's worker
-CONTROLNETS = ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet", "tiny-zimage-controlnet",
-               "tiny-zimage-controlnet-inpaint"]
+CONTROLNETS = ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet", "tiny-zimage-controlnet"]
 
 
 def _ip_adapter_worker(name: str, load_after_enable: bool, cfg_degree: int = 1) -> None:
@@ -140,13 +139,15 @@ def test_flux2_reference_kv_cache_in_one_process():
 
 def _every_feature_worker(world_size: int) -> None:
     """One spawn of ranks runs each feature in turn (a spawn's start-up costs more than a tiny pipeline): the
-    ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2, Z-Image's inpainting 1; 35 image tokens,
-    which Z-Image pads to 64; on 2 ranks as a ring, on 3 under Ulysses), the IP-Adapter on the single-ControlNet
-    pipeline under Ulysses (loaded after `enable` on 2 ranks, before it on 3), FLUX.2 [dev]'s KV cache (2 ranks: a
-    ring, the prompt whole; 3: Ulysses, the prompt split with the tokens); on 3 ranks also a bare transformer given
-    whole residuals (Flux's, Z-Image's)."""
+    ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2; 35 image tokens, which Z-Image pads to 64;
+    on 2 ranks as a ring, on 3 under Ulysses, with Z-Image's inpainting ControlNet too, batch 1), the IP-Adapter on
+    the single-ControlNet pipeline under Ulysses (loaded after `enable` on 2 ranks, before it on 3), FLUX.2 [dev]'s
+    KV cache (2 ranks: a ring, the prompt whole; 3: Ulysses, the prompt split with the tokens); on 3 ranks also a
+    bare transformer given whole residuals (Flux's, Z-Image's)."""
     ring = {"ring_degree": 2} if world_size == 2 else {}
-    _pipelines_worker([*CONTROLNETS, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None, ring)
+    # Z-Image's inpainting ControlNet where its 64 tokens split unevenly
+    inpaint = ["tiny-zimage-controlnet-inpaint"] if world_size == 3 else []
+    _pipelines_worker([*CONTROLNETS, *inpaint, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None, ring)
     _ip_adapter_worker("tiny-flux-controlnet", load_after_enable=world_size == 2)
     if world_size == 2:
         _flux2_kv_worker(5, ring)

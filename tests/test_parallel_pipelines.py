@@ -183,7 +183,8 @@ CFG = {
                "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-ltx2", "tiny-ltx2-i2v",
                "tiny-qwenimage21", "tiny-hunyuan-video15", "tiny-qwenimage-edit-2511"],
     (4, 3.0): ["tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5", "tiny-ltx-i2v",
-               "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage-controlnet", "tiny-qwenimage21"],
+               "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage-controlnet",
+               "tiny-qwenimage21"],
     (2, 1.0): ["tiny-wan"],
 }
 
