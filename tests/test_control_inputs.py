@@ -130,6 +130,8 @@ def _whole_zimage_hints_worker() -> None:
     error = _relative_error(torch.stack(out), torch.stack(ref))
     assert error < TOLERANCE, f"a bare Z-Image transformer given whole hints: relative error {error:.2e}"
     xstage_dit.disable(pipe.transformer)
+    with pytest.raises(TypeError, match="enable the pipeline instead"):
+        xstage_dit.enable(pipe.controlnet)
 
 
 def test_flux2_reference_kv_cache_in_one_process():

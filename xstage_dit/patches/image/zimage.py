@@ -212,14 +212,20 @@ def _control_stack(layers: nn.ModuleList, control: torch.Tensor, tokens: torch.T
     return control, {place: hint * scale for place, hint in zip(places, hints)}
 
 
+def _check_controlnet(model: nn.Module) -> None:
+    if model.noise_refiner is None:
+        raise ValueError("xstage_dit: this ZImageControlNetModel holds none of its transformer's modules yet; its "
+                         "pipelines share them with it (ZImageControlNetModel.from_transformer)")
+
+
 def _install_controlnet(model: nn.Module, context: PlanContext) -> list[Any]:
     if context.shard.degree == 1:
         return []
-    refiner = routing.marked_attention(model.noise_refiner[0].attention) if model.noise_refiner else None
+    refiner = routing.marked_attention(model.noise_refiner[0].attention)
     if refiner is None:
-        raise ValueError("xstage_dit: this ZImageControlNetModel runs no enabled transformer's noise refiner; "
-                         "enable the pipeline that holds it and its transformer (the pipeline shares the "
-                         "transformer's modules with it: ZImageControlNetModel.from_transformer)")
+        raise ValueError("xstage_dit: this ZImageControlNetModel runs the noise refiner of a transformer that is "
+                         "not enabled; enable the pipeline that holds it and the transformer it was made from "
+                         "(ZImageControlNetModel.from_transformer)")
     return [_SplitControlNet(model, context.shard, refiner.shard)]
 
 
@@ -248,6 +254,7 @@ PLANS = {
         num_heads=lambda model: model.config.n_heads,
         cfg=None,
         text_first=False,
+        check_model=_check_controlnet,
         check_inputs=_check_controlnet_inputs,
         install=_install_controlnet,
     ),
