@@ -154,11 +154,12 @@ def _guider() -> dict[str, Any]:
 
 def _caption_lists(entry: ZooEntry, batch: int, draw) -> dict[str, list[torch.Tensor]]:
     """Z-Image takes one caption tensor per prompt, as long as its prompt (its pipeline drops the padding):
-    every other prompt here is `text_padding` tokens shorter, and the negative ones shorter still."""
+    every other prompt here is `text_padding` tokens shorter, and each negative one `text_padding` tokens shorter
+    still (the branches' longest captions differ)."""
     out = {}
-    for prefix, padding in (("", entry.text_padding), ("negative_", 2 * entry.text_padding)):
-        out[f"{prefix}prompt_embeds"] = [draw(entry.text_len - (i % 2) * padding, entry.text_dim)
-                                         for i in range(batch)]
+    for prefix, shorter in (("", 0), ("negative_", entry.text_padding)):
+        out[f"{prefix}prompt_embeds"] = [draw(entry.text_len - shorter - (i % 2) * entry.text_padding,
+                                              entry.text_dim) for i in range(batch)]
     return out
 
 
@@ -203,7 +204,7 @@ FAMILIES: dict[str, Family] = {
     "chroma": Family("ChromaPipeline", "ChromaTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
                      _float_masked),
     "zimage": Family("ZImagePipeline", "ZImageTransformer2DModel", "AutoencoderKL", "FlowMatchEulerDiscreteScheduler",
-                     _caption_lists),
+                     _caption_lists, controlnet="ZImageControlNetModel"),
     "nucleusmoe": Family(
         "NucleusMoEImagePipeline", "NucleusMoEImageTransformer2DModel", "AutoencoderKLQwenImage",
         "FlowMatchEulerDiscreteScheduler", _masked("prompt_embeds_mask", "negative_prompt_embeds_mask")),
@@ -667,6 +668,21 @@ ZOO["tiny-qwenimage-controlnet"] = dataclasses.replace(
     ZOO["tiny-qwenimage"], pipeline="QwenImageControlNetPipeline", images={"control_image": None},
     controlnets=({key: value for key, value in ZOO["tiny-qwenimage"].transformer.items() if key != "guidance_embeds"}
                  | {"num_layers": 1},), call_extra={"controlnet_conditioning_scale": 0.7})
+# Z-Image ControlNets: the Union one (control blocks before both layers, a control refiner of plain blocks),
+# and the inpainting one of version 2.1 (control image, mask and masked image latents: 9 channels; control blocks
+# beside the noise refiner too)
+_TINY_ZIMAGE_CONTROLNET = {
+    **{key: ZOO["tiny-zimage"].transformer[key] for key in ("all_patch_size", "all_f_patch_size", "dim",
+                                                            "n_refiner_layers", "n_heads", "n_kv_heads")},
+    "control_layers_places": [0, 1], "control_in_dim": 4}
+ZOO["tiny-zimage-controlnet"] = dataclasses.replace(
+    ZOO["tiny-zimage"], pipeline="ZImageControlNetPipeline", controlnets=(_TINY_ZIMAGE_CONTROLNET,),
+    images={"control_image": None}, call_extra={"controlnet_conditioning_scale": 0.7})
+ZOO["tiny-zimage-controlnet-inpaint"] = dataclasses.replace(
+    ZOO["tiny-zimage-controlnet"], pipeline="ZImageControlNetInpaintPipeline",
+    controlnets=({**_TINY_ZIMAGE_CONTROLNET, "control_in_dim": 9, "add_control_noise_refiner": "control_noise_refiner",
+                  "control_refiner_layers_places": [0]},),
+    images={"control_image": None, "image": None, "mask_image": None})
 ZOO["tiny-wan-d64"] = dataclasses.replace(ZOO["tiny-wan"], transformer={**ZOO["tiny-wan"].transformer, "attention_head_dim": 64})
 
 

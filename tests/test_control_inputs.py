@@ -12,7 +12,7 @@ from dist_harness import run_on_ranks
 from test_parallel_pipelines import SIZES, TOLERANCE, _pipelines_worker, _relative_error
 
 # the single Flux ControlNet runs in the IP-Adapter's worker
-CONTROLNETS = ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet"]
+CONTROLNETS = ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet", "tiny-zimage-controlnet"]
 
 
 def _ip_adapter_worker(name: str, load_after_enable: bool, cfg_degree: int = 1) -> None:
@@ -114,6 +114,26 @@ def _whole_residuals_worker() -> None:
         xstage_dit.enable(pipe.controlnet)
 
 
+def _whole_zimage_hints_worker() -> None:
+    """The enabled Z-Image transformer alone, given a stock ControlNet's hints over the whole image (64 tokens,
+    padded from 35, and a caption of each length; 3 ranks: uneven): it splits them like its own tokens."""
+    pipe = zoo.build_pipeline("tiny-zimage-controlnet")
+    generator = torch.Generator().manual_seed(3)
+    inputs = {"x": [torch.randn(4, 1, 10, 14, generator=generator) for _ in range(2)], "t": torch.tensor([0.3, 0.3]),
+              "cap_feats": [torch.randn(length, 32, generator=generator) for length in (40, 28)]}
+    with torch.no_grad():
+        hints = pipe.controlnet(**inputs, control_context=[torch.randn(4, 1, 10, 14, generator=generator)] * 2,
+                                conditioning_scale=0.7)
+        ref = pipe.transformer(**inputs, controlnet_block_samples=hints, return_dict=False)[0]
+        xstage_dit.enable(pipe.transformer, timeout_s=120)
+        out = pipe.transformer(**inputs, controlnet_block_samples=hints, return_dict=False)[0]
+    error = _relative_error(torch.stack(out), torch.stack(ref))
+    assert error < TOLERANCE, f"a bare Z-Image transformer given whole hints: relative error {error:.2e}"
+    xstage_dit.disable(pipe.transformer)
+    with pytest.raises(TypeError, match="enable the pipeline instead"):
+        xstage_dit.enable(pipe.controlnet)
+
+
 def test_flux2_reference_kv_cache_in_one_process():
     """Degree 1: the rebound KV attention leaves diffusers' own."""
     _flux2_kv_worker(5, {})
@@ -121,18 +141,22 @@ def test_flux2_reference_kv_cache_in_one_process():
 
 def _every_feature_worker(world_size: int) -> None:
     """One spawn of ranks runs each feature in turn (a spawn's start-up costs more than a tiny pipeline): the
-    ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2, 35 image tokens; on 2 ranks as a ring,
-    on 3 under Ulysses), the IP-Adapter on the single-ControlNet pipeline under Ulysses (loaded after `enable` on 2
-    ranks, before it on 3), FLUX.2 [dev]'s KV cache (2 ranks: a ring, the prompt whole; 3: Ulysses, the prompt
-    split with the tokens); on 3 ranks also a bare transformer given whole residuals."""
+    ControlNet pipelines and FLUX.2 [klein]'s KV-cache pipeline (batch 2; 35 image tokens, which Z-Image pads to 64;
+    on 2 ranks as a ring, on 3 under Ulysses, with Z-Image's inpainting ControlNet too, batch 1), the IP-Adapter on
+    the single-ControlNet pipeline under Ulysses (loaded after `enable` on 2 ranks, before it on 3), FLUX.2 [dev]'s
+    KV cache (2 ranks: a ring, the prompt whole; 3: Ulysses, the prompt split with the tokens); on 3 ranks also a
+    bare transformer given whole residuals (Flux's, Z-Image's)."""
     ring = {"ring_degree": 2} if world_size == 2 else {}
-    _pipelines_worker([*CONTROLNETS, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None, ring)
+    # Z-Image's inpainting ControlNet where its 64 tokens split unevenly
+    inpaint = ["tiny-zimage-controlnet-inpaint"] if world_size == 3 else []
+    _pipelines_worker([*CONTROLNETS, *inpaint, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None, ring)
     _ip_adapter_worker("tiny-flux-controlnet", load_after_enable=world_size == 2)
     if world_size == 2:
         _flux2_kv_worker(5, ring)
     else:
         _flux2_kv_worker(6, {})
         _whole_residuals_worker()
+        _whole_zimage_hints_worker()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

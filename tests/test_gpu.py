@@ -61,13 +61,14 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-flux-multi-controlnet": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-flux-multi-controlnet-d64": {"height": 20, "width": 28, "num_frames": 1},
          "tiny-flux2-klein-kv": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-qwenimage-controlnet": {"height": 40, "width": 56, "num_frames": 1}}
+         "tiny-qwenimage-controlnet": {"height": 40, "width": 56, "num_frames": 1},
+         "tiny-zimage-controlnet": {"height": 20, "width": 28, "num_frames": 1}}
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.smoke) for name in [
     "tiny-flux", "tiny-wan", "tiny-nucleusmoe", "tiny-flux2", "tiny-zimage", "tiny-chroma", "tiny-ltx2",
     "tiny-hunyuan-video15", "tiny-wan2.2-ti2v", "tiny-wan-vace", "tiny-qwenimage-edit-2511", "tiny-qwenimage21",
-    "tiny-flux-multi-controlnet", "tiny-flux2-klein-kv", "tiny-qwenimage-controlnet"]])
+    "tiny-flux-multi-controlnet", "tiny-flux2-klein-kv", "tiny-qwenimage-controlnet", "tiny-zimage-controlnet"]])
 def test_degree_one_on_gpu_matches_stock(name):
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
@@ -150,7 +151,7 @@ def _record_auto_choices() -> list[str]:
     + [("tiny-ltx2", "reference", 2)]
     # ControlNets (the residuals handed over split; fused kernels at head_dim 64), FLUX.2's reference KV cache
     + [("tiny-flux-multi-controlnet-d64", "fused", 2), ("tiny-qwenimage-controlnet", "reference", 3),
-       ("tiny-flux2-klein-kv", "reference", 2)],
+       ("tiny-zimage-controlnet", "reference", 3), ("tiny-flux2-klein-kv", "reference", 2)],
 )
 def test_ranks_on_one_gpu_match_single_process(name, backend, world_size):
     run_on_ranks(world_size, _same_gpu_worker, name, backend, deadline_s=150)

@@ -53,6 +53,7 @@ SIZES["tiny-zimage"] = {"even": {"height": 24, "width": 64, "num_frames": 1},
 SIZES["tiny-chroma"] = SIZES["tiny-chroma-img2img"] = SIZES["tiny-flux"]
 SIZES["tiny-flux-controlnet"] = SIZES["tiny-flux-multi-controlnet"] = SIZES["tiny-flux"]
 SIZES["tiny-zimage-img2img"] = SIZES["tiny-zimage-inpaint"] = SIZES["tiny-zimage"]
+SIZES["tiny-zimage-controlnet"] = SIZES["tiny-zimage-controlnet-inpaint"] = SIZES["tiny-zimage"]
 SIZES["tiny-flux2-edit"] = SIZES["tiny-flux2-klein-kv"] = SIZES["tiny-flux"]  # + the reference image's tokens
 # Qwen-Image Edit: about 1000 tokens of the input image besides these (its VAE downsamples 16x)
 SIZES["tiny-qwenimage-edit"] = SIZES["tiny-qwenimage-edit-plus"] = SIZES["tiny-qwenimage-edit-2511"] = {
@@ -70,7 +71,8 @@ SIZES["tiny-wan2.2-ti2v"] = {"even": {"height": 64, "width": 64, "num_frames": 9
                              "uneven": {"height": 32, "width": 224, "num_frames": 17}}  # 5 x 1 x 7
 # EditPlus takes one prompt at a time; Edit's batches are other families' (its ~1024² input image is slow here)
 BATCHES = {"tiny-qwenimage-edit": (1,), "tiny-qwenimage-edit-plus": (1,), "tiny-qwenimage-edit-2511": (1,),
-           "tiny-wan-vace": (1,)}  # WanVACEPipeline generates one video per call
+           "tiny-wan-vace": (1,),  # WanVACEPipeline generates one video per call
+           "tiny-zimage-controlnet-inpaint": (1,)}  # its pipeline does not repeat a mask per prompt
 TOLERANCE = 1e-4
 
 
@@ -172,7 +174,8 @@ ULYSSES = {
 }
 # (world size, guidance) -> pipelines: every family at 2 x 1 (pipelines calling the transformer once per branch,
 # then batching ones); CFG and Ulysses together (2 x 2) for each way of calling: pairs, pairs over two
-# transformers, pairs with a text mask, a batch; guidance off: every CFG group computes every call
+# transformers, pairs with a text mask, a batch (Z-Image's through its ControlNet pipeline: its transformer with
+# the hints split along the batch); guidance off: every CFG group computes every call
 CFG = {
     (2, 3.0): ["tiny-flux", "tiny-wan", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-qwenimage", "tiny-sd3.5",
                "tiny-cogvideox", "tiny-ltx", "tiny-hidream", "tiny-flux-kontext", "tiny-wan2.2-i2v", "tiny-ltx-i2v",
@@ -180,7 +183,8 @@ CFG = {
                "tiny-wan-vace", "tiny-zimage", "tiny-chroma", "tiny-ltx2", "tiny-ltx2-i2v",
                "tiny-qwenimage21", "tiny-hunyuan-video15", "tiny-qwenimage-edit-2511"],
     (4, 3.0): ["tiny-flux", "tiny-wan2.2", "tiny-hunyuan-video", "tiny-sd3.5", "tiny-ltx-i2v",
-               "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage", "tiny-qwenimage21"],
+               "tiny-ltx-condition", "tiny-nucleusmoe", "tiny-flux2-klein", "tiny-zimage-controlnet",
+               "tiny-qwenimage21"],
     (2, 1.0): ["tiny-wan"],
 }
 

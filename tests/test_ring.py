@@ -100,10 +100,11 @@ def test_heads_that_ulysses_cannot_split_run_on_a_ring() -> None:
     run_on_ranks(4, _heads_worker)
 
 
-# every family over 4 ranks, as a ring of 4 and as Ulysses 2 x ring 2 (uneven tokens, batch 2: the one case of each)
+# every family over 4 ranks, as a ring of 4 and as Ulysses 2 x ring 2 (uneven tokens, batch 2: the one case of each;
+# Z-Image through its ControlNet pipeline, which runs its transformer and its ControlNet)
 FAMILIES = ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-flux2", "tiny-hunyuan-video", "tiny-ltx", "tiny-sd3.5",
-            "tiny-cogvideox", "tiny-hidream", "tiny-nucleusmoe", "tiny-zimage", "tiny-ltx2", "tiny-hunyuan-video15",
-            "tiny-wan-vace", "tiny-qwenimage21", "tiny-chroma"]
+            "tiny-cogvideox", "tiny-hidream", "tiny-nucleusmoe", "tiny-zimage-controlnet", "tiny-ltx2",
+            "tiny-hunyuan-video15", "tiny-wan-vace", "tiny-qwenimage21", "tiny-chroma"]
 
 
 @pytest.mark.parametrize("degrees", [{"ring_degree": 4}, {"ulysses_degree": 2, "ring_degree": 2}],

@@ -17,7 +17,8 @@ class CfgPlan:
 
     mode: BATCH or PAIRS.
     batch_inputs: forward argument name -> its batch dim, for the arguments that carry the batch (BATCH); lists
-        (e.g. per-sample sizes, or per-sample inputs) are split like dim 0. The first one's size is the batch.
+        (e.g. per-sample sizes, or per-sample inputs) are split like dim 0, and so is each tensor of a dict (a
+        ControlNet's residuals by block). The first one's size is the batch.
     output_shape: the forward output's shape from the model and the call's arguments, unsharded (PAIRS).
     pipeline_uses_cfg: whether a pipeline call with these (bound, defaults applied) arguments runs CFG (PAIRS).
     """

@@ -121,6 +121,9 @@ class CfgSplit:
                 arguments[name] = value[rank * batch // degree : (rank + 1) * batch // degree]
             elif isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] == batch:
                 arguments[name] = value.chunk(degree, dim=dim)[rank]
+            elif isinstance(value, dict):  # tensors by key (ControlNet residuals by block), its own dict type
+                arguments[name] = type(value)((key, tensor.chunk(degree, dim=dim)[rank])
+                                              for key, tensor in value.items())
         return _gather_outputs(self._forward(*bound.args, **bound.kwargs), self.groups)
 
     def _paired_forward(self, *args: Any, **kwargs: Any) -> Any:

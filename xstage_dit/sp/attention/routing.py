@@ -172,6 +172,13 @@ def mark_active(module: nn.Module, attention: UlyssesAttention | GatheredKeysAtt
     return ActiveMark(module, original, wrapped)
 
 
+def marked_attention(module: nn.Module) -> UlyssesAttention | GatheredKeysAttention | None:
+    """The attention `mark_active` gave `module`; None where it is not marked. A model that runs modules another
+    enabled model marked (a ControlNet running its transformer's refiner) splits their tokens by that attention's
+    shard."""
+    return getattr(module, "_xstage_attention", None)
+
+
 def _run_active(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`forward(*args, **kwargs)` with the module's attention active; none once the mark is removed (a hook
     registered while the module was marked still calls the marked class's forward)."""
