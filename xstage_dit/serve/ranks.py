@@ -89,9 +89,10 @@ class SideChannel:
 class Liveness:
     """A daemon thread per rank: it bumps this rank's counter in the job's store; on rank 0 it reads the others'
     counters. A failure: a call armed with `arm` that runs past its deadline; (on rank 0) a rank whose counter has
-    not moved for `silent_after_s`; the store failing to answer within `silent_after_s` (torchrun's agent, which
-    holds it, is gone: the job is over); after `drain`, the rank still running DRAIN_S after its call ended. On a
-    failure: `on_failure(why)` once, or without it the process ends with exit 1."""
+    not moved for `silent_after_s`; this rank's torchrun agent gone, or the store failing to answer within
+    `silent_after_s` (the agent that holds it is gone): the job is over; after `drain`, the rank still running
+    DRAIN_S after its call ended. On a failure: `on_failure(why)` once, or without it the process ends with
+    exit 1."""
 
     def __init__(self, rank: int, world: int, silent_after_s: float,
                  on_failure: Callable[[str], None] | None = None) -> None:
@@ -100,6 +101,8 @@ class Liveness:
         self._deadline: float | None = None
         self._drain_until: float | None = None
         self._store = _store(silent_after_s) if world > 1 else None
+        # under torchrun, the agent that started this rank (an orphan's parent is another process)
+        self._agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._stop = threading.Event()
         self._prefix = f"xstage_serve/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/" \
                        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/beat/"
@@ -146,9 +149,11 @@ class Liveness:
         return None
 
     def _silence(self, seen: dict[int, tuple[int, float]]) -> str | None:
+        draining = self._drain_until is not None
+        if self._agent is not None and os.getppid() != self._agent and not draining:
+            return f"rank {self.rank}: its torchrun agent (process {self._agent}) is gone"
         if self._store is None:
             return None
-        draining = self._drain_until is not None
         try:
             silent = self._beat(seen)
         except (RuntimeError, dist.DistError) as error:
