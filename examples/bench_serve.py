@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--capacity-requests", type=int, default=4,
                         help="sequential requests that measure the capacity")
     parser.add_argument("--warmup", type=int, default=1,
-                        help="sequential requests sent first and not counted (compilation, CUDA graph capture)")
+                        help="requests sent first and not counted (compilation, CUDA graph capture), by as many "
+                             "clients as --concurrency (so that batched calls are warmed up too), else by one")
     parser.add_argument("--size", help="WIDTHxHEIGHT (default: the model's)")
     parser.add_argument("--steps", type=int, help="default: the model's")
     parser.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the requests")
@@ -215,8 +216,7 @@ def measure(url: str, args: argparse.Namespace, service: subprocess.Popen | None
                       limits=httpx.Limits(max_connections=max(args.requests, 8) + 4)) as client:
         health = wait_ready(client, args.wait_ready, service)
         [model] = client.get("/v1/models").json()["data"]
-        for index in range(args.warmup):
-            send(client, args, index, time.monotonic())
+        closed_loop(client, args, args.concurrency or 1, args.warmup)
         runs: list[dict] = []
         if args.concurrency is not None:
             runs.append(summary(closed_loop(client, args, args.concurrency, args.requests),
