@@ -592,3 +592,39 @@ def test_outputs_are_encoded_as_png_that_decodes_to_the_same_pixels() -> None:
         assert decoded.mode == mode and np.array_equal(np.asarray(decoded), pixels)
     palette = PIL.Image.fromarray(noise.integers(0, 256, (6, 7), dtype=np.uint8)).convert("P")
     assert np.array_equal(_pixels(media.png(palette)), np.asarray(palette.convert("RGB")))
+
+
+def test_the_costs_of_answering_a_1024_image() -> None:
+    """What rank 0 adds to a request for a 1024² image besides its call, each part the fastest of 3 (printed with
+    -s): the command's pickle (what the broadcast carries), the PNG of a noise image (what random weights make; the
+    worst case) against PIL's at zlib's fastest level, its base64 and the JSON body."""
+    from fastapi.responses import JSONResponse
+    import pickle
+
+    from xstage_dit.serve.ranks import Command
+
+    def fastest(make):
+        times, made = [], None
+        for _ in range(3):
+            started = time.perf_counter()
+            made = make()
+            times.append(time.perf_counter() - started)
+        return min(times), made
+
+    def pil_png(image: PIL.Image.Image) -> bytes:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG", compress_level=1)
+        return buffer.getvalue()
+
+    request = GenerationRequest(id="0" * 32, prompt=bench_serve.PROMPTS[0], n=1, seed=1, video=False,
+                                options=CallOptions(height=1024, width=1024, steps=28))
+    image = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8))
+    command_s, command = fastest(lambda: pickle.dumps(Command("run", (request,))))
+    png_s, png = fastest(lambda: media.png(image))
+    pil_s, _ = fastest(lambda: pil_png(image))
+    base64_s, encoded = fastest(lambda: base64.b64encode(png).decode())
+    json_s, _ = fastest(lambda: JSONResponse({"created": 0, "data": [{"b64_json": encoded, "seed": 1}]}))
+    print(f"\n1024x1024: command pickle {command_s * 1e6:.0f} us ({len(command)} bytes), PNG {png_s * 1e3:.1f} ms "
+          f"({len(png) / 1e6:.2f} MB; PIL at level 1 {pil_s * 1e3:.1f} ms), base64 {base64_s * 1e3:.1f} ms, JSON "
+          f"{json_s * 1e3:.1f} ms")
+    assert png_s < pil_s
