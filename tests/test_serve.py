@@ -524,8 +524,8 @@ def test_the_console_script_takes_the_services_arguments(capsys) -> None:
     assert exit.value.code == 0 and "--queue-bound" in capsys.readouterr().out
 
 
-def _card(image: str) -> ModelCard:
-    return ModelCard(id="a-model", video=False, image=image, text_encoder=False, size_multiple=16,
+def _card(image: str, video: bool = False) -> ModelCard:
+    return ModelCard(id="a-model", video=video, image=image, text_encoder=False, size_multiple=16,
                      default_height=32, default_width=48, fps=16)
 
 
@@ -535,9 +535,9 @@ def _pipeline_free_service(card: ModelCard) -> Service:
 
 
 def test_the_input_image_is_checked_before_it_reaches_the_ranks() -> None:
-    """A pipeline that makes its output from an image refuses a request without one, a text-only pipeline one with
-    an image, both 400 naming the field, before the queue; each of the zoo's pipelines is classed as diffusers
-    names and defines it."""
+    """A pipeline that makes its output from an image (an edit, an image-to-video) refuses a request without one, a
+    text-only pipeline one with an image, 400 naming the field, before the queue; each of the zoo's pipelines is
+    classed as diffusers names and defines it."""
     buffer = io.BytesIO()
     PIL.Image.new("RGB", (8, 8)).save(buffer, format="PNG")
     image = base64.b64encode(buffer.getvalue()).decode()
@@ -545,15 +545,17 @@ def test_the_input_image_is_checked_before_it_reaches_the_ranks() -> None:
     async def ask(card: ModelCard, body: dict) -> httpx.Response:
         service = _pipeline_free_service(card)
         transport = httpx.ASGITransport(app=create_app(service))
+        endpoint = "/v1/videos/generations" if card.video else "/v1/images/generations"
         async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
-            response = await client.post("/v1/images/generations", json={"prompt": "a lighthouse", **body})
+            response = await client.post(endpoint, json={"prompt": "a lighthouse", **body})
         service.liveness.stop()
         assert len(service.queue) == (1 if response.status_code == 200 else 0)
         return response
 
     import diffusers
 
-    for card, body in ((_card("required"), {}), (_card("none"), {"image": image})):
+    for card, body in ((_card("required"), {}), (_card("required", video=True), {}), (_card("none"), {"image": image}),
+                       (_card("none", video=True), {"image": image})):
         response = asyncio.run(asyncio.wait_for(ask(card, body), 30))
         assert response.status_code == 400 and response.json()["error"]["param"] == "image", response.text
     models = loading.zoo()
