@@ -1,30 +1,42 @@
-r"""Load benchmark of a running generation service (`python -m xstage_dit.serve`): N concurrent clients, Poisson
-arrivals at a rate, or Poisson arrivals at multiples of the service's capacity (measured first by one client in a
-loop), over a fixed prompt set. Reports throughput, p50/p90/p99 latency and queue time of the answered requests
-and how many got each status; writes PREFIX.json and PREFIX.md.
+r"""Load benchmark of the generation service (`python -m xstage_dit.serve`), running at --url or launched by the
+benchmark (--launch, once per --max-batch: the settings side by side, as ratios to the first): N concurrent
+clients, Poisson arrivals at a rate, or Poisson arrivals at multiples of the service's capacity (measured first by
+one client in a loop), over a fixed prompt set. Reports throughput, p50/p90/p99 latency, queue time and the
+service's own overhead (latency less queue and pipeline call; of which encoding) of the answered requests and how
+many got each status; writes PREFIX.json and PREFIX.md.
 
-    torchrun --nproc_per_node 1 -m xstage_dit.serve --config flux-dev --port 8000 &
-    python examples/bench_serve.py --url http://127.0.0.1:8000 --wait-ready 900 --steps 28 \
-        --capacity-factors 0.5 1 2 --requests 16 --out docs/benchmarks/serve-h200-flux-dev"""
+    python examples/bench_serve.py --launch "torchrun --nproc_per_node 1 -m xstage_dit.serve --config flux-dev \
+        --queue-bound 4" --wait-ready 900 --size 1024x1024 --steps 28 --capacity-factors 0.5 1 2 --requests 10 \
+        --out docs/benchmarks/serve-h200-flux-dev
+    python examples/bench_serve.py --launch "torchrun --nproc_per_node 1 -m xstage_dit.serve --config zimage" \
+        --max-batch 1 2 --concurrency 4 --requests 12 --size 1024x1024 --steps 8 --out serve-batching"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+import shlex
+import signal
 import statistics
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
 from provenance import provenance, write_records
+from xstage_dit.runtime.distributed import free_port
 
 PROMPTS = ("a lighthouse on a cliff at dawn", "a red fox in fresh snow", "a city street in the rain at night",
            "a bowl of ramen, studio light", "an astronaut reading in a library", "a sailboat on a calm lake",
            "a mountain village in autumn", "a robot watering plants")
 REQUEST_TIMEOUT_S = 3600.0
+STOP_S = 120.0  # a launched service's drain after SIGTERM, before it is killed
 
 
 @dataclass(frozen=True)
@@ -36,11 +48,17 @@ class Sample:
     latency_s: float
     queue_s: float | None
     call_s: float | None  # its pipeline call, as the service reports it
+    encode_s: float | None  # encoding its outputs, as the service reports it
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="a running service (without --launch)")
+    parser.add_argument("--launch", help="the service's command line, without --port and --max-batch: the "
+                                         "benchmark starts it on a free port once per --max-batch and stops it "
+                                         "with SIGTERM after its runs")
+    parser.add_argument("--max-batch", type=int, nargs="+", default=[1],
+                        help="with --launch: the service's --max-batch for each launch")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, help="clients, each sending its next request when answered")
     load.add_argument("--rate", type=float, help="Poisson arrivals, requests per second")
@@ -50,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--capacity-requests", type=int, default=4,
                         help="sequential requests that measure the capacity")
     parser.add_argument("--warmup", type=int, default=1,
-                        help="sequential requests sent first and not counted (compilation, CUDA graph capture)")
+                        help="requests sent first and not counted (compilation, CUDA graph capture), by as many "
+                             "clients as --concurrency (so that batched calls are warmed up too), else by one")
     parser.add_argument("--size", help="WIDTHxHEIGHT (default: the model's)")
     parser.add_argument("--steps", type=int, help="default: the model's")
     parser.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the requests")
@@ -60,10 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.concurrency is None and args.rate is None and args.capacity_factors is None:
         args.concurrency = 1
+    if args.launch is None and args.max_batch != [1]:
+        parser.error("--max-batch is the launched service's: it needs --launch")
     return args
 
 
-def wait_ready(client: httpx.Client, seconds: float) -> dict:
+def wait_ready(client: httpx.Client, seconds: float, service: subprocess.Popen | None = None) -> dict:
     deadline = time.monotonic() + seconds
     while True:
         try:
@@ -72,9 +93,30 @@ def wait_ready(client: httpx.Client, seconds: float) -> dict:
                 return health.json()
         except httpx.TransportError:
             pass
+        if service is not None and service.poll() is not None:
+            raise SystemExit(f"bench_serve: the launched service exited with {service.returncode}")
         if time.monotonic() > deadline:
             raise SystemExit(f"bench_serve: {client.base_url} was not ready within {seconds:.0f} s")
         time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def launched(command: str, max_batch: int) -> Iterator[tuple[str, subprocess.Popen]]:
+    """The service of `command` on a free port with `max_batch`: (its URL, its process), stopped afterwards as
+    an orchestrator stops it, SIGTERM to its process group (killed if it has not drained within STOP_S)."""
+    port = free_port()
+    service = subprocess.Popen([*shlex.split(command), "--port", str(port), "--max-batch", str(max_batch)],
+                               start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{port}", service
+    finally:
+        if service.poll() is None:
+            os.killpg(service.pid, signal.SIGTERM)
+            try:
+                service.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(service.pid, signal.SIGKILL)
+                service.wait()
 
 
 def send(client: httpx.Client, args: argparse.Namespace, index: int, start: float) -> Sample:
@@ -86,9 +128,9 @@ def send(client: httpx.Client, args: argparse.Namespace, index: int, start: floa
     sent = time.monotonic()
     response = client.post("/v1/images/generations", json=body)
     latency = time.monotonic() - sent
-    queue, call = (response.headers.get(f"x-{name}-seconds") for name in ("queue", "call"))
-    return Sample(sent - start, response.status_code, latency, float(queue) if queue is not None else None,
-                  float(call) if call is not None else None)
+    queue, call, encode = (response.headers.get(f"x-{name}-seconds") for name in ("queue", "call", "encode"))
+    return Sample(sent - start, response.status_code, latency, *(float(value) if value is not None else None
+                                                                 for value in (queue, call, encode)))
 
 
 def closed_loop(client: httpx.Client, args: argparse.Namespace, clients: int, requests: int) -> list[Sample]:
@@ -139,19 +181,42 @@ def summary(samples: list[Sample], load: dict) -> dict:
             "throughput_rps": len(answered) / span if span > 0 else 0.0,
             "latency_s": _percentiles([s.latency_s for s in answered]),
             "queue_s": _percentiles([s.queue_s for s in answered if s.queue_s is not None]),
-            # what the service adds to a request that does not wait: HTTP, queue, broadcast, encoding
+            # what the service adds to a request besides its wait and its call: HTTP, broadcast, encoding
             "overhead_s": _percentiles([s.latency_s - s.queue_s - s.call_s for s in answered
-                                        if s.queue_s is not None and s.call_s is not None])}
+                                        if s.queue_s is not None and s.call_s is not None]),
+            "encode_s": _percentiles([s.encode_s for s in answered if s.encode_s is not None])}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with httpx.Client(base_url=args.url, timeout=REQUEST_TIMEOUT_S,
+    if args.launch is None:
+        records = measure(args.url, args)
+    else:
+        records = []
+        for max_batch in args.max_batch:
+            with launched(args.launch, max_batch) as (url, service):
+                records += measure(url, args, service)
+    write_records(records, args.out, "Generation service under load",
+                  "Latency: from sending a request to its answer, as the client saw it; queue: from admission to "
+                  "the start of the request's pipeline call, as the service reports it (x-queue-seconds); "
+                  "overhead: latency less queue less the pipeline call as rank 0 timed it (x-call-seconds, with "
+                  "building the call's inputs), i.e. HTTP, validation, the broadcast to the ranks and encoding, "
+                  "of which encoding the outputs (x-encode-seconds); all over the requests answered 200. "
+                  "Throughput: answered requests per second from the first send to the last answer. The capacity "
+                  "row is one client in a loop; the Poisson rows offer that many times its throughput. p99 target: "
+                  "the queue bound times the capacity row's time per request, + 10 %. Answered: requests by HTTP "
+                  "status (a request lost would be anything but 200 or 429). Ratios: each max batch's row against "
+                  "the same load at the first one's. The service (its max batch: each row's): "
+                  f"{json.dumps(records[0]['service'])}.", table(records) + ratios(records))
+
+
+def measure(url: str, args: argparse.Namespace, service: subprocess.Popen | None = None) -> list[dict]:
+    """The runs the arguments ask for against the service at `url` (launched as `service`, if it was)."""
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S,
                       limits=httpx.Limits(max_connections=max(args.requests, 8) + 4)) as client:
-        health = wait_ready(client, args.wait_ready)
+        health = wait_ready(client, args.wait_ready, service)
         [model] = client.get("/v1/models").json()["data"]
-        for index in range(args.warmup):
-            send(client, args, index, time.monotonic())
+        closed_loop(client, args, args.concurrency or 1, args.warmup)
         runs: list[dict] = []
         if args.concurrency is not None:
             runs.append(summary(closed_loop(client, args, args.concurrency, args.requests),
@@ -170,32 +235,41 @@ def main(argv: list[str] | None = None) -> None:
                                     {"load": f"Poisson {factor:g}x capacity", "rate_rps": factor * capacity,
                                      "p99_target_s": target}))
     common = {**provenance(), "ranks": health["ranks"], "model": health["model"], "size": args.size,
-              "steps": args.steps, "service": model["service"]}
-    records = [{**common, **run} for run in runs]
-    write_records(records, args.out, "Generation service under load",
-                  "Latency: from sending a request to its answer, as the client saw it; queue: from admission to "
-                  "the start of the request's pipeline call, as the service reports it (x-queue-seconds); "
-                  "overhead: latency less queue less the pipeline call (x-call-seconds), i.e. HTTP, validation, "
-                  "the broadcast to the ranks and encoding; all over the requests answered 200. Throughput: "
-                  "answered requests per second from the first send to the last answer. The capacity row is one "
-                  "client in a loop; the Poisson rows offer that many times its throughput. p99 target: the queue "
-                  "bound times the capacity row's time per request, + 10 %. Answered: requests by HTTP status (a "
-                  "request lost would be anything but 200 or 429). The service: "
-                  f"{json.dumps(model['service'])}.", table(records))
+              "steps": args.steps, "service": model["service"], "max_batch": model["service"]["max_batch"]}
+    return [{**common, **run} for run in runs]
 
 
 def table(records: list[dict]) -> list[str]:
-    lines = ["| load | requests | answered | throughput (req/s) | latency p50 / p90 / p99 (s) | p99 target (s) | "
-             "queue p50 / p99 (s) | overhead p50 (s, % of latency) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| max batch | load | requests | answered | throughput (req/s) | latency p50 / p90 / p99 (s) | "
+             "p99 target (s) | queue p50 / p99 (s) | overhead p50 (s, % of latency) | of which encoding p50 (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        latency, queue, overhead = r["latency_s"], r["queue_s"], r["overhead_s"]
+        latency, queue, overhead, encode = r["latency_s"], r["queue_s"], r["overhead_s"], r.get("encode_s")
         answered = ", ".join(f"{status}: {count}" for status, count in sorted(r["answered"].items()))
-        lines.append(f"| {r['load']} | {r['requests']} | {answered} | {r['throughput_rps']:.3f} | "
+        lines.append(f"| {r['max_batch']} | {r['load']} | {r['requests']} | {answered} | {r['throughput_rps']:.3f} | "
                      + (f"{latency['p50']:.3f} / {latency['p90']:.3f} / {latency['p99']:.3f}" if latency else "-")
                      + " | " + (f"{r['p99_target_s']:.3f}" if "p99_target_s" in r else "-")
                      + " | " + (f"{queue['p50']:.3f} / {queue['p99']:.3f}" if queue else "-")
                      + " | " + (f"{overhead['p50']:.4f} ({100 * overhead['p50'] / latency['p50']:.2f} %)"
-                                if overhead else "-") + " |")
+                                if overhead else "-")
+                     + " | " + (f"{encode['p50']:.4f}" if encode else "-") + " |")
+    return lines
+
+
+def ratios(records: list[dict]) -> list[str]:
+    """Each later max batch's throughput and p50 latency over the first max batch's, load by load."""
+    first = records[0]["max_batch"]
+    baseline = {r["load"]: r for r in records if r["max_batch"] == first}
+    rows = [(r, baseline[r["load"]]) for r in records if r["max_batch"] != first and r["load"] in baseline]
+    if not rows:
+        return []
+    lines = ["", f"Against max batch {first}:", "",
+             "| max batch | load | throughput ratio | latency p50 ratio |", "|---|---|---|---|"]
+    for r, base in rows:
+        throughput = r["throughput_rps"] / base["throughput_rps"] if base["throughput_rps"] else float("nan")
+        latency = r["latency_s"]["p50"] / base["latency_s"]["p50"] if r["latency_s"] and base["latency_s"] \
+            else float("nan")
+        lines.append(f"| {r['max_batch']} | {r['load']} | {throughput:.3f} | {latency:.3f} |")
     return lines
 
 

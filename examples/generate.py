@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     loaded = loading.load_pipeline(args.model, args.config, family, device, loading.default_dtype(args, device))
     pipe = loaded.pipe
     output = output or output_path(args, is_video=loaded.is_video)
-    call = loaded.call_kwargs(loading.Generation(
-        prompts=(args.prompt,), negative_prompt=args.negative_prompt if args.model else None, height=args.height,
-        width=args.width, num_frames=args.num_frames, steps=args.steps, guidance=args.guidance, image=image))
+    call = loaded.call_kwargs(loading.Generation((args.prompt,), loading.CallOptions(
+        negative_prompt=args.negative_prompt if args.model else None, height=args.height, width=args.width,
+        num_frames=args.num_frames, steps=args.steps, guidance=args.guidance, image=image)))
     xstage_dit.enable(pipe, **loading.enable_knobs(args))
 
     timer = StepTimer(device)

@@ -1,6 +1,8 @@
 """The service as tests/test_serve.py runs it: `python -m xstage_dit.serve`'s main, with what a test can ask for
 by its prompt: FAIL_PROMPT raises inside the pipeline call on every rank; SLOW_PROMPT makes rank 0 (and so every
-rank, which waits for it at the next collective) pause after each step, so a call lasts as long on any CPU."""
+rank, which waits for it at the next collective) pause after each step, so a call lasts as long on any CPU. Each
+rank prints the code it exits with when main returns one (a test that stops torchrun itself cannot read them)."""
+import os
 import time
 
 from xstage_dit.serve import service
@@ -29,4 +31,6 @@ def _faulty(run_batch):
 
 if __name__ == "__main__":
     service.run_batch = _faulty(service.run_batch)
-    exit_now(main())
+    code = main()
+    print(f"serve_job: rank {os.environ.get('RANK', '0')} exits {code}", flush=True)
+    exit_now(code)

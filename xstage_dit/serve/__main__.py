@@ -16,9 +16,7 @@ import sys
 import threading
 import time
 
-import torch
-
-from ..api import disable, enable, is_main_process
+from ..api import enable, is_main_process
 from ..runtime.distributed import local_device
 from . import loading, media
 from .metrics import ServiceMetrics
@@ -62,7 +60,7 @@ def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
     pipe = loaded.pipe
     scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
     entry = loading.zoo().ZOO[loaded.config] if loaded.config is not None else None
-    return ModelCard(id=model_id, video=loaded.is_video, takes_image=loaded.takes("image"),
+    return ModelCard(id=model_id, video=loaded.is_video, image=loading.image_input(type(pipe)),
                      text_encoder=loaded.config is None, size_multiple=2 * scale,
                      default_height=entry.height if entry else None, default_width=entry.width if entry else None,
                      fps=loaded.fps)
@@ -83,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if is_main_process():
         _check_address(args.host, args.port)
+    if args.model:
+        _check_inputs(args.model)
     device = local_device()
     family = loading.family_of(args.model, args.config)
     loaded = loading.load_pipeline(args.model, args.config, family, device, loading.default_dtype(args, device))
@@ -93,16 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     enable(loaded.pipe, timeout_s=args.timeout_s, **loading.enable_knobs(args))
     channel = SideChannel(args.timeout_s)
     channel.statuses(CallStatus(channel.rank, None))  # every rank has loaded and enabled the pipeline
+    # what the service returns, the process exits with at once (exit_now): a drained rank has nothing left to
+    # tear down, and a rank out of step must run no collective again
     if channel.rank == 0:
-        code = _serve(loaded, args, channel)
-    else:
-        code = follow(loaded, channel, args.timeout_s)
-    if code != 0:  # the ranks are out of step: no collective may run again
-        return code
-    disable(loaded.pipe)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return code
+        return _serve(loaded, args, channel)
+    return follow(loaded, channel, args.timeout_s)
+
+
+def _check_inputs(model: str) -> None:
+    """Before loading a checkpoint: its pipeline needs no input that a request cannot give."""
+    pipeline_cls = loading.pipeline_class(model)
+    uncarried = loading.uncarried_inputs(pipeline_cls) if pipeline_cls is not None else []
+    if uncarried:
+        raise SystemExit(f"xstage_dit.serve: {pipeline_cls.__name__} needs {', '.join(uncarried)}, which the "
+                         f"service's requests do not carry (their one input is `image`)")
 
 
 def _check_address(host: str, port: int) -> None:

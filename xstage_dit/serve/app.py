@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,14 @@ def error_response(status: int, message: str, param: str | None = None,
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param,
                       "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A request's outputs as PNG or MP4 bytes, one per seed, and the seconds encoding them took."""
+
+    payloads: list[bytes]
+    seconds: float
 
 
 class FileStore:
@@ -76,7 +85,7 @@ def create_app(service: Service) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": card.id, "object": "model", "owned_by": "xstage_dit", "video": card.video,
-            "takes_image": card.takes_image, "service": service.options.describe(service.channel.world)}]}
+            "image": card.image, "service": service.options.describe(service.channel.world)}]}
 
     @app.get("/v1/files/{name}")
     async def file(name: str) -> Response:
@@ -122,12 +131,20 @@ def create_app(service: Service) -> FastAPI:
             return error_response(499, "the client went away")
         if answer.status != 200:
             return error_response(answer.status, answer.error)
-        files = await asyncio.to_thread(answer.outputs.files)  # the ranks' loop goes on meanwhile
-        headers = {"x-request-id": checked.id, **_timing(job, answer)}
+        encoded = await _encode(answer)
+        headers = {"x-request-id": checked.id, **_timing(job, answer, encoded)}
         if checked.video:
             headers["x-seed"] = str(answer.outputs.seeds[0])
-            return Response(files[0], media_type="video/mp4", headers=headers)
-        return JSONResponse(_result(files, answer, body, request), headers=headers)
+            return Response(encoded.payloads[0], media_type="video/mp4", headers=headers)
+        return JSONResponse(_result(encoded, answer, body, request), headers=headers)
+
+    async def _encode(answer: Answer) -> Encoded:
+        """The answer's PNGs or MP4, made in a worker thread: the ranks' loop goes on with the next call."""
+        started = time.perf_counter()
+        payloads = await asyncio.to_thread(answer.outputs.files)
+        encoded = Encoded(payloads, time.perf_counter() - started)
+        metrics.encode_time.observe(encoded.seconds)
+        return encoded
 
     async def _wait(job: Job, request: Request) -> Answer | None:
         """The job's answer; None (and the job dropped, if it has not started) when the client goes away."""
@@ -152,18 +169,18 @@ def create_app(service: Service) -> FastAPI:
                 yield _event("progress", {"step": progress.step, "steps": progress.steps})
             answer = job.answer.result()
             if answer.status == 200:
-                files = await asyncio.to_thread(answer.outputs.files)
-                yield _event("completed", {**_result(files, answer, body, request), **_timing(job, answer)})
+                encoded = await _encode(answer)
+                yield _event("completed", {**_result(encoded, answer, body, request), **_timing(job, answer, encoded)})
             else:
                 yield _event("error", {"error": {"message": answer.error, "code": answer.status}})
         finally:
             if not job.answer.done():
                 job.gone = True
 
-    def _result(encoded: list[bytes], answer: Answer, body: ImageBody, request: Request) -> dict[str, Any]:
+    def _result(encoded: Encoded, answer: Answer, body: ImageBody, request: Request) -> dict[str, Any]:
         suffix = "mp4" if isinstance(body, VideoBody) else "png"
         data = []
-        for payload, seed in zip(encoded, answer.outputs.seeds):
+        for payload, seed in zip(encoded.payloads, answer.outputs.seeds):
             if body.response_format == "url":
                 data.append({"url": f"{request.base_url}v1/files/{files.put(payload, suffix)}", "seed": seed})
             else:
@@ -173,11 +190,13 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-def _timing(job: Job, answer: Answer) -> dict[str, str]:
-    """In seconds: the request's wait in the queue, its pipeline call, and the whole time to its answer."""
+def _timing(job: Job, answer: Answer, encoded: Encoded) -> dict[str, str]:
+    """In seconds: the request's wait in the queue, its pipeline call, encoding its outputs, and the whole time
+    from admission to its answer."""
     now = time.monotonic()
     return {"x-queue-seconds": f"{(job.started or now) - job.enqueued:.4f}",
-            "x-call-seconds": f"{answer.outputs.call_s:.4f}", "x-total-seconds": f"{now - job.enqueued:.4f}"}
+            "x-call-seconds": f"{answer.outputs.call_s:.4f}", "x-encode-seconds": f"{encoded.seconds:.4f}",
+            "x-total-seconds": f"{now - job.enqueued:.4f}"}
 
 
 def _event(name: str, data: dict[str, Any]) -> str:

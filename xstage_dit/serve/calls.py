@@ -19,7 +19,8 @@ StepReport = Callable[[int, int, float], None]  # (steps done, steps in all, sec
 @dataclass(frozen=True)
 class Outputs:
     """One request's outputs: items `indices` of its batch's pipeline output `result`, one per seed; `call_s`: the
-    pipeline call that made them (of the whole batch). Encoded by `files`, away from the ranks' loop."""
+    pipeline call that made them (of the whole batch, with building its inputs). Encoded by `files`, away from the
+    ranks' loop."""
 
     request_id: str
     result: Any
@@ -37,9 +38,9 @@ class Outputs:
 def run_batch(loaded: LoadedPipeline, batch: list[GenerationRequest], on_step: StepReport | None = None
               ) -> list[Outputs]:
     """Generate `batch` (requests with one batch key) in one pipeline call."""
+    started = time.perf_counter()  # building the inputs counts: a config's random text embeddings are its encoder
     call = loaded.call_kwargs(generation_of(batch))
     generators = [torch.Generator().manual_seed(seed) for request in batch for seed in request.seeds]
-    started = time.perf_counter()
     result = loaded.pipe(**call, generator=generators, output_type="pil", **_step_callback(loaded, on_step, call))
     call_s = time.perf_counter() - started
     outputs, index = [], 0

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import PIL.Image
 import torch
@@ -23,6 +23,10 @@ EXPERT_PARALLEL = {"auto": None, "on": True, "off": False}  # --expert-parallel 
 ZOO_STEPS = 4  # random weights: a few steps show the run; more add nothing
 DEFAULT_CONFIG = "tiny-flux"
 _ZOO_FILE = Path(__file__).resolve().parents[2] / "examples" / "zoo.py"
+ImageInput = Literal["none", "optional", "required"]
+# diffusers' names of the pipelines that make their output from an input image, whatever `image` defaults to
+_IMAGE_PIPELINES = ("ImageToVideo", "Img2Img", "Edit", "Inpaint", "Fill")
+UNCARRIED_INPUTS = ("mask_image", "control_image")  # call inputs a service request has no field for
 
 
 def zoo() -> ModuleType:
@@ -81,11 +85,10 @@ def default_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype
 
 
 @dataclass(frozen=True)
-class Generation:
-    """What one pipeline call asks for; None leaves the pipeline's default (--model) or the config's (--config).
-    One image or video per prompt; `prompts` holds the batch."""
+class CallOptions:
+    """What a pipeline call asks for besides its prompts; None leaves the pipeline's default (--model) or the
+    config's (--config)."""
 
-    prompts: tuple[str, ...]
     negative_prompt: str | None = None
     height: int | None = None
     width: int | None = None
@@ -93,6 +96,14 @@ class Generation:
     steps: int | None = None
     guidance: float | None = None
     image: PIL.Image.Image | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One pipeline call: one image or video per prompt (`prompts` holds the batch), each made with `options`."""
+
+    prompts: tuple[str, ...]
+    options: CallOptions = CallOptions()
 
 
 @dataclass
@@ -129,33 +140,33 @@ class LoadedPipeline:
         return self._config_call(generation)
 
     def _model_call(self, generation: Generation) -> dict[str, Any]:
-        batch = len(generation.prompts)
-        size = {"height": generation.height, "width": generation.width, "num_frames": generation.num_frames,
-                "num_inference_steps": generation.steps}
+        options, batch = generation.options, len(generation.prompts)
+        size = {"height": options.height, "width": options.width, "num_frames": options.num_frames,
+                "num_inference_steps": options.steps}
         call = {k: v for k, v in size.items() if v is not None}
         call["prompt"] = list(generation.prompts)
-        negative = generation.negative_prompt
-        if generation.guidance is not None:
+        negative = options.negative_prompt
+        if options.guidance is not None:
             guidance_kwarg = self.family.guidance_kwarg if self.family else "guidance_scale"
-            call[guidance_kwarg] = generation.guidance
-            if guidance_kwarg == "true_cfg_scale" and generation.guidance > 1 and negative is None:
+            call[guidance_kwarg] = options.guidance
+            if guidance_kwarg == "true_cfg_scale" and options.guidance > 1 and negative is None:
                 negative = ""  # true CFG runs only with a negative prompt
         if negative is not None:
             call["negative_prompt"] = [negative] * batch
-        if generation.image is not None:
-            call["image"] = generation.image
+        if options.image is not None:
+            call["image"] = options.image
         return call
 
     def _config_call(self, generation: Generation) -> dict[str, Any]:
-        models = zoo()
+        models, options = zoo(), generation.options
         entry = models.ZOO[self.config]
         call = models.call_kwargs(
-            self.config, height=generation.height or entry.height, width=generation.width or entry.width,
-            num_frames=generation.num_frames or entry.num_frames, steps=generation.steps or ZOO_STEPS,
-            guidance=1.0 if generation.guidance is None else generation.guidance)
+            self.config, height=options.height or entry.height, width=options.width or entry.width,
+            num_frames=options.num_frames or entry.num_frames, steps=options.steps or ZOO_STEPS,
+            guidance=1.0 if options.guidance is None else options.guidance)
         call.update(self._config_text(generation.prompts))
-        if generation.image is not None:
-            call["image"] = generation.image
+        if options.image is not None:
+            call["image"] = options.image
         return call
 
     def _config_text(self, prompts: tuple[str, ...]) -> dict[str, Any]:
@@ -184,6 +195,25 @@ class LoadedPipeline:
         return self._batch_dims
 
 
+def image_input(pipeline_cls: type) -> ImageInput:
+    """Whether the calls of `pipeline_cls` take an input image: "required" where its `image` has no default or
+    the class makes its output from one (image-to-video, img2img, edit, inpaint, fill), "optional" where a call
+    may go without one (Kontext, FLUX.2's reference images), else "none"."""
+    parameter = inspect.signature(pipeline_cls.__call__).parameters.get("image")
+    if parameter is None:
+        return "none"
+    if parameter.default is inspect.Parameter.empty or any(m in pipeline_cls.__name__ for m in _IMAGE_PIPELINES):
+        return "required"
+    return "optional"
+
+
+def uncarried_inputs(pipeline_cls: type) -> list[str]:
+    """The input images `pipeline_cls` takes that no request carries (masks, control images): a random-weight
+    config draws them; a checkpoint cannot be served without them."""
+    parameters = inspect.signature(pipeline_cls.__call__).parameters
+    return [name for name in UNCARRIED_INPUTS if name in parameters]
+
+
 def family_of(model: str | None, config: str) -> Any:
     """The zoo family of the pipeline asked for (None for a pipeline class the zoo does not know, or without the
     zoo)."""
@@ -193,11 +223,22 @@ def family_of(model: str | None, config: str) -> Any:
     models = _zoo_if_present()
     if models is None:
         return None
-    from diffusers import DiffusionPipeline
-
-    class_name = DiffusionPipeline.load_config(model)["_class_name"]
+    class_name = _class_name(model)
     return next((f for f in models.FAMILIES.values()
                  if class_name.startswith(f.pipeline.removesuffix("Pipeline"))), None)
+
+
+def pipeline_class(model: str) -> type | None:
+    """The diffusers pipeline class of checkpoint `model` (None: a class diffusers does not have)."""
+    import diffusers
+
+    return getattr(diffusers, _class_name(model), None)
+
+
+def _class_name(model: str) -> str:
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.load_config(model)["_class_name"]
 
 
 def load_pipeline(model: str | None, config: str, family: Any, device: torch.device, dtype: torch.dtype

@@ -1,5 +1,5 @@
 """The service's Prometheus metrics, in a registry of its own: queue depth, requests by outcome, latency, queue
-time, step time and batch size."""
+time, step time, encoding time and batch size."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -29,6 +29,9 @@ class ServiceMetrics:
         self.step_time = Histogram("xstage_step_seconds", "one denoising step of a pipeline call, between the "
                                    "host's step ends (the GPU's step time once its queue is full)",
                                    buckets=_STEP_SECONDS, registry=self.registry)
+        self.encode_time = Histogram("xstage_encode_seconds", "encoding one request's outputs (PNG or MP4), in "
+                                     "the HTTP thread while the ranks run the next call",
+                                     buckets=_STEP_SECONDS, registry=self.registry)
         self.batch_size = Histogram("xstage_batch_outputs", "outputs made by one pipeline call",
                                     buckets=(1, 2, 4, 8, 16, 32), registry=self.registry)
 

@@ -1,10 +1,13 @@
 """What crosses the service's ranks: rank 0's commands and each call's outcome over a gloo group of their own
 (bounded by its timeout, and no NCCL watchdog sees it while the service is idle), and each rank's heartbeat in the
-job's store, so that rank 0 sees a rank gone silent and every rank sees its own call run past its bound."""
+job's store, so that rank 0 sees a rank gone silent, every rank sees the store gone (its torchrun agent died) and
+its own call or drain run past its bound."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +23,13 @@ logger = logging.getLogger(__name__)
 
 IDLE_S = 1.0  # rank 0 tells the ranks it is idle this often, so their wait for its next command never times out
 BEAT_S = 0.5  # each rank's heartbeat
+SILENT_S = 10.0  # a rank or store silent this long (or timeout_s, if shorter) has failed
+DRAIN_S = 10.0  # after SIGTERM, a rank ends within this long of its running call's end (or of the signal)
+
+
+def silence_bound(timeout_s: float) -> float:
+    """How long a rank or the job's store may be silent before the service fails."""
+    return min(SILENT_S, timeout_s)
 
 
 @dataclass(frozen=True)
@@ -78,15 +88,21 @@ class SideChannel:
 
 class Liveness:
     """A daemon thread per rank: it bumps this rank's counter in the job's store; on rank 0 it reads the others'
-    counters. A call armed with `arm` that runs past its deadline, or (on rank 0) a rank whose counter has not moved
-    for `silent_after_s`, is a failure: `on_failure(why)` once, or without it the process ends with exit 1."""
+    counters. A failure: a call armed with `arm` that runs past its deadline; (on rank 0) a rank whose counter has
+    not moved for `silent_after_s`; this rank's torchrun agent gone, or the store failing to answer within
+    `silent_after_s` (the agent that holds it is gone): the job is over; after `drain`, the rank still running
+    DRAIN_S after its call ended. On a failure: `on_failure(why)` once, or without it the process ends with
+    exit 1."""
 
     def __init__(self, rank: int, world: int, silent_after_s: float,
                  on_failure: Callable[[str], None] | None = None) -> None:
         self.rank, self.world, self.silent_after_s = rank, world, silent_after_s
         self.on_failure = on_failure or _exit
         self._deadline: float | None = None
-        self._store = _store() if world > 1 else None
+        self._drain_until: float | None = None
+        self._store = _store(silent_after_s) if world > 1 else None
+        # under torchrun, the agent that started this rank (an orphan's parent is another process)
+        self._agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._stop = threading.Event()
         self._prefix = f"xstage_serve/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/" \
                        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/beat/"
@@ -103,22 +119,51 @@ class Liveness:
 
     def disarm(self) -> None:
         self._deadline = None
+        if self._drain_until is not None:
+            self._drain_until = time.monotonic() + DRAIN_S
+
+    def drain(self) -> None:
+        """The job is ending: from now on the store may go first (torchrun's agent may end before this rank) and
+        silent ranks no longer matter once no call runs, but the rank must end within DRAIN_S of its running
+        call's end, or of now."""
+        if self._drain_until is None:
+            self._drain_until = time.monotonic() + DRAIN_S
 
     def _run(self) -> None:
         seen = {r: (0, time.monotonic()) for r in range(self.world) if r != self.rank}
         while not self._stop.is_set():
-            deadline = self._deadline
-            failure = f"rank {self.rank}: {self._what} ran past its bound" \
-                if deadline is not None and time.monotonic() > deadline else None
-            if failure is None and self._store is not None:
-                try:
-                    failure = self._beat(seen)
-                except (RuntimeError, dist.DistError) as error:  # the store is gone: the job is ending
-                    logger.debug("rank %d: heartbeat failed: %s", self.rank, error)
+            failure = self._overrun() or self._silence(seen)
             if failure is not None:
                 self.on_failure(failure)
                 return
             self._stop.wait(BEAT_S)
+
+    def _overrun(self) -> str | None:
+        now, deadline = time.monotonic(), self._deadline
+        if deadline is not None and now > deadline:
+            return f"rank {self.rank}: {self._what} ran past its bound"
+        if deadline is None and self._drain_until is not None and now > self._drain_until:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            return f"rank {self.rank}: still running {DRAIN_S:.0f} s after its drain began or its last call ended " \
+                   f"(every thread's stack is above)"
+        return None
+
+    def _silence(self, seen: dict[int, tuple[int, float]]) -> str | None:
+        draining = self._drain_until is not None
+        if self._agent is not None and os.getppid() != self._agent and not draining:
+            return f"rank {self.rank}: its torchrun agent (process {self._agent}) is gone"
+        if self._store is None:
+            return None
+        try:
+            silent = self._beat(seen)
+        except (RuntimeError, dist.DistError) as error:
+            if draining:  # torchrun's agent ends with the job: its store may be gone before this rank is
+                self._store = None
+                return None
+            return f"rank {self.rank}: the job's store at {os.environ.get('MASTER_ADDR')}:" \
+                   f"{os.environ.get('MASTER_PORT')} is gone or silent (the torchrun agent that holds it ended?): " \
+                   f"{str(error).splitlines()[0]}"
+        return None if draining and self._deadline is None else silent
 
     def _beat(self, seen: dict[int, tuple[int, float]]) -> str | None:
         """Bump this rank's counter; on rank 0, read the others': a rank gone silent, or None."""
@@ -141,7 +186,7 @@ def _exit(why: str) -> None:
     os._exit(1)
 
 
-def _store() -> dist.Store:
+def _store(timeout_s: float) -> dist.Store:
     """A client of the job's rendezvous store (torchrun's), apart from the process group's."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=30))
+                         timeout=timedelta(seconds=timeout_s))

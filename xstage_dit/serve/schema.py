@@ -13,7 +13,7 @@ from typing import Literal
 import PIL.Image
 from pydantic import BaseModel, Field
 
-from .loading import Generation
+from .loading import CallOptions, Generation, ImageInput
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 SEED_RANGE = 2**31  # a seed the service draws when none is given: below it, so clients can send it back as an int
@@ -58,7 +58,7 @@ class ModelCard:
 
     id: str
     video: bool
-    takes_image: bool
+    image: ImageInput  # whether a request gives an input image: never, may, or must
     text_encoder: bool  # False for a random-weight config: prompts seed embeddings, negative prompts mean nothing
     size_multiple: int
     default_height: int | None
@@ -83,21 +83,12 @@ class GenerationRequest:
     n: int
     seed: int
     video: bool
-    negative_prompt: str | None = None
-    height: int | None = None
-    width: int | None = None
-    num_frames: int | None = None
-    steps: int | None = None
-    guidance: float | None = None
-    image: PIL.Image.Image | None = None
+    options: CallOptions = CallOptions()
 
     @property
     def batch_key(self) -> tuple | None:
         """Requests with equal keys run in one pipeline call; None: this one runs alone (an input image)."""
-        if self.image is not None:
-            return None
-        return (self.video, self.height, self.width, self.num_frames, self.steps, self.guidance,
-                self.negative_prompt)
+        return None if self.options.image is not None else (self.video, self.options)
 
     @property
     def seeds(self) -> list[int]:
@@ -106,10 +97,7 @@ class GenerationRequest:
 
 def generation_of(batch: list[GenerationRequest]) -> Generation:
     """One pipeline call for requests with one batch key: each request's prompt once per output."""
-    first = batch[0]
-    return Generation(prompts=tuple(r.prompt for r in batch for _ in range(r.n)),
-                      negative_prompt=first.negative_prompt, height=first.height, width=first.width,
-                      num_frames=first.num_frames, steps=first.steps, guidance=first.guidance, image=first.image)
+    return Generation(tuple(r.prompt for r in batch for _ in range(r.n)), batch[0].options)
 
 
 def check(body: ImageBody, card: ModelCard, limits: Limits, request_id: str) -> GenerationRequest:
@@ -136,11 +124,12 @@ def check(body: ImageBody, card: ModelCard, limits: Limits, request_id: str) -> 
     num_frames = getattr(body, "num_frames", None)
     if num_frames is not None and not 1 <= num_frames <= limits.max_frames:
         raise RequestError("num_frames", f"must be between 1 and {limits.max_frames}, got {num_frames}")
+    image = _image(body.image, card)
     return GenerationRequest(
         id=request_id, prompt=body.prompt, n=body.n, video=video,
         seed=body.seed if body.seed is not None else secrets.randbelow(SEED_RANGE),
-        negative_prompt=body.negative_prompt, height=height, width=width, num_frames=num_frames,
-        steps=body.num_inference_steps, guidance=body.guidance_scale, image=_image(body.image, card))
+        options=CallOptions(negative_prompt=body.negative_prompt, height=height, width=width, num_frames=num_frames,
+                            steps=body.num_inference_steps, guidance=body.guidance_scale, image=image))
 
 
 def _size(size: str | None, card: ModelCard, limits: Limits) -> tuple[int | None, int | None]:
@@ -160,8 +149,11 @@ def _size(size: str | None, card: ModelCard, limits: Limits) -> tuple[int | None
 
 def _image(encoded: str | None, card: ModelCard) -> PIL.Image.Image | None:
     if encoded is None:
+        if card.image == "required":
+            raise RequestError("image", f"{card.id} makes its output from an input image: give one (base64 or a "
+                                        f"data URL)")
         return None
-    if not card.takes_image:
+    if card.image == "none":
         raise RequestError("image", f"{card.id} takes no input image")
     data = encoded.split(",", 1)[1] if encoded.startswith("data:") else encoded
     try:

@@ -1,8 +1,9 @@
 """The ranks' loops. Rank 0 admits requests (its HTTP thread), takes batches from its queue, tells every rank to
 run each one and answers each request; every other rank follows its commands. A call that raises on every rank
-answers 500 and the service goes on; a rank that stops answering fails the service: its requests answer 503 and
-the process exits 1, so that torchrun or an orchestrator restarts the job. SIGTERM drains: the running call
-finishes, waiting and new requests answer 503, and the ranks exit 0."""
+answers 500 and the service goes on; a rank that stops answering, or the job's store gone with its torchrun agent,
+fails the service: its requests answer 503 and the ranks exit 1, so that torchrun or an orchestrator restarts the
+job. SIGTERM (to the ranks, the agent, or both) drains: the running call finishes, waiting and new requests answer
+503, and the ranks exit 0, within DRAIN_S of the call's end (or exit 1 with every thread's stack)."""
 from __future__ import annotations
 
 import logging
@@ -18,7 +19,7 @@ from .admission import Answer, Job, JobQueue
 from .calls import Outputs, StepReport, run_batch
 from .loading import LoadedPipeline
 from .metrics import ServiceMetrics
-from .ranks import IDLE_S, CallStatus, Command, Liveness, RanksOutOfStep, SideChannel
+from .ranks import IDLE_S, CallStatus, Command, Liveness, RanksOutOfStep, SideChannel, silence_bound
 from .schema import GenerationRequest, Limits, ModelCard
 
 logger = logging.getLogger(__name__)
@@ -60,10 +61,11 @@ class Service:
                  metrics: ServiceMetrics) -> None:
         self.loaded, self.card, self.options, self.channel, self.metrics = loaded, card, options, channel, metrics
         self.queue = JobQueue(options.queue_bound, options.max_batch, on_drop=self._dropped)
-        self.state, self.reason = State.READY, ""
+        self.state, self.reason, self.signal = State.READY, "", 0
         self.running: list[Job] = []
         self._lock = threading.Lock()
-        self.liveness = Liveness(channel.rank, channel.world, min(10.0, options.timeout_s), on_failure=self._fail)
+        self.liveness = Liveness(channel.rank, channel.world, silence_bound(options.timeout_s),
+                                 on_failure=self._fail)
 
     # -- the HTTP thread's side
     def admit(self, job: Job) -> None:
@@ -79,7 +81,11 @@ class Service:
         """Serve until drained (returns 0); a rank out of step ends the process with 1."""
         while True:
             if self.state is State.DRAINING:
-                self._answer_all(self.queue.clear(), Answer(503, error=self.reason))
+                logger.warning("signal %d: draining (no call runs now; waiting and new requests answer 503, the "
+                               "ranks stop)", self.signal)
+                with self._lock:  # no request is admitted after this
+                    waiting = self.queue.clear()
+                self._answer_all(waiting, Answer(503, error=self.reason))
                 self.channel.command(Command("stop"))
                 self.liveness.stop()
                 return 0
@@ -94,10 +100,13 @@ class Service:
                 self._fail(f"a rank stopped answering: {error}")
 
     def drain(self, signum: int, frame: object) -> None:
-        with self._lock:
-            if self.state is State.READY:
-                self.state, self.reason = State.DRAINING, "the service is shutting down"
-                logger.warning("signal %d: draining (the running call finishes; new requests answer 503)", signum)
+        """SIGTERM's and SIGINT's handler. A rank can get the signal twice at once (from whoever sent it and from
+        torchrun's agent, which passes it on), and the second call can interrupt the first anywhere: it takes no
+        lock and logs nothing; the loop does the rest once the running call has ended."""
+        if self.state is State.READY:
+            self.reason, self.signal = "the service is shutting down", signum
+            self.state = State.DRAINING
+            self.liveness.drain()
 
     def _run(self, jobs: list[Job]) -> None:
         started = time.monotonic()
@@ -142,11 +151,15 @@ class Service:
         job.finish(Answer(499, error="the client went away"))
 
     def _fail(self, reason: str) -> None:
-        """Answer every request 503, report the failure on /health, exit 1 (from whichever thread saw it)."""
+        """Answer every request 503, report the failure on /health, exit 1 (from whichever thread saw it first;
+        another thread that sees it too waits for that exit)."""
         with self._lock:
-            self.state, self.reason = State.FAILED, reason
-        logger.critical("the service failed: %s; exiting", reason)
-        self._answer_all([*self.running, *self.queue.clear()], Answer(503, error=reason))
+            first = self.state is not State.FAILED
+            if first:
+                self.state, self.reason = State.FAILED, reason
+        if first:
+            logger.critical("the service failed: %s; exiting", reason)
+            self._answer_all([*self.running, *self.queue.clear()], Answer(503, error=reason))
         time.sleep(FAIL_GRACE_S)
         logging.shutdown()
         os._exit(1)
@@ -167,9 +180,14 @@ def call_on_this_rank(loaded: LoadedPipeline, requests: list[GenerationRequest],
 
 def follow(loaded: LoadedPipeline, channel: SideChannel, timeout_s: float) -> int:
     """Every rank but 0: run rank 0's commands until it says stop (0); exit 1 when it stops answering."""
-    liveness = Liveness(channel.rank, channel.world, timeout_s)
+    liveness = Liveness(channel.rank, channel.world, silence_bound(timeout_s))
+
+    def leave_to_rank_0(signum: int, frame: object) -> None:
+        """This rank stops when rank 0 has drained; like rank 0's handler, it takes no lock and logs nothing."""
+        liveness.drain()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _leave_to_rank_0)
+        signal.signal(signum, leave_to_rank_0)
     try:
         while True:
             command = channel.command()
@@ -183,6 +201,3 @@ def follow(loaded: LoadedPipeline, channel: SideChannel, timeout_s: float) -> in
         logger.critical("rank %d: rank 0 stopped answering: %s; exiting", channel.rank, error)
         return 1
 
-
-def _leave_to_rank_0(signum: int, frame: object) -> None:
-    logger.info("signal %d: this rank stops when rank 0 has drained", signum)
