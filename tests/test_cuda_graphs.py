@@ -232,6 +232,12 @@ EAGER_FORWARDS = {
     "tiny-qwenimage21": ("gets an argument of type QwenImage21KVCache", False),
     "tiny-flux2-klein-kv": ("gets an argument of type Flux2KVCache", False),
 }
+# the tiny configs whose ControlNet runs eagerly beside a replaying transformer: the warning's words (diffusers'
+# Z-Image ControlNet indexes its padding with a boolean mask, which synchronises the host)
+EAGER_CONTROLNETS = {
+    "tiny-zimage-controlnet": "ZImageControlNetModel's forward synchronises the host",
+    "tiny-zimage-controlnet-inpaint": "ZImageControlNetModel's forward synchronises the host",
+}
 
 
 @pytest.mark.parametrize("name", sorted(n for n in zoo.ZOO if n.startswith("tiny-")))
@@ -261,7 +267,9 @@ def test_every_config_replays_or_says_why(name, caplog, monkeypatch):
         assert (use.block_replays > 0) == blocks_replay, f"{name}: {use}"
     else:
         assert use.replays > 0 and use.block_replays == 0, f"{name}: {use}, warnings {warnings}"
-        assert not any("eagerly" in w for w in warnings), f"{name}: {warnings}"
+        expected = EAGER_CONTROLNETS.get(name)
+        assert not any("eagerly" in w and not (expected and expected in w) for w in warnings), f"{name}: {warnings}"
+        assert expected is None or any(expected in w for w in warnings), f"{name}: {warnings}"
 
 
 _HOST_STATE = {"scale": 1.0}  # what the blocks below read besides their arguments
