@@ -429,6 +429,27 @@ def test_norm_rope_processor_equals_flux_processor(flux_pipe, caplog, tables, st
     assert ("norm + RoPE kernel does not take" in caplog.text) is (tables == "float64")
 
 
+@pytest.mark.parametrize("stream", ["dual", "single"])
+def test_norm_rope_processor_follows_fused_projections(flux_pipe, stream):
+    """After diffusers' `fuse_qkv_projections` (one to_qkv, and to_added_qkv where the module has text projections)
+    NormRopeProcessor gives what diffusers' processor gives with the same fused projections."""
+    torch.manual_seed(2)
+    model = flux_pipe.transformer
+    attn = (model.transformer_blocks if stream == "dual" else model.single_transformer_blocks)[0].attn
+    text, image = torch.randn(1, 5, attn.query_dim), torch.randn(1, 11, attn.query_dim)
+    inputs = (dict(hidden_states=image, encoder_hidden_states=text) if stream == "dual"
+              else dict(hidden_states=torch.cat([text, image], dim=1)))
+    angles = 10 * torch.rand(16, attn.head_dim)
+    rotary = (angles.cos(), angles.sin())
+    attn.fuse_projections()
+    try:
+        expected = transformer_flux.FluxAttnProcessor()(attn, **inputs, image_rotary_emb=rotary)
+        out = NormRopeProcessor(transformer_flux.FluxAttnProcessor())(attn, **inputs, image_rotary_emb=rotary)
+    finally:
+        attn.unfuse_projections()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_refused_rope_inputs_compile_without_a_graph_break():
     """The refusal's one-time warning is not issued while a graph is traced (the compiler cannot trace logging):
     a fullgraph compile of the check goes through and falls back."""

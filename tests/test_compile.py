@@ -316,6 +316,34 @@ def test_nucleusmoe_blocks_compile_on_two_ranks_without_a_graph_break(expert_par
     run_on_ranks(2, _nucleus_blocks_worker, expert_parallel, deadline_s=300)
 
 
+def test_nucleusmoe_compiles_whole_once_when_enabled():
+    """Enabled at degree 1, NucleusMoE compiled whole (dense blocks, fullgraph) runs its second call on the first
+    call's graph: the rotary tables that xstage_dit keeps per image shape are diffusers' computation when traced,
+    so no guard on the kept ones recompiles."""
+    torch.manual_seed(0)
+    model = diffusers.NucleusMoEImageTransformer2DModel(
+        **{**zoo.ZOO["tiny-nucleusmoe"].transformer, "moe_enabled": False}).eval()
+    generator = torch.Generator().manual_seed(2)
+    inputs = dict(hidden_states=torch.randn(1, 16, 16, generator=generator),
+                  encoder_hidden_states=torch.randn(1, 6, 32, generator=generator),
+                  encoder_hidden_states_mask=torch.ones(1, 6, dtype=torch.long), timestep=torch.tensor([0.5]),
+                  img_shapes=[(1, 4, 4)], return_dict=False)
+    with torch.no_grad():
+        stock = model(**inputs)[0]
+    xstage_dit.enable(model, timeout_s=60)
+    try:
+        with torch.no_grad():
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True, backend="eager")  # its first call is traced
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                outs = [compiled(**inputs)[0] for _ in range(2)]
+    finally:
+        xstage_dit.disable(model)
+        torch._dynamo.reset()
+    for out in outs:
+        torch.testing.assert_close(out, stock, rtol=1e-5, atol=1e-5)
+
+
 def _ltx2_blocks_worker() -> None:
     from diffusers import LTX2VideoTransformer3DModel
     from test_parallel_pipelines import LTX2_CONFIG

@@ -287,6 +287,38 @@ def _hunyuan_video15_worker() -> None:
         "HunyuanVideo15AttnProcessor2_0"}
 
 
+def _hunyuan_video_token_replace_worker() -> None:
+    """Image-to-video by token replacement: 2 frames x 4 x 5 video tokens, the first frame's 20 modulated apart (at
+    N = 3 ranks hold 14, 6 and none of them), batch 2 with prompts padded differently."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = HunyuanVideoTransformer3DModel(**zoo.ZOO["tiny-hunyuan-video"].transformer,
+                                           image_condition_type="token_replace").eval()
+    generator = torch.Generator().manual_seed(6)
+    mask = torch.ones(2, 6)
+    mask[1, 4:] = 0
+    inputs = dict(hidden_states=torch.randn(2, 4, 2, 8, 10, generator=generator),
+                  timestep=torch.tensor([500, 300]), encoder_hidden_states=torch.randn(2, 6, 32, generator=generator),
+                  encoder_attention_mask=mask, pooled_projections=torch.randn(2, 24, generator=generator),
+                  guidance=torch.tensor([3000.0, 3000.0]))
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        xstage_dit.enable(model, timeout_s=120)
+        out = model(**inputs).sample
+        xstage_dit.disable(model)
+        again = model(**inputs).sample
+    error = _relative_error(out, ref)
+    assert error < TOLERANCE, f"HunyuanVideo token_replace transformer: relative error {error:.2e}"
+    assert torch.equal(again, ref), "disable did not restore the model"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hunyuan_video_token_replace_matches_single_process(world_size: int) -> None:
+    """Each rank's blocks modulate the first frame's tokens it holds, as one process does the whole frame's."""
+    run_on_ranks(world_size, _hunyuan_video_token_replace_worker)
+
+
 # LTX-2 at the transformer (its pipelines' text connectors, audio VAE and vocoder are not in the zoo)
 LTX2_CONFIG = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 12, "attention_head_dim": 8,
          "cross_attention_dim": 96, "audio_in_channels": 8, "audio_out_channels": 8, "audio_num_attention_heads": 4,

@@ -42,6 +42,10 @@ class SequenceShard:
     def padded_len(self) -> int:
         return self.local_len * self.degree
 
+    def local_prefix_len(self, prefix: int) -> int:
+        """How many of the sequence's first `prefix` tokens this rank holds: they lead its chunk."""
+        return max(0, min(self.local_len, prefix - self.rank * self.local_len))
+
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's contiguous chunk of `x` along `dim`, zero-padded at the sequence tail."""
         dim = dim % x.dim()
@@ -123,7 +127,7 @@ class SequenceShard:
         if self.degree == 1:
             return slice(0, rows)
         if rows == self.local_len:
-            return slice(0, max(0, min(self.local_len, self.seq_len - self.rank * self.local_len)))
+            return slice(0, self.local_prefix_len(self.seq_len))
         if rows == self.seq_len:
             return slice(0, rows if self.rank == 0 else 0)
         raise RuntimeError(f"xstage_dit: a cache's statistic over {rows} rows, neither this rank's {self.local_len} "

@@ -67,12 +67,14 @@ class NormRopeProcessor(StandInProcessor):
         if not _norms_plain(attn):
             return transformer_flux.FluxAttnProcessor.__call__(self, attn, hidden_states, encoder_hidden_states,
                                                                attention_mask, image_rotary_emb)
+        # diffusers' helper follows fuse_qkv_projections; the text's three are read only where the module has
+        # text projections (fused ones return placeholders without them)
         projections = transformer_flux._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        query, key, value, text_query, text_key, text_value = (
-            None if t is None else t.unflatten(-1, (-1, attn.head_dim)) for t in projections)
+        query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in projections[:3])
         query_parts, key_parts = [_normed(query, attn.norm_q)], [_normed(key, attn.norm_k)]
         value_parts = [value]
         if attn.added_kv_proj_dim is not None:  # text leads the joint sequence
+            text_query, text_key, text_value = (t.unflatten(-1, (-1, attn.head_dim)) for t in projections[3:])
             query_parts.insert(0, _normed(text_query, attn.norm_added_q))
             key_parts.insert(0, _normed(text_key, attn.norm_added_k))
             value_parts.insert(0, text_value)

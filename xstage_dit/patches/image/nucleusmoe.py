@@ -86,7 +86,9 @@ class ExactExpertChoice:
 
 class _TablesOnTheDevice:
     """The rotary tables of each (image shapes, text length, device) computed once and kept: diffusers rebuilds
-    them every forward from host tables and host scalars, copies that a CUDA graph cannot hold."""
+    them every forward from host tables and host scalars, copies that a CUDA graph cannot hold. A forward that
+    torch.compile traces runs diffusers' code: a graph reading the kept tables would guard on which are kept, and
+    be compiled anew each time one is added."""
 
     def __init__(self, pos_embed: nn.Module) -> None:
         self.pos_embed = pos_embed
@@ -98,6 +100,8 @@ class _TablesOnTheDevice:
 
     def forward(self, video_fhw: Any, device: torch.device | None = None,
                 max_txt_seq_len: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return type(self.pos_embed).forward(self.pos_embed, video_fhw, device, max_txt_seq_len)
         key = (repr(video_fhw), str(device), int(max_txt_seq_len) if max_txt_seq_len is not None else None)
         if key not in self._tables:
             self._tables[key] = type(self.pos_embed).forward(self.pos_embed, video_fhw, device, max_txt_seq_len)
