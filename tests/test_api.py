@@ -565,3 +565,21 @@ def test_a_guider_is_split_only_where_it_guides_every_step(caplog):
         assert not splits(ClassifierFreeGuidance(guidance_scale=6.0, start=0.2))
         assert not splits(AdaptiveProjectedGuidance(guidance_scale=6.0))
     assert "start=0, stop=1" in caplog.text and "AdaptiveProjectedGuidance" in caplog.text
+
+
+def test_a_flex_processor_set_after_enable_is_refused_in_words():
+    """Qwen-Image 2.1's flex-attention processor, set after `enable`, passes a BlockMask over the whole sequence:
+    refused with what to do, as `enable` refuses it before."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21FlexAttnProcessor
+
+    name = "tiny-qwenimage21"
+    entry = zoo.ZOO[name]
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    xstage_dit.enable(pipe)
+    pipe.transformer.set_attn_processor(QwenImage21FlexAttnProcessor())
+    kwargs = zoo.call_kwargs(name, height=entry.height, width=entry.width, num_frames=1, steps=1, guidance=1.0)
+    with pytest.raises(NotImplementedError, match="BlockMask.*QwenImage21AttnProcessor"):
+        pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0), output_type="latent",
+             generator=torch.Generator().manual_seed(0))
+    xstage_dit.disable(pipe)

@@ -55,6 +55,11 @@ class UlyssesAttention:
         then attends in place of our choice's degree-1 kernel, and of the gathered heads' SDPA at higher degrees."""
         if dropout_p or is_causal:
             raise ValueError("xstage_dit attention is for inference: dropout and causal masks are not supported")
+        if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+            raise NotImplementedError(
+                f"xstage_dit: an attention mask of type {type(attn_mask).__name__} (a flex-attention processor's, "
+                "over the whole sequence) cannot be split between ranks; set the model's SDPA processor back (e.g. "
+                "QwenImage21AttnProcessor), or call xstage_dit.disable(pipe) first")
         attn_mask = _four_dims(attn_mask)
         pair_bias = attn_mask is not None and self.query_key_masks is QueryKeyMasks.PAIR_BIAS
         shard = self.shard
