@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -13,3 +14,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+def pytest_collection_finish(session):
+    # the libraries' objects, loaded by now, are left out of the cyclic garbage collector's passes: traversing them
+    # made each full collection take about a second
+    gc.freeze()

@@ -30,6 +30,9 @@ mp.set_forkserver_preload(PRELOADED)
 
 def _worker(rank: int, world_size: int, port: int, deadline: float, environment: dict[str, str],
             fn: Callable[..., Any], args: tuple) -> None:
+    # what the rank inherited from the server (the preloaded libraries' objects) is left out of the cyclic garbage
+    # collector's passes: traversing it took about a second per collection and copied the shared memory pages
+    gc.freeze()
     # a rank still running shortly before the caller's deadline (wall clock: a rank starts after the caller's
     # clock did) prints where each of its threads is stuck
     faulthandler.dump_traceback_later(max(1.0, deadline - time.time() - 10), exit=False)

@@ -1,19 +1,23 @@
 """The parallel pipeline equals the single-process pipeline (float32, CPU, real gloo processes).
 
-Every rank runs the stock pipeline first (its own single-process reference), then the same calls with
-xstage_dit enabled, for batch 1 and 2 and for token counts that do and do not divide by the degree."""
+The ranks run the stock pipeline first (single-process references: each call on one rank, its result shared with
+the others), then the same calls with xstage_dit enabled, for batch 1 and 2 and for token counts that do and do not
+divide by the degree."""
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import xstage_dit
 import zoo
 from dist_harness import run_on_ranks, xstage_warnings
 from xstage_dit import patches
 from xstage_dit.hooks.layers import stack_of
+from xstage_dit.runtime.distributed import ensure_process_group
 
 # token counts: "even" divides by 2, 3 and 4; "uneven" (35 = 5 x 7) by none of them, except where a model's
 # geometry cannot make 35 tokens (noted)
@@ -113,7 +117,7 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
     # (every_case None) that last case alone
     cases = ([(batch, size) for batch in batches for size in ("even", "uneven")] if every_case
              else [(batches[0], "even"), (batches[-1], "uneven")][every_case is None:])
-    stock = {case: generate(*case) for case in cases}
+    stock, own = _shared_stock(generate, cases)
 
     every_expert = _routed_expert_weights(pipe.transformer)
     xstage_dit.enable(pipe, cfg_degree=cfg_degree, backend=backend, timeout_s=120, expert_parallel=expert_parallel,
@@ -137,9 +141,28 @@ def _pipeline_worker(name: str, cfg_degree: int = 1, guidance: float = 3.0, back
         assert tokens == expected, f"{name}: transformers' blocks saw {tokens} tokens of {full}"
 
     xstage_dit.disable(pipe)
-    out, tokens = generate(*cases[0])
-    assert all(torch.equal(o, r) for o, r in zip(out, stock[cases[0]][0])) and tokens == stock[cases[0]][1], \
+    out, tokens = generate(*own.case)
+    assert all(torch.equal(o, r) for o, r in zip(out, own.result[0])) and tokens == own.result[1], \
         "disable did not restore the model"
+
+
+class OwnStock(NamedTuple):
+    case: tuple  # (batch, size)
+    result: tuple  # what generate returned for it on this rank
+
+
+def _shared_stock(generate: Callable[[int, str], tuple], cases: list[tuple]) -> tuple[dict, OwnStock]:
+    """Every case's stock result, each computed on one rank (rank r: cases r, r + N, ...) and shared; and one that
+    this rank computed itself (with fewer cases than ranks, case r mod their number), which `disable` must
+    reproduce bit for bit."""
+    ensure_process_group(120.0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {case: generate(*case) for case in cases[rank::world] or [cases[rank % len(cases)]]}
+    shares: list[dict] = [{}] * world
+    dist.all_gather_object(shares, {case: out for case, out in mine.items() if cases.index(case) % world == rank})
+    stock = {case: out for share in shares for case, out in share.items()}
+    own = next(iter(mine))
+    return stock, OwnStock(own, mine[own])
 
 
 def _routed_expert_weights(model: torch.nn.Module) -> int:
