@@ -11,6 +11,7 @@ from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
 import zoo
+from dist_harness import run_on_ranks
 from xstage_dit import api
 from xstage_dit.hooks.module_forward import ReplacedForward
 from xstage_dit.patches.image.flux import NormRopeProcessor
@@ -567,19 +568,29 @@ def test_a_guider_is_split_only_where_it_guides_every_step(caplog):
     assert "start=0, stop=1" in caplog.text and "AdaptiveProjectedGuidance" in caplog.text
 
 
-def test_a_flex_processor_set_after_enable_is_refused_in_words():
-    """Qwen-Image 2.1's flex-attention processor, set after `enable`, passes a BlockMask over the whole sequence:
-    refused with what to do, as `enable` refuses it before."""
+def _qwenimage21_with_flex(ranks: int) -> torch.Tensor:
+    """Tiny Qwen-Image 2.1 latents with its flex-attention processor set after `enable` (at `ranks` ranks)."""
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21FlexAttnProcessor
 
     name = "tiny-qwenimage21"
     entry = zoo.ZOO[name]
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
-    xstage_dit.enable(pipe)
+    if ranks:
+        xstage_dit.enable(pipe)
     pipe.transformer.set_attn_processor(QwenImage21FlexAttnProcessor())
     kwargs = zoo.call_kwargs(name, height=entry.height, width=entry.width, num_frames=1, steps=1, guidance=1.0)
-    with pytest.raises(NotImplementedError, match="BlockMask.*QwenImage21AttnProcessor"):
-        pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0), output_type="latent",
-             generator=torch.Generator().manual_seed(0))
-    xstage_dit.disable(pipe)
+    return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=0), output_type="latent",
+                generator=torch.Generator().manual_seed(0)).images
+
+
+def _refuses_flex_on_two_ranks() -> None:
+    with pytest.raises(NotImplementedError, match="QwenImage21AttnProcessor.*BlockMask"):
+        _qwenimage21_with_flex(2)
+
+
+def test_a_flex_processor_set_after_enable_runs_unsplit_and_is_refused_split_in_words():
+    """Qwen-Image 2.1's flex-attention processor, set after `enable`, passes a BlockMask over the whole sequence:
+    at degree 1 diffusers attends with it (equal to stock); split over two ranks it is refused with what to do."""
+    assert torch.equal(_qwenimage21_with_flex(1), _qwenimage21_with_flex(0))
+    run_on_ranks(2, _refuses_flex_on_two_ranks)

@@ -563,8 +563,8 @@ def test_the_input_image_is_checked_before_it_reaches_the_ranks() -> None:
     kinds = {name: loading.image_input(getattr(diffusers, name)) for name in classes}
     assert {name for name, kind in kinds.items() if kind == "required"} == {
         "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "LTXImageToVideoPipeline", "LTX2ImageToVideoPipeline",
-        "WanImageToVideoPipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline", "ChromaImg2ImgPipeline",
-        "FluxFillPipeline"}
+        "WanImageToVideoPipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline", "ZImageControlNetInpaintPipeline",
+        "ChromaImg2ImgPipeline", "FluxFillPipeline"}
     assert {name for name, kind in kinds.items() if kind == "optional"} == {
         "FluxKontextPipeline", "LTXConditionPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline",
         "QwenImage21Pipeline"}

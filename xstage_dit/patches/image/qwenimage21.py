@@ -51,6 +51,8 @@ class _PrefixAndTarget:
         self._handle.remove()
 
     def _measure(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.shard.degree > 1:  # a processor set after enable (at degree 1 diffusers attends with any)
+            _check_model(model)
         arguments = self._signature.bind_partial(*args, **kwargs).arguments
         if len({tuple(map(tuple, shapes)) for shapes in arguments["img_shapes"]}) > 1:
             raise ValueError("xstage_dit: Qwen-Image 2.1's samples must share one image layout (as its model reads "

@@ -39,12 +39,19 @@ def _dispatch_router(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        if _active is not None and _active.routes(query.shape[1], key.shape[1]):  # (B, S, H, D)
+        if _active is not None and _active.routes(query.shape[1], key.shape[1]) \
+                and not _whole_mask_unsplit(attn_mask):  # (B, S, H, D)
             return _active(query, key, value, attn_mask, dropout_p, is_causal, scale, _backend_name(backend))
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
                         backend=backend, parallel_config=parallel_config)
 
     return dispatch_attention_fn
+
+
+def _whole_mask_unsplit(attn_mask: Any) -> bool:
+    """A mask that is not a tensor (flex attention's BlockMask, over the whole sequence) where the sequence is not
+    split: diffusers' own dispatch takes it (split, the active attention refuses it)."""
+    return attn_mask is not None and not isinstance(attn_mask, torch.Tensor) and _active.shard.degree == 1
 
 
 def _backend_name(backend: Any) -> str | None:

@@ -59,7 +59,7 @@ class UlyssesAttention:
             raise NotImplementedError(
                 f"xstage_dit: an attention mask of type {type(attn_mask).__name__} (a flex-attention processor's, "
                 "over the whole sequence) cannot be split between ranks; set the model's SDPA processor back (e.g. "
-                "QwenImage21AttnProcessor), or call xstage_dit.disable(pipe) first")
+                "QwenImage21AttnProcessor), or run it on one rank")
         attn_mask = _four_dims(attn_mask)
         pair_bias = attn_mask is not None and self.query_key_masks is QueryKeyMasks.PAIR_BIAS
         shard = self.shard
