@@ -266,18 +266,16 @@ def _cast_flux():
     return pipe
 
 
-def _layerwise_casting_worker() -> None:
-    """diffusers' layerwise casting (float8 storage, hooks that cast each Linear's weights on its call): the split
-    projection runs diffusers' block for a proj_out with those hooks, instead of multiplying by its float8
-    weights."""
-    ref = _generate(_cast_flux(), "tiny-flux")
-    pipe = _cast_flux()
+def _falls_back_to_diffusers(build, what: str, warning: str) -> None:
+    """The pipeline `build()` makes, enabled, equals it stock, with one warning containing `warning`: the layer it
+    names runs diffusers' code."""
+    ref = _generate(build(), "tiny-flux")
+    pipe = build()
     xstage_dit.enable(pipe, timeout_s=120)
     with xstage_warnings() as warnings:
         error = _relative_error(_generate(pipe, "tiny-flux"), ref)
-    assert error < TOLERANCE, f"layerwise-cast FLUX.1: relative error {error:.2e}"
-    assert any("FluxSingleTransformerBlock.proj_out in the split projection has hooks on its forward" in warning
-               for warning in warnings), warnings
+    assert error < TOLERANCE, f"{what}: relative error {error:.2e}"
+    assert any(warning in w for w in warnings), warnings
     xstage_dit.disable(pipe)
 
 
@@ -288,23 +286,15 @@ def _hooked_norms(pipe):
     return pipe
 
 
-def _hooked_norms_worker() -> None:
-    """A q/k norm with a forward hook: the norm + RoPE processor, which reads the norms' weights, runs diffusers'
-    processor for that attention instead, with one warning."""
-    ref = _generate(_hooked_norms(_fresh("tiny-flux")), "tiny-flux")
-    pipe = _hooked_norms(_fresh("tiny-flux"))
-    xstage_dit.enable(pipe, timeout_s=120)
-    with xstage_warnings() as warnings:
-        error = _relative_error(_generate(pipe, "tiny-flux"), ref)
-    assert error < TOLERANCE, f"FLUX.1 with hooked norms: relative error {error:.2e}"
-    assert any("FluxAttention.norm_q in the norm + RoPE pass has hooks on its forward" in warning
-               for warning in warnings), warnings
-    xstage_dit.disable(pipe)
-
-
 def _hooked_layers_worker() -> None:
-    _layerwise_casting_worker()
-    _hooked_norms_worker()
+    # diffusers' layerwise casting (float8 storage, hooks that cast each Linear's weights on its call): the split
+    # projection runs diffusers' block for a proj_out with those hooks, instead of multiplying by its float8 weights
+    _falls_back_to_diffusers(_cast_flux, "layerwise-cast FLUX.1",
+                             "FluxSingleTransformerBlock.proj_out in the split projection has hooks on its forward")
+    # a q/k norm with a forward hook: the norm + RoPE processor, which reads the norms' weights, runs diffusers'
+    # processor for that attention instead
+    _falls_back_to_diffusers(lambda: _hooked_norms(_fresh("tiny-flux")), "FLUX.1 with hooked norms",
+                             "FluxAttention.norm_q in the norm + RoPE pass has hooks on its forward")
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
