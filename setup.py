@@ -51,11 +51,12 @@ setup(
         # diffusers' export_to_video, for MP4 output; PyAV muxes an audio-video model's sound (LTX-2)
         "video": ["imageio", "imageio-ffmpeg", "av"],
         "bench": ["matplotlib"],
-        "serve": ["fastapi", "uvicorn", "prometheus-client"],  # the generation service (python -m xstage_dit.serve)
+        # the generation service (python -m xstage_dit.serve); httptools: uvicorn's HTTP parser in C, not h11's Python
+        "serve": ["fastapi", "uvicorn", "httptools", "prometheus-client"],
         # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
         # cache-dit: its caches are tested with xstage_dit, its parallelism (einops) refused
         "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "fastapi", "uvicorn",
-                 "prometheus-client", "httpx", "cache-dit[parallelism]>=1.5,<1.6"],
+                 "httptools", "prometheus-client", "httpx", "cache-dit[parallelism]>=1.5,<1.6"],
     },
     license="MIT",
     license_files=["LICENSE"],

@@ -25,8 +25,6 @@ from typing import NoReturn
 
 import PIL.Image
 import torch
-from diffusers.utils import logging as diffusers_logging
-from transformers.utils import logging as transformers_logging
 
 import xstage_dit
 from xstage_dit.cli import positive_int
@@ -49,17 +47,6 @@ class Parser(argparse.ArgumentParser):
         if not xstage_dit.is_main_process():
             raise SystemExit(2)
         super().error(message)
-
-
-def quiet_libraries() -> None:
-    """Library warnings that tell a user of this script nothing are not shown (transformers' note, at import of
-    diffusers' pipelines, that its image processors fall back to PIL without torchvision); the other ranks show
-    only errors, so that each warning appears once, on the main rank."""
-    logging.getLogger("transformers.utils.import_utils").addFilter(
-        lambda record: "requires torchvision (not installed)" not in record.getMessage())
-    if not xstage_dit.is_main_process():
-        transformers_logging.set_verbosity_error()
-        diffusers_logging.set_verbosity_error()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,7 +100,7 @@ def input_image(path: Path | None) -> PIL.Image.Image | None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if xstage_dit.is_main_process() else logging.WARNING)
-    quiet_libraries()
+    loading.quiet_libraries()
     device = xstage_dit.local_device()
     family = loading.family_of(args.model, args.config)
     # a pipeline class the zoo does not know: video or not is known once loaded

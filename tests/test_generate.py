@@ -16,6 +16,7 @@ from transformers.utils import logging as transformers_logging
 
 import generate
 import zoo
+from xstage_dit.serve import loading
 
 GENERATE = Path(__file__).parent.parent / "examples" / "generate.py"
 
@@ -113,7 +114,7 @@ def test_library_warnings_are_left_to_the_main_rank(rank) -> None:
     before = transformers_logging.get_verbosity()
     try:
         rank(1)
-        generate.quiet_libraries()
+        loading.quiet_libraries()
         assert transformers_logging.get_verbosity() == logging.ERROR
     finally:
         transformers_logging.set_verbosity(before)

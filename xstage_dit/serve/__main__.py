@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if is_main_process() else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loading.quiet_libraries()
     if is_main_process():
         _check_address(args.host, args.port)
     if args.model:

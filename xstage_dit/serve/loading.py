@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, Literal
 import PIL.Image
 import torch
 
+from ..api import is_main_process
 from ..sp.attention.backends import available_backends
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -50,6 +52,20 @@ def _zoo_if_present() -> ModuleType | None:
     sys.modules["zoo"] = module
     spec.loader.exec_module(module)
     return module
+
+
+def quiet_libraries() -> None:
+    """Library warnings that tell a user of a job nothing are not shown (transformers' note, at import of
+    diffusers' pipelines, that its image processors fall back to PIL without torchvision); the other ranks show
+    only errors, so that each warning appears once, on the main rank."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    logging.getLogger("transformers.utils.import_utils").addFilter(
+        lambda record: "requires torchvision (not installed)" not in record.getMessage())
+    if not is_main_process():
+        transformers_logging.set_verbosity_error()
+        diffusers_logging.set_verbosity_error()
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
