@@ -47,7 +47,7 @@ START_S = 240  # three jobs start side by side on a busy CPU
 EXIT_S = 60
 DRAINED_S = 20  # from a drained job's last answer to its exit: well before torchrun's SIGKILL, 30 s after SIGTERM
 LONG_STEPS = 20  # with SLOW_PROMPT, a call of 2 s or more: long enough to hold the queue behind it
-QUEUE_BOUND, MAX_BATCH, TIMEOUT_S = 4, 4, 60  # four clients at once all wait
+QUEUE_BOUND, MAX_BATCH, TIMEOUT_S = 5, 4, 60  # four clients at once all wait behind a running call
 
 
 @dataclass
@@ -285,8 +285,9 @@ def _long_call(url: str) -> tuple[threading.Thread, list]:
 
 
 def test_batched_equals_unbatched_and_a_full_queue_answers_429(server: ServiceJob) -> None:
-    """Behind a long call, four compatible requests wait (the bound): the first three run as one call of 4
-    outputs (the most), the fourth after them; a fifth is refused. Each output equals the same seed run alone."""
+    """Behind a long call, four compatible requests wait (the bound, with the running one): the first three run as
+    one call of 4 outputs (the most), the fourth after them; a fifth is refused. Each output equals the same seed
+    run alone."""
     seeds = [(20, 2), (30, 1), (40, 1), (50, 1)]  # (seed, n): seeds 20, 21, 30, 40, 50
     alone = {seed + i: _images(_generate(server.url, seed=seed + i))[0] for seed, n in seeds for i in range(n)}
     calls_of_4 = 'xstage_batch_outputs_bucket{le="4.0"}', 'xstage_batch_outputs_bucket{le="2.0"}'
@@ -296,7 +297,7 @@ def test_batched_equals_unbatched_and_a_full_queue_answers_429(server: ServiceJo
     for seed, n in seeds:
         waiting.append(_in_thread(_generate, server.url, seed=seed, n=n))
         time.sleep(0.05)  # arrival order
-    _until(lambda: HTTP.get(f"{server.url}/health", timeout=5).json()["queue"] == QUEUE_BOUND, "a full queue")
+    _until(lambda: HTTP.get(f"{server.url}/health", timeout=5).json()["queue"] == QUEUE_BOUND - 1, "a full queue")
     refused = _generate(server.url, seed=60)
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     for thread, _ in [(long_call, long_box), *waiting]:
@@ -501,8 +502,10 @@ def test_the_queue_batches_compatible_requests_in_arrival_order() -> None:
         job("over the bound")
     assert [j.request.id for j in queue.take(0)] == ["a", "c"]  # "d" would make 5 outputs
     assert dropped == [gone]
+    job("e", image=PIL.Image.new("RGB", (8, 8)))  # "b", "d", "e" wait, "a" and "c" run: the bound
+    with pytest.raises(QueueFull):
+        job("over the bound with the running batch")
     assert [j.request.id for j in queue.take(0)] == ["b"]
-    job("e", image=PIL.Image.new("RGB", (8, 8)))
     assert [j.request.id for j in queue.take(0)] == ["d"]
     assert [j.request.id for j in queue.take(0)] == ["e"] and queue.take(0) == []
     loop.close()

@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default=defaults.host)
     parser.add_argument("--port", type=int, default=defaults.port)
     parser.add_argument("--queue-bound", type=int, default=defaults.queue_bound,
-                        help="requests that may wait; one more answers 429 with Retry-After")
+                        help="requests admitted and not answered (waiting or running); one more answers 429 "
+                             "with Retry-After")
     parser.add_argument("--max-batch", type=int, default=defaults.max_batch,
                         help="outputs of compatible requests (same size, steps, guidance) run in one pipeline call")
     parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s,

@@ -64,12 +64,15 @@ class QueueFull(Exception):
 
 
 class JobQueue:
-    """FIFO up to `bound` waiting requests. `take` returns the oldest live request with the later ones that share
-    its batch key, up to `max_batch` outputs; requests whose client went away are handed to `on_drop` instead."""
+    """FIFO of requests, at most `bound` of them admitted and not answered (waiting, or in the batch taken last),
+    so that an admitted request waits behind at most `bound` - 1 others. `take` returns the oldest live request
+    with the later ones that share its batch key, up to `max_batch` outputs; requests whose client went away are
+    handed to `on_drop` instead. The loop that takes a batch answers it before it takes the next."""
 
     def __init__(self, bound: int, max_batch: int, on_drop: Callable[[Job], None]) -> None:
         self.bound, self.max_batch, self.on_drop = bound, max_batch, on_drop
         self._jobs: list[Job] = []
+        self._taken = 0  # requests in the batch taken last, until the next take
         self._ready = threading.Condition()
         self.service_s = 1.0  # the recent time of one call, for Retry-After
 
@@ -78,14 +81,16 @@ class JobQueue:
 
     def put(self, job: Job) -> None:
         with self._ready:
-            if len(self._jobs) >= self.bound:
-                raise QueueFull(max(1, round(self.service_s * len(self._jobs) / self.max_batch)))
+            admitted = len(self._jobs) + self._taken
+            if admitted >= self.bound:
+                raise QueueFull(max(1, round(self.service_s * admitted / self.max_batch)))
             self._jobs.append(job)
             self._ready.notify()
 
     def take(self, timeout_s: float) -> list[Job]:
-        """The next batch, or [] after `timeout_s` without one."""
+        """The next batch, or [] after `timeout_s` without one (the last one taken has been answered)."""
         with self._ready:
+            self._taken = 0
             self._ready.wait_for(lambda: self._jobs, timeout=timeout_s)
             for job in [j for j in self._jobs if j.gone]:
                 self._jobs.remove(job)
@@ -100,6 +105,7 @@ class JobQueue:
                     self._jobs.remove(job)
                     batch.append(job)
                     outputs += job.request.n
+            self._taken = len(batch)
             return batch
 
     def clear(self) -> list[Job]:
