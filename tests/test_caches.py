@@ -139,18 +139,21 @@ def _compiled_cache_worker(name: str, mode: str, order: tuple[str, ...], cache: 
     """FirstBlockCache at a threshold where ranks deciding alone would decide differently."""
     from diffusers import FirstBlockCacheConfig
 
-    guidance, make = _caches(None, name)[cache]
+    guidance = _caches(None, name)[cache][0]
 
     def generate(pipe: Any) -> torch.Tensor:
         kwargs = zoo.call_kwargs(name, **SIZES[name]["even"], steps=STEPS, guidance=guidance)
         return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
                     generator=torch.Generator().manual_seed(8), return_dict=False)[0]
 
-    if cache == "FirstBlockCache":
-        threshold = _first_block_cache_between(name, generate)
-        make = lambda: FirstBlockCacheConfig(threshold=threshold)  # noqa: E731
-    check_cache_under_compile(lambda: _built(name), mode, order, lambda pipe: pipe.transformer.enable_cache(make()),
-                              generate, f"{name}, {cache}")
+    threshold = _first_block_cache_between(name, generate) if cache == "FirstBlockCache" else None
+
+    def enable_cache(pipe: Any) -> None:
+        # the configs of the caches that read the step take it from this pipeline
+        make = _caches(pipe, name)[cache][1]
+        pipe.transformer.enable_cache(make() if threshold is None else FirstBlockCacheConfig(threshold=threshold))
+
+    check_cache_under_compile(lambda: _built(name), mode, order, enable_cache, generate, f"{name}, {cache}")
 
 
 @pytest.mark.parametrize("name, mode, order, cache", [
