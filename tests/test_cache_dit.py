@@ -15,6 +15,7 @@ import torch
 import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
+from test_compile import CACHE_FIRST, CACHE_LAST, check_cache_under_compile, order_id
 from test_parallel_pipelines import SIZES, TOLERANCE, _relative_error
 
 STEPS = 3
@@ -190,3 +191,31 @@ def test_diffusers_context_parallelism_is_refused_before_any_collective() -> Non
     pipe.transformer._parallel_config = ContextParallelConfig(ulysses_degree=2)  # what enable_parallelism leaves
     with pytest.raises(ValueError, match="diffusers' context parallelism .* use one of them"):
         xstage_dit.enable(pipe)
+
+
+def _compiled_cache_dit_worker(name: str, mode: str, order: tuple[str, ...]) -> None:
+    """DBCache at a threshold where ranks deciding alone would decide differently."""
+    import cache_dit
+
+    def built() -> Any:
+        pipe = zoo.build_pipeline(name)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    pipe = built()
+    (whole, *_), (alone, *_), _ = _compared(pipe, _generator(name, "even", pipe))
+    threshold = _between(whole, min(statistic for statistic in alone if statistic > whole))
+    check_cache_under_compile(built, mode, order, lambda pipe: cache_dit.enable_cache(pipe, **_db_cache(threshold)),
+                              lambda pipe: _generator(name, "even", pipe)(), f"{name}, DBCache")
+
+
+@pytest.mark.parametrize("name, mode, order", [
+    # blocks compiled fullgraph inside cache-dit's wrapper (its decisions lie between them): the split at the
+    # model's input (FLUX.1), at the first block (Wan)
+    ("tiny-flux", "fullgraph blocks", CACHE_FIRST), ("tiny-wan", "fullgraph blocks", CACHE_LAST),
+    # the whole model compiled around the wrapper (CogVideoX names no repeated blocks); cache-dit given
+    # torch.compile(transformer), which its wrapper then holds as its transformer (Wan: the split in the wrapper)
+    ("tiny-cogvideox", "whole", CACHE_FIRST), ("tiny-wan", "wrapped", CACHE_LAST)], ids=order_id)
+def test_cache_dit_under_compile_equals_one_process(name: str, mode: str, order: tuple[str, ...]) -> None:
+    """cache-dit's DBCache with the transformer compiled, two ranks (test_compile.check_cache_under_compile)."""
+    run_on_ranks(2, _compiled_cache_dit_worker, name, mode, order, deadline_s=300)

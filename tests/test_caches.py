@@ -11,7 +11,8 @@ import torch
 import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
-from test_parallel_pipelines import SIZES, TOLERANCE, _relative_error
+from test_compile import CACHE_FIRST, CACHE_LAST, check_cache_under_compile, order_id
+from test_parallel_pipelines import SIZES, TOLERANCE, _local_statistics, _relative_error
 
 STEPS = 3
 EVERY_STEP = (-1, 1001)
@@ -113,3 +114,58 @@ def test_caches_before_and_after_enable_equal_one_process(world_size: int, size:
     """Every cache that acts on a family in one process (some refuse a family: no block metadata, no cache
     context, no `enable_cache`) gives the same result with xstage_dit, whichever was enabled first."""
     run_on_ranks(world_size, _caches_worker, FAMILIES[world_size, size], size, deadline_s=900)
+
+
+def _first_block_cache_between(name: str, generate: Callable[[Any], torch.Tensor]) -> float:
+    """A FirstBlockCache threshold between the whole sequence's statistic at its first comparison (below it: the
+    remaining blocks skipped) and the nearest above it of one rank's own tokens (that rank alone would compute)."""
+    pipe = _built(name)
+    xstage_dit.enable(pipe, backend="reference", timeout_s=60)
+    statistics = _local_statistics(pipe, lambda: generate(pipe))
+    xstage_dit.disable(pipe)
+    whole = statistics.whole[0]
+    above = min(alone for alone in statistics.alone[0] if alone > whole)
+    assert above > whole * (1 + 1e-4), (whole, above)
+    return (whole + above) / 2
+
+
+def _built(name: str) -> Any:
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _compiled_cache_worker(name: str, mode: str, order: tuple[str, ...], cache: str) -> None:
+    """FirstBlockCache at a threshold where ranks deciding alone would decide differently."""
+    from diffusers import FirstBlockCacheConfig
+
+    guidance = _caches(None, name)[cache][0]
+
+    def generate(pipe: Any) -> torch.Tensor:
+        kwargs = zoo.call_kwargs(name, **SIZES[name]["even"], steps=STEPS, guidance=guidance)
+        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
+                    generator=torch.Generator().manual_seed(8), return_dict=False)[0]
+
+    threshold = _first_block_cache_between(name, generate) if cache == "FirstBlockCache" else None
+
+    def enable_cache(pipe: Any) -> None:
+        # the configs of the caches that read the step take it from this pipeline
+        make = _caches(pipe, name)[cache][1]
+        pipe.transformer.enable_cache(make() if threshold is None else FirstBlockCacheConfig(threshold=threshold))
+
+    check_cache_under_compile(lambda: _built(name), mode, order, enable_cache, generate, f"{name}, {cache}")
+
+
+@pytest.mark.parametrize("name, mode, order, cache", [
+    # the shared decision (xstage_dit's, in the head block's hook) inside compiled blocks, the split at the model's
+    # input (FLUX.1) and at the first block (Wan)
+    ("tiny-flux", "blocks", CACHE_LAST, "FirstBlockCache"), ("tiny-wan", "blocks", CACHE_FIRST, "FirstBlockCache"),
+    # a compiled whole model with a cache's graph breaks between the split's hooks: FirstBlockCache's (CogVideoX
+    # names no repeated blocks), MagCache's (a step-decided cache)
+    ("tiny-cogvideox", "whole", CACHE_LAST, "FirstBlockCache"), ("tiny-wan", "whole", CACHE_FIRST, "MagCache")],
+    ids=order_id)
+def test_caches_under_compile_equal_one_process(name: str, mode: str, order: tuple[str, ...], cache: str) -> None:
+    """diffusers' cache with the transformer compiled (Dynamo, not fullgraph: the caches decide on the host), two
+    ranks: one process's result with the same cache and compile, and no more graphs or recompiles of diffusers'
+    and the cache's code than there (test_compile.check_cache_under_compile)."""
+    run_on_ranks(2, _compiled_cache_worker, name, mode, order, cache, deadline_s=300)

@@ -3,12 +3,15 @@ torch.compile(transformer, fullgraph=True) compile no more graphs than for stock
 instance), with no graph break in the attention path (Ulysses attention is one custom op,
 xstage::ulysses_attention; at degree 1 xstage::local_attention). fullgraph=True turns any graph break into an
 error; the eager compile backend keeps the tests fast on CPU. Compiled output equals eager output, and `disable`
-after a compile restores the model."""
+after a compile restores the model. With a cache (diffusers' or cache-dit's: tests/test_caches.py,
+tests/test_cache_dit.py): check_cache_under_compile."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+import os
+import re
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -18,6 +21,125 @@ import xstage_dit
 import zoo
 from dist_harness import run_on_ranks, share_one_gpu
 from torch._dynamo.utils import counters
+
+XSTAGE_DIT = os.path.dirname(xstage_dit.__file__) + os.sep
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """One graph Dynamo compiled: the file of its frame, and whether that frame had compiled before (a guard
+    failed: a recompile)."""
+
+    frame: str | None  # None: a graph without operations
+    recompiled: bool
+
+    @property
+    def ours(self) -> bool:
+        """A frame of xstage_dit's (a hook of the split, compiled apart where a cache's graph break leaves it a
+        frame of its own), or one without operations left between such hooks."""
+        return self.frame is None or self.frame.startswith(XSTAGE_DIT)
+
+
+class GraphLedger:
+    """A Dynamo backend (running graphs as traced, like backend="eager") that lists the graphs it is given."""
+
+    def __init__(self) -> None:
+        self.graphs: list[Graph] = []
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        frames = [_outermost_file(node.meta.get("stack_trace", "")) for node in graph_module.graph.nodes]
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        self.graphs.append(Graph(next((frame for frame in frames if frame), None),
+                                 bool(compile_id and compile_id.frame_compile_id)))
+        return graph_module.forward
+
+
+def _outermost_file(stack_trace: str) -> str | None:
+    """The file of the frame Dynamo compiled, where an operation's stack trace begins."""
+    found = re.search(r'File "([^"]+)", line', stack_trace or "")
+    return found.group(1) if found else None
+
+
+@dataclasses.dataclass
+class CompiledTwice:
+    """Two equal pipeline calls with the transformer compiled: the first's latents, and the graphs each compiled."""
+
+    out: torch.Tensor
+    first: list[Graph]
+    second: list[Graph]
+
+
+def compile_transformer(pipe: Any, mode: str, backend: Callable[..., Any]) -> None:
+    """Compile `pipe.transformer`: its repeated blocks ("blocks"; "fullgraph blocks", where a cache leaves the
+    blocks without a host decision), the model in place ("whole"), or the pipeline given
+    `torch.compile(transformer)` ("wrapped"); not fullgraph otherwise, as a cache's host decisions break graphs."""
+    if mode.endswith("blocks"):
+        pipe.transformer.compile_repeated_blocks(fullgraph=mode == "fullgraph blocks", backend=backend)
+    elif mode == "whole":
+        pipe.transformer.compile(backend=backend)
+    else:
+        pipe.transformer = torch.compile(pipe.transformer, backend=backend)
+
+
+def _called_twice(ledger: GraphLedger, generate: Callable[[], torch.Tensor]) -> CompiledTwice:
+    out = generate()
+    first = list(ledger.graphs)
+    generate()
+    return CompiledTwice(out, first, ledger.graphs[len(first):])
+
+
+# the orders of a cache, xstage_dit and the compile that the cache tests take (each test one): the cache before
+# `enable`, and after it and the compile
+CACHE_FIRST = ("cache", "enable", "compile")
+CACHE_LAST = ("enable", "compile", "cache")
+
+
+def order_id(value: Any) -> str | None:
+    """A test id for an order of steps ("cache-enable-compile"); pytest's own for other parameters."""
+    return "-".join(value) if isinstance(value, tuple) else None
+
+
+def check_cache_under_compile(build: Callable[[], Any], mode: str, order: tuple[str, ...],
+                              enable_cache: Callable[[Any], Any], generate: Callable[[Any], torch.Tensor],
+                              what: str) -> None:
+    """A cache with the transformer compiled (`compile_transformer`'s `mode`), enabled with xstage_dit in `order`
+    on this job's ranks: one process's result with the same cache and compile (which the cache changes), and no
+    more graphs or recompiles than there (assert_compiles_as_often_as_stock). `build` makes a pipeline,
+    `enable_cache` enables the cache on one, `generate` calls one."""
+    def compiled(order: tuple[str, ...]) -> CompiledTwice:
+        pipe = build()
+        torch._dynamo.reset()
+        ledger = GraphLedger()
+        steps = {"cache": lambda: enable_cache(pipe),
+                 "enable": lambda: xstage_dit.enable(pipe, backend="reference", timeout_s=60),
+                 "compile": lambda: compile_transformer(pipe, mode, ledger)}
+        for step in order:
+            steps[step]()
+        return _called_twice(ledger, lambda: generate(pipe))
+
+    uncached = generate(build())
+    stock = compiled(("cache", "compile"))
+    assert not torch.equal(stock.out, uncached), f"{what}: the cache changed nothing"
+    ours = compiled(order)
+    what = f"{what} compiled ({mode}), {' then '.join(order)}"
+    error = ((ours.out - stock.out).norm() / stock.out.norm()).item()
+    assert error < PRECISION["cpu"][2], f"{what}: relative error {error:.2e}"
+    assert_compiles_as_often_as_stock(ours, stock, what)
+
+
+def assert_compiles_as_often_as_stock(ours: CompiledTwice, stock: CompiledTwice, what: str) -> None:
+    """No more graphs of diffusers' or the cache's code than stock, no more of them recompiled (a guard on
+    xstage_dit's state), and a second call compiles no more than stock's (nothing recompiles per call). Not
+    counted: the split's hooks, which compile as graphs of their own where a cache's graph break leaves them
+    outside the model's graphs (a hook that splits at two sites, as CogVideoX's, compiles once for each)."""
+    def theirs(graphs: list[Graph]) -> list[Graph]:
+        return [graph for graph in graphs if not graph.ours]
+
+    assert len(theirs(ours.first)) <= len(theirs(stock.first)), (what, ours.first, stock.first)
+    recompiled = [sum(graph.recompiled for graph in theirs(run.first)) for run in (ours, stock)]
+    assert recompiled[0] <= recompiled[1], (what, ours.first, stock.first)
+    assert len(ours.second) <= len(stock.second), (what, ours.second, stock.second)
+
 
 # real depth (every block instance must reuse its class's compiled code), tiny widths
 DEEP = {

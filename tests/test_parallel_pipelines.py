@@ -5,6 +5,7 @@ the others), then the same calls with xstage_dit enabled, for batch 1 and 2 and 
 divide by the degree."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, NamedTuple
 
@@ -494,9 +495,17 @@ def test_the_models_attention_backend_attends_inside_ulysses() -> None:
     run_on_ranks(2, _attention_backend_worker)
 
 
-def _local_statistics(pipe, generate) -> list[list[float]]:
-    """Per step after the first, every rank's FirstBlockCache statistic over its own tokens alone (what each
-    rank would decide on without the shared decision), gathered: [step][rank]."""
+@dataclasses.dataclass
+class FirstBlockStatistics:
+    """Per step after the first, FirstBlockCache's statistic over every rank's own tokens alone (what each rank
+    would decide on without the shared decision: [step][rank]) and over the whole sequence ([step])."""
+
+    alone: list[list[float]]
+    whole: list[float]
+
+
+def _local_statistics(pipe, generate) -> FirstBlockStatistics:
+    """FirstBlockCache's statistics in a call of the enabled pipeline, gathered from the ranks."""
     from diffusers.hooks._helpers import TransformerBlockRegistry
 
     block = pipe.transformer.transformer_blocks[0] if hasattr(pipe.transformer, "transformer_blocks") \
@@ -515,11 +524,14 @@ def _local_statistics(pipe, generate) -> list[list[float]]:
     (decisions,) = stack_of(pipe.transformer).changes_of("cache decisions")
     shard = decisions.shard
     valid = min(shard.local_len, shard.seq_len - shard.rank * shard.local_len)
-    mine = torch.tensor([((r - p)[:, :valid].abs().sum() / p[:, :valid].abs().sum()).item()
+    # per step: the sums of |r - p| and of |p| over this rank's tokens
+    mine = torch.tensor([[(r - p)[:, :valid].abs().sum().item(), p[:, :valid].abs().sum().item()]
                          for p, r in zip(residuals, residuals[1:])], dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(everyone, mine)
-    return torch.stack(everyone, dim=1).tolist()
+    sums = torch.stack(everyone, dim=1)  # [step][rank][difference, previous]
+    whole = sums.sum(dim=1)
+    return FirstBlockStatistics((sums[..., 0] / sums[..., 1]).tolist(), (whole[:, 0] / whole[:, 1]).tolist())
 
 
 def _first_block_cache_worker(name: str, size: str) -> None:
@@ -538,7 +550,7 @@ def _first_block_cache_worker(name: str, size: str) -> None:
                     generator=torch.Generator().manual_seed(8), return_dict=False)[0]
 
     xstage_dit.enable(pipe, backend="reference", timeout_s=30)
-    statistics = _local_statistics(pipe, generate)
+    statistics = _local_statistics(pipe, generate).alone
     xstage_dit.disable(pipe)
     # the first comparison: before it nothing was skipped, so there a rank alone would decide as recorded
     lowest, highest = min(statistics[0]), max(statistics[0])

@@ -76,10 +76,16 @@ def _reuses_conditional_statistic(manager: Any) -> bool:
 
 
 def wrapped_blocks(model: nn.Module) -> list[nn.Module]:
-    """cache-dit's block wrappers that stand in `model`'s block lists during one of its forwards."""
+    """cache-dit's block wrappers that stand in `model`'s block lists during one of its forwards. A cache enabled on
+    a pipeline whose transformer is `torch.compile(model)` holds that compiled wrapper as its transformer."""
     return [blocks[0] for blocks in model.children()
-            if isinstance(blocks, nn.ModuleList) and len(blocks) == 1 and getattr(blocks[0], "transformer", None)
-            is model and callable(getattr(blocks[0], "_get_Fn_residual", None))]
+            if isinstance(blocks, nn.ModuleList) and len(blocks) == 1
+            and _uncompiled(getattr(blocks[0], "transformer", None)) is model
+            and callable(getattr(blocks[0], "_get_Fn_residual", None))]
+
+
+def _uncompiled(module: Any) -> Any:
+    return module._orig_mod if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else module
 
 
 def residual_on_shard(wrapper: nn.Module, shard: SequenceShard) -> ReplacedForward:
