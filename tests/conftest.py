@@ -4,9 +4,14 @@ import os
 import pytest
 import torch
 
-# Without a GPU, Triton kernels run in Triton's CPU interpreter (set before any kernel module is imported).
 if not torch.cuda.is_available():
+    # Triton kernels run in Triton's CPU interpreter (set before any kernel module is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the suite computes tiny models on the CPU: a second thread gains little on ops that small and makes each op
+    # wait for a core whenever the cores are shared (the ranks of the harness, other jobs on the machine); the ranks
+    # run one thread each likewise (dist_harness), and the processes that tests start inherit the setting
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):

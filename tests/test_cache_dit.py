@@ -16,7 +16,7 @@ import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
 from test_compile import CACHE_FIRST, CACHE_LAST, check_cache_under_compile, order_id
-from test_parallel_pipelines import SIZES, TOLERANCE, _relative_error
+from test_parallel_pipelines import TOLERANCE, _relative_error, seeded_latents
 
 STEPS = 3
 
@@ -28,13 +28,7 @@ def _quiet_cache_dit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _generator(name: str, size: str, pipe: Any, guidance: float = 1.0) -> Callable[[], torch.Tensor]:
     # guidance off by default: one transformer call per step, consecutive calls are the ones the cache compares
-    kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=STEPS, guidance=guidance)
-
-    def generate() -> torch.Tensor:
-        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
-                    generator=torch.Generator().manual_seed(8), return_dict=False)[0]
-
-    return generate
+    return seeded_latents(pipe, name, size, steps=STEPS, guidance=guidance)
 
 
 def _db_cache(threshold: float) -> dict[str, Any]:

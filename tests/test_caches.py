@@ -12,7 +12,7 @@ import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
 from test_compile import CACHE_FIRST, CACHE_LAST, check_cache_under_compile, order_id
-from test_parallel_pipelines import SIZES, TOLERANCE, _local_statistics, _relative_error
+from test_parallel_pipelines import SIZES, TOLERANCE, _local_statistics, _relative_error, seeded_latents
 
 STEPS = 3
 EVERY_STEP = (-1, 1001)
@@ -71,9 +71,7 @@ def _caches_worker(names: list[str], size: str) -> None:
         pipe.set_progress_bar_config(disable=True)
 
         def generate(guidance: float) -> torch.Tensor:
-            kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=STEPS, guidance=guidance)
-            return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
-                        generator=torch.Generator().manual_seed(8), return_dict=False)[0]
+            return seeded_latents(pipe, name, size, steps=STEPS, guidance=guidance)()
 
         uncached = {1.0: generate(1.0)}
         for cache, (guidance, make) in _caches(pipe, name).items():

@@ -14,7 +14,7 @@ from torch import nn
 import xstage_dit
 import zoo
 from dist_harness import run_on_ranks
-from test_parallel_pipelines import SIZES
+from test_parallel_pipelines import seeded_latents
 from xstage_dit import api, patches
 from xstage_dit.hooks.layers import stack_of
 from xstage_dit.layers import MODEL_LAYERS, PIPELINE_LAYERS, layer_names
@@ -93,12 +93,7 @@ def _registry_worker(names: list[str], cfg_degree: int) -> set[str]:
     for name in names:
         pipe = zoo.build_pipeline(name)
         pipe.set_progress_bar_config(disable=True)
-        kwargs = zoo.call_kwargs(name, **SIZES[name]["even"], steps=2, guidance=3.0)
-
-        def generate() -> torch.Tensor:
-            return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
-                        generator=torch.Generator().manual_seed(8), return_dict=False)[0]
-
+        generate = seeded_latents(pipe, name, "even", steps=2, guidance=3.0)
         stock = generate()
         xstage_dit.enable(pipe, backend="reference", cfg_degree=cfg_degree, timeout_s=120)
         installed = xstage_dit.installed_layers(pipe)

@@ -85,6 +85,19 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def seeded_latents(pipe, name: str, size: str, steps: int, guidance: float, text_seed: int = 2,
+                   noise_seed: int = 8) -> Callable[[], torch.Tensor]:
+    """A call of `pipe` at SIZES[name][size] with seeded prompt embeddings and noise, returning its latents: every
+    call (and every rank's) computes the same one."""
+    kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=steps, guidance=guidance)
+
+    def generate() -> torch.Tensor:
+        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=text_seed), output_type="latent",
+                    generator=torch.Generator().manual_seed(noise_seed), return_dict=False)[0]
+
+    return generate
+
+
 def _first_attention(pipe) -> list[torch.nn.Module]:
     """The first routed attention module (image-only queries) of every transformer (Wan 2.2 has two)."""
     models = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
@@ -466,12 +479,7 @@ def _attention_backend_worker() -> None:
     name = "tiny-flux"
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
-    kwargs = zoo.call_kwargs(name, **SIZES[name]["uneven"], steps=2, guidance=3.0)
-
-    def generate() -> torch.Tensor:
-        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=4), output_type="latent",
-                    generator=torch.Generator().manual_seed(6), return_dict=False)[0]
-
+    generate = seeded_latents(pipe, name, "uneven", steps=2, guidance=3.0, text_seed=4, noise_seed=6)
     stock = generate()
     math_backend = AttentionBackendName._NATIVE_MATH
     original = _AttentionBackendRegistry._backends[math_backend]
@@ -543,12 +551,7 @@ def _first_block_cache_worker(name: str, size: str) -> None:
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     # guidance off: one transformer call per step, so consecutive head-block calls are the ones the cache compares
-    kwargs = zoo.call_kwargs(name, **SIZES[name][size], steps=6, guidance=1.0)
-
-    def generate() -> torch.Tensor:
-        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
-                    generator=torch.Generator().manual_seed(8), return_dict=False)[0]
-
+    generate = seeded_latents(pipe, name, size, steps=6, guidance=1.0)
     xstage_dit.enable(pipe, backend="reference", timeout_s=30)
     statistics = _local_statistics(pipe, generate).alone
     xstage_dit.disable(pipe)
@@ -574,12 +577,7 @@ def _first_block_cache_cfg_worker() -> None:
     name = "tiny-cogvideox"
     pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
-    kwargs = zoo.call_kwargs(name, **SIZES[name]["even"], steps=4, guidance=3.0)
-
-    def generate() -> torch.Tensor:
-        return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
-                    generator=torch.Generator().manual_seed(8), return_dict=False)[0]
-
+    generate = seeded_latents(pipe, name, "even", steps=4, guidance=3.0)
     block = pipe.transformer.transformer_blocks[0]
     residuals = []
     handle = block.register_forward_hook(
@@ -639,12 +637,7 @@ def _cache_configs_worker() -> None:
     for name, guidance in (("tiny-flux", 1.0), ("tiny-wan", 1.0), ("tiny-cogvideox", 3.0)):
         pipe = zoo.build_pipeline(name)
         pipe.set_progress_bar_config(disable=True)
-        kwargs = zoo.call_kwargs(name, **SIZES[name]["uneven"], steps=steps, guidance=guidance)
-
-        def generate() -> torch.Tensor:
-            return pipe(**kwargs, **zoo.text_embeddings(name, 1, seed=2), output_type="latent",
-                        generator=torch.Generator().manual_seed(8), return_dict=False)[0]
-
+        generate = seeded_latents(pipe, name, "uneven", steps=steps, guidance=guidance)
         uncached = generate()
         for index, config in enumerate(_cache_configs(pipe, steps)[name]):
             pipe.transformer.enable_cache(config)

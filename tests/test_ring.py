@@ -152,8 +152,8 @@ def test_experts_the_decode_and_caches_on_a_ring_match_single_process() -> None:
 
 
 def test_compiled_blocks_on_a_ring_compile_as_often_as_under_ulysses() -> None:
-    """compile_repeated_blocks(fullgraph=True) at real depth, Ulysses 2 x ring 2: as many graphs as stock, compiled
-    equal to eager, eager equal to one process."""
+    """compile_repeated_blocks(fullgraph=True) with three blocks of each kind, Ulysses 2 x ring 2: as many graphs as
+    stock, compiled equal to eager, eager equal to one process."""
     run_on_ranks(4, _ranks_worker, "flux", "blocks", 0, {"ulysses_degree": 2, "ring_degree": 2}, deadline_s=600)
 
 
