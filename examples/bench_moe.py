@@ -263,7 +263,6 @@ def main() -> None:
     if device.type != "cuda":
         raise SystemExit("bench_moe.py times GPU kernels: run it on a GPU")
     ensure_process_group(timeout_s=600)
-    ranks = dist.get_world_size() if dist.is_initialized() else 1
     records = [r for size in TOKENS for factor in (4.0, 2.0) for r in bench(size, factor, args.repeats, device)]
     if xstage_dit.is_main_process():
         write(records, args.out)

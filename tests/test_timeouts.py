@@ -9,7 +9,6 @@ import time
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import xstage_dit
