@@ -3,7 +3,6 @@ images, output formats, and a wrong output refused before anything is generated.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ from transformers.utils import logging as transformers_logging
 
 import generate
 import zoo
-from xstage_dit.serve import loading
+from xstage_dit.serve import loading, media
 
 GENERATE = Path(__file__).parent.parent / "examples" / "generate.py"
 
@@ -45,8 +44,7 @@ def test_a_wrong_output_is_refused(tmp_path: Path, output: str, message: str) ->
         generate.output_path(args, is_video=True)
 
 
-VIDEO_EXTRA = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("imageio_ffmpeg", "av")),
-                                 reason="the video extra is not installed")
+VIDEO_EXTRA = pytest.mark.skipif(not media.can_write_mp4(), reason="the video extra is not installed")
 
 
 @VIDEO_EXTRA
