@@ -56,7 +56,13 @@ class TextAndImage:
     dim: int
 
 
-_InputDim = int | PerToken | JointText | TextAndImage | LocalOrWhole
+@dataclass(frozen=True)
+class PrefixCount:
+    """A forward argument counting tokens at the front of the sequence (HunyuanVideo's first-frame tokens under
+    token_replace): it becomes the count of them this rank holds at the front of its chunk."""
+
+
+_InputDim = int | PerToken | JointText | TextAndImage | LocalOrWhole | PrefixCount
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,8 @@ class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
 
     shard_inputs: module path ("" is the model; "blocks.*" every child of `blocks`) -> {forward argument name:
-        sequence dim, PerToken(dim), JointText(dim), TextAndImage(dim) or LocalOrWhole(dim)} to split on entry.
+        sequence dim, PerToken(dim), JointText(dim), TextAndImage(dim), LocalOrWhole(dim) or PrefixCount()} to
+        split on entry.
     shard_outputs: module path -> {output index: sequence dim} to split on exit (e.g. rotary tables); a module
         returning one tensor uses index 0.
     gather_outputs: module path -> sequence dim of its output to gather back to the whole sequence, or TextAndImage(dim)
@@ -163,6 +170,8 @@ def _shard_value(shard: SequenceShard, value: Any, dim: _InputDim) -> Any:
     """A tensor, or a tuple of tensors (rotary tables), split along `dim`."""
     if isinstance(value, (tuple, list)):
         return type(value)(_shard_value(shard, item, dim) for item in value)
+    if isinstance(dim, PrefixCount):
+        return shard.local_prefix_len(value)
     if isinstance(dim, JointText):
         return shard.shard_text(value, dim.dim)
     if isinstance(dim, TextAndImage):
@@ -214,6 +223,13 @@ def _gather_output_hook(shard: SequenceShard, dim: int | TextAndImage):
     return hook
 
 
+def split_inputs(module: nn.Module, shard: SequenceShard,
+                 dims: dict[str, _InputDim]) -> torch.utils.hooks.RemovableHandle:
+    """A hook that splits `module`'s forward arguments named in `dims` to this rank's tokens on entry (a plan's
+    `shard_inputs`, or a family's install for modules a plan cannot name by path)."""
+    return module.register_forward_pre_hook(_shard_inputs_hook(module, shard, dims), with_kwargs=True)
+
+
 def split_blocks(model: nn.Module, plan: SequenceParallelPlan) -> list[nn.Module]:
     """The blocks of the model's block lists at whose input the plan splits the tokens (e.g. Wan's first block):
     whatever wraps such a list sees its input whole and its output split."""
@@ -232,10 +248,8 @@ def check_inputs_hooks(model: nn.Module, plan: SequenceParallelPlan) -> list[tor
 def token_split_hooks(model: nn.Module, plan: SequenceParallelPlan,
                       shard: SequenceShard) -> list[torch.utils.hooks.RemovableHandle]:
     """The hooks that split the plan's inputs and outputs to this rank's tokens and gather its outputs back."""
-    hooks = []
-    for path, dims in plan.shard_inputs.items():
-        for module in _modules_at(model, path):
-            hooks.append(module.register_forward_pre_hook(_shard_inputs_hook(module, shard, dims), with_kwargs=True))
+    hooks = [split_inputs(module, shard, dims)
+             for path, dims in plan.shard_inputs.items() for module in _modules_at(model, path)]
     for path, dims in plan.shard_outputs.items():
         hooks.append(model.get_submodule(path).register_forward_hook(_shard_outputs_hook(shard, dims)))
     for path, dim in plan.gather_outputs.items():

@@ -32,6 +32,7 @@ from ...sp.plan import PlanContext, SequenceParallelPlan
 from ...sp.sharding import SequenceShard
 
 _CONTROLNET = "diffusers.models.controlnets.controlnet_z_image"
+_HINTS = "controlnet_block_samples"  # the transformer's forward argument that takes a ControlNet's hints
 
 
 def _check_inputs(arguments: dict[str, Any]) -> None:
@@ -103,17 +104,19 @@ class _FittedHints:
     def __init__(self, model: ZImageTransformer2DModel, shard: SequenceShard) -> None:
         self.shard = shard
         self._signature = forward_signature(model)
+        self._position = list(self._signature.parameters).index(_HINTS)
         self._replaced = ReplacedForward(model, self._forward)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get(_HINTS) is None and (len(args) <= self._position or args[self._position] is None):
+            return self._replaced.inner(*args, **kwargs)  # no ControlNet: nothing bound on every call
         bound = self._signature.bind(*args, **kwargs)
-        if bound.arguments.get("controlnet_block_samples") is not None:
-            bound.apply_defaults()
-            bound.arguments["controlnet_block_samples"] = self._fitted(bound.arguments)
+        bound.apply_defaults()
+        bound.arguments[_HINTS] = self._fitted(bound.arguments)
         return self._replaced.inner(*bound.args, **bound.kwargs)
 
     def _fitted(self, arguments: dict[str, Any]) -> dict[int, torch.Tensor]:
-        hints = arguments["controlnet_block_samples"]
+        hints = arguments[_HINTS]
         _, frames, height, width = arguments["x"][0].shape
         patch, frame_patch = arguments["patch_size"], arguments["f_patch_size"]
         image_rows = _padded_rows((frames // frame_patch) * (height // patch) * (width // patch))
@@ -240,7 +243,7 @@ PLANS = {
         attention_modules=lambda model: [layer.attention for layer in (*model.noise_refiner, *model.layers)],
         num_heads=lambda model: model.config.n_heads,
         # its pipeline stacks [conditional, unconditional] in one call's lists
-        cfg=CfgPlan(BATCH, batch_inputs={"x": 0, "t": 0, "cap_feats": 0, "controlnet_block_samples": 0}),
+        cfg=CfgPlan(BATCH, batch_inputs={"x": 0, "t": 0, "cap_feats": 0, _HINTS: 0}),
         text_first=False,
         check_inputs=_check_inputs,
         install=_install,

@@ -9,17 +9,15 @@ the count of them at the front of the sequence (`num_tokens`), which becomes the
 rank's chunk (the whole first frame on the first ranks, part of it on one, none after)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from diffusers import HunyuanVideoTransformer3DModel
 from diffusers.models.transformers import transformer_hunyuan_video
 from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
-from ...hooks.module_forward import forward_signature
 from ...sp.attention import routing
-from ...sp.plan import PlanContext, SequenceParallelPlan
-from ...sp.sharding import SequenceShard
+from ...sp.plan import PlanContext, PrefixCount, SequenceParallelPlan, split_inputs
 from .. import cfg_rules
 from ..image.flux import attention_of_both_streams
 
@@ -27,35 +25,12 @@ _TOKEN_REPLACE_BLOCKS = (transformer_hunyuan_video.HunyuanVideoTokenReplaceTrans
                          transformer_hunyuan_video.HunyuanVideoTokenReplaceSingleTransformerBlock)
 
 
-class _LocalFirstFrame:
-    """Every token-replace block's `num_tokens` (the first frame's tokens, counted over the whole sequence)
-    replaced on entry by the number of them this rank holds, until `remove`."""
-
-    def __init__(self, model: nn.Module, shard: SequenceShard) -> None:
-        blocks = [block for block in model.modules() if isinstance(block, _TOKEN_REPLACE_BLOCKS)]
-        self._hooks = [block.register_forward_pre_hook(self._localiser(block, shard), with_kwargs=True)
-                       for block in blocks]
-
-    @staticmethod
-    def _localiser(block: nn.Module, shard: SequenceShard) -> Callable[[nn.Module, tuple, dict], tuple]:
-        position = list(forward_signature(block).parameters).index("num_tokens")
-
-        def localise(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if kwargs.get("num_tokens") is not None:
-                kwargs["num_tokens"] = shard.local_prefix_len(kwargs["num_tokens"])
-            elif position < len(args) and args[position] is not None:
-                args = (*args[:position], shard.local_prefix_len(args[position]), *args[position + 1:])
-            return args, kwargs
-
-        return localise
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-
-
 def _install(model: nn.Module, context: PlanContext) -> list[Any]:
-    return [_LocalFirstFrame(model, context.shard)] if context.shard.degree > 1 else []
+    """Every token-replace block's `num_tokens` made the count of first-frame tokens this rank holds."""
+    if context.shard.degree == 1:
+        return []
+    return [split_inputs(block, context.shard, {"num_tokens": PrefixCount()})
+            for block in model.modules() if isinstance(block, _TOKEN_REPLACE_BLOCKS)]
 
 
 PLANS = {
