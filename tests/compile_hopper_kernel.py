@@ -2,7 +2,7 @@
 (test_kernels.test_hopper_kernel_compiles runs this in a subprocess): Triton is pointed at a stand-in driver that
 reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
 every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
-once), the RoPE
+once; grouped keys forwarded, the X-Stage ring's call), the RoPE
 kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and with the norm + RoPE) for bf16 at
 head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code does),
 and the MoE expert kernel, whose matmuls must be Hopper's wgmma.
@@ -35,7 +35,7 @@ class Sm90Driver:
 def main() -> None:
     driver.set_active(Sm90Driver())
     from xstage_dit.kernels import attention_hopper as hopper
-    from xstage_dit.kernels.attention_args import AttentionCall, Scatter
+    from xstage_dit.kernels.attention_args import AttentionCall, KeyForward, Scatter
 
     batch, seq, heads = 2, 1000, 3
     for head_dim, (lse, masked, scatter), pingpong in itertools.product(
@@ -54,6 +54,14 @@ def main() -> None:
                     head0=0) if scatter else None)
         hopper.launch(call, config, view, warmup=True)
         print("compiled", head_dim, dtype, lse, masked, scatter, block_n, pingpong, view)
+    # the X-Stage ring's call: LSE, grouped keys (3 query heads over 1 key head) forwarded to another buffer
+    q = torch.empty(batch, seq, heads, 128, dtype=torch.bfloat16)
+    kv = torch.empty(batch, seq, 1, 128, dtype=torch.bfloat16)
+    to = torch.empty_like(kv)
+    call = AttentionCall(q, kv, kv, q, 0.1, seq, None, torch.empty(batch, heads, seq), None,
+                         KeyForward(to.data_ptr(), to.data_ptr()))
+    hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, warmup=True)
+    print("compiled the key forward")
 
     from xstage_dit.kernels import rotary
 

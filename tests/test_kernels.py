@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
+from xstage_dit.kernels.attention_args import KeyForward  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens, NormRope  # noqa: E402
 from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep  # noqa: E402
@@ -59,6 +60,46 @@ def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_d
 @pytest.mark.parametrize("heads_major", [False, True])
 def test_attention_interpreted(head_dim, masked, heads_major):
     _check_attention("cpu", torch.float32, 2, 37, 45, 41, 2, head_dim, masked, heads_major=heads_major)
+
+
+def _check_key_forward(device, dtype, batch, q_len, kv_rows, kv_len, heads, kv_heads, config=None,
+                       heads_major=False):
+    """Grouped keys attended and forwarded (the X-Stage ring's call): the output and LSE against the reference,
+    and every key and value row [0, kv_len) of every key head stored into the destination buffers, unchanged."""
+    def make(rows, n_heads):
+        if heads_major:
+            return torch.randn(batch, n_heads, rows, 128, device=device, dtype=dtype).transpose(1, 2)
+        return torch.randn(batch, rows, n_heads, 128, device=device, dtype=dtype)
+
+    q, k, v = make(q_len, heads), make(kv_rows, kv_heads), make(kv_rows, kv_heads)
+    k_to, v_to = (torch.full_like(t, float("nan")) for t in (k, v))
+    out, lse = flash_attention(q, k, v, kv_len=kv_len, return_lse=True, config=config,
+                               forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()))
+    group = heads // kv_heads
+    ref, ref_lse = _reference(q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), kv_len)
+    assert _relative_error(out, ref) < TOLERANCE[dtype]
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-3
+    assert torch.equal(k_to[:, :kv_len], k[:, :kv_len]) and torch.equal(v_to[:, :kv_len], v[:, :kv_len])
+
+
+@pytest.mark.parametrize("q_len, kv_rows, kv_len", [(37, 45, 41), (70, 20, 20), (10, 60, 53)],
+                         ids=["uneven", "more-query-tiles", "more-key-tiles"])
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_attention_forwards_its_keys_interpreted(q_len, kv_rows, kv_len, kv_heads):
+    _check_key_forward("cpu", torch.float32, 2, q_len, kv_rows, kv_len, 3, kv_heads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(4096, 4096, 4096), (1000, 1100, 1031), (300, 4000, 3999), (8000, 700, 613)],
+                         ids=["ring-block", "uneven", "more-key-tiles", "many-work-tiles"])
+@pytest.mark.parametrize("kv_heads", [6, 2])
+@pytest.mark.parametrize("heads_major", [False, True])
+@pytest.mark.parametrize("config", [None, TileConfig(tma=False)], ids=["default", "triton"])
+def test_attention_forwards_its_keys_on_gpu(lengths, kv_heads, heads_major, config):
+    """The Gluon kernel's TMA stores from its K/V ring (the default on sm_90) and the Triton kernel's stores: batches
+    whose last key tile runs into the next batch's rows, more key tiles than query tiles, split last rounds."""
+    q_len, kv_rows, kv_len = lengths
+    _check_key_forward("cuda", torch.bfloat16, 2, q_len, kv_rows, kv_len, 6, kv_heads, config, heads_major)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """Sizes that modules on different floors must compute alike, defined once here, below all of them: how a length
 splits into equal parts (a sequence's tokens per rank: sp/sharding.py splits tensors by it, the planner predicts
-with it) and the expert kernel's tiles (kernels/experts.py launches them, the planner models their stores)."""
+with it), the expert kernel's tiles (kernels/experts.py launches them, the planner models their stores) and the
+Hopper attention kernel's tiles (kernels/attention_hopper.py, whose key tiles the X-Stage ring forwards)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,3 +33,15 @@ class ExpertTiles:
 
 
 EXPERT_TILES = ExpertTiles(rows=128, up_columns=64, down_columns=128, depth=64)  # on a GPU
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """The Hopper attention kernel's tiles: a work tile of `rows` query rows (of one batch and head) walks the keys
+    `keys` at a time."""
+
+    rows: int
+    keys: int
+
+
+ATTENTION_TILES = AttentionTiles(rows=128, keys=128)

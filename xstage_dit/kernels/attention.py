@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..logging_utils import warn_once
 from . import attention_hopper
-from .attention_args import AttentionCall, Scatter, Strides
+from .attention_args import AttentionCall, KeyForward, Scatter, Strides
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
 from .tables import ALIGN_ELEMENTS
 
@@ -67,15 +67,31 @@ def _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv
 
 
 @triton.jit
+def _forward_keys(k_base, v_base, k_to, v_to, first_tile, tile_step, kv_len, stride_ks, stride_vs, offs_n, offs_d,
+                  BLOCK_N: tl.constexpr):
+    """Store key tiles first_tile, first_tile + tile_step, ... of one (batch, key head) `k_to` and `v_to`
+    elements further on (the same rows of another rank's buffers)."""
+    for start_n in range(first_tile * BLOCK_N, kv_len, tile_step * BLOCK_N):
+        rows = start_n + offs_n
+        ok = (rows < kv_len)[:, None]
+        k_at = rows[:, None] * stride_ks + offs_d[None, :]
+        v_at = rows[:, None] * stride_vs + offs_d[None, :]
+        tl.store(k_base + k_to + k_at, tl.load(k_base + k_at, mask=ok), mask=ok)
+        tl.store(v_base + v_to + v_at, tl.load(v_base + v_at, mask=ok), mask=ok)
+
+
+@triton.jit
 def _attention_kernel(
     Q, K, V, Out, Lse, KeyMask, Dest, q_desc, k_desc, v_desc,
     sm_scale, q_len, kv_rows, kv_len, kv_full_end, key_mask_len, stride_mb,
-    q_strides, k_strides, v_strides, o_strides, heads, scatter,
+    q_strides, k_strides, v_strides, o_strides, heads, kv_group, scatter, k_to, v_to,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, ALIGN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, FORWARD: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py)."""
+    """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py). With FORWARD, the
+    program of query tile i also stores key tiles i, i + #query tiles, ... of its key head `k_to` and `v_to`
+    elements further on (KeyForward), where its head is the first of its key head's group."""
     # the schedule knob: programs start at Q tile `tile_shift` and wrap around (see Scatter.first_row)
     pid_m = (tl.program_id(0) + scatter.tile_shift) % tl.num_programs(0)
     pid_bh = tl.program_id(1)
@@ -89,14 +105,15 @@ def _attention_kernel(
     # TMA views the (B, S, H, D) tensors as (B * S, H * D): this tile sits at row b * S + m, column h * D
     # (TMA coordinates are 32-bit)
     kv_row0 = (pid_bh // heads) * kv_rows
-    head_col = h * HEAD_DIM
+    kv_head = h // kv_group
+    head_col = kv_head * HEAD_DIM
     if USE_TMA:
-        q = q_desc.load([(pid_bh // heads) * q_len + pid_m * BLOCK_M, head_col])
+        q = q_desc.load([(pid_bh // heads) * q_len + pid_m * BLOCK_M, h * HEAD_DIM])
     else:
         q = tl.load(Q + batch * q_strides.batch + h * q_strides.head + offs_m[:, None] * q_strides.seq
                     + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    k_base = K + batch * k_strides.batch + h * k_strides.head
-    v_base = V + batch * v_strides.batch + h * v_strides.head
+    k_base = K + batch * k_strides.batch + kv_head * k_strides.head
+    v_base = V + batch * v_strides.batch + kv_head * v_strides.head
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -121,6 +138,11 @@ def _attention_kernel(
             k, v = _load_keys(k_base, v_base, full_end, k_strides.seq, v_strides.seq, offs_n, offs_d, kv_len,
                               k_desc, v_desc, kv_row0, head_col, USE_TMA)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, full_end + offs_n < kv_len, True)
+
+    if FORWARD:
+        if h % kv_group == 0:
+            _forward_keys(k_base, v_base, k_to, v_to, tl.program_id(0), tl.num_programs(0), kv_len, k_strides.seq,
+                          v_strides.seq, offs_n, offs_d, BLOCK_N)
 
     out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
     if WRITE_LSE:
@@ -202,14 +224,17 @@ def flash_attention(
     out: torch.Tensor | None = None,
     scatter: Scatter | None = None,
     return_lse: bool = False,
+    forward: KeyForward | None = None,
     config: TileConfig | HopperConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale) v over the first `kv_len` keys, for (B, S, H, D) tensors (last dim contiguous).
+    """softmax(q k^T * scale) v over the first `kv_len` keys, for (B, S, H, D) tensors (last dim contiguous); k
+    and v may hold fewer heads, a divisor of q's (grouped-query attention).
 
     key_mask: (B, M) bool/int, keys [0, M) it marks False are ignored (keys past M are kept).
     out: (B, Sq, H, D) output (allocated like q if None). With `scatter`, `out` gives the destination buffers'
-    shape and strides and receives nothing unless it is one of them. Returns out (and the natural-log
-    log-sum-exp, (B, H, Sq) float32, if `return_lse`)."""
+    shape and strides and receives nothing unless it is one of them. `forward`: the kernel also stores the keys
+    and values it reads there (KeyForward). Returns out (and the natural-log log-sum-exp, (B, H, Sq) float32, if
+    `return_lse`)."""
     batch, q_len, heads, head_dim = q.shape
     if not accepts(q):
         raise ValueError(f"flash_attention supports head_dim {SUPPORTED_HEAD_DIMS} in bf16/fp16 (fp32 in Triton's "
@@ -217,6 +242,11 @@ def flash_attention(
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("flash_attention needs the head_dim axis contiguous")
+    if k.shape != v.shape or heads % k.shape[2]:
+        raise ValueError(f"flash_attention: keys and values of one shape whose heads divide the queries' {heads}, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if forward is not None and not q_len:
+        raise ValueError("flash_attention forwards its keys from its query tiles' programs: it needs queries")
     kv_len = k.shape[1] if kv_len is None else kv_len
     if not 0 < kv_len <= k.shape[1]:
         raise ValueError(f"kv_len must be in [1, {k.shape[1]}] (the keys given), got {kv_len}")
@@ -224,7 +254,7 @@ def flash_attention(
         q, k, v, torch.empty_like(q) if out is None else out, head_dim**-0.5 if scale is None else scale, kv_len,
         key_mask.to(torch.int8) if key_mask is not None else None,
         torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32) if return_lse else None,
-        scatter)
+        scatter, forward)
     # checked once per call: TMA loads (the Hopper kernel's, the Triton kernel's option) need row-viewable inputs
     rows = tma_rows(q, k, v)
     hopper_runs = rows is not None and attention_hopper.is_available(q)
@@ -239,6 +269,14 @@ def flash_attention(
     return (call.out, call.lse) if return_lse else call.out
 
 
+def _forward_offsets(call: AttentionCall) -> tuple[int, int]:
+    """KeyForward's buffers as element offsets from k and v (0, 0 without one)."""
+    if call.forward is None:
+        return 0, 0
+    return tuple((to - t.data_ptr()) // t.element_size() for to, t in ((call.forward.key, call.k),
+                                                                        (call.forward.value, call.v)))
+
+
 def _launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool) -> None:
     q, k = call.q, call.k
     batch, q_len, heads, head_dim = q.shape
@@ -248,9 +286,9 @@ def _launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool) -> None:
         call.key_mask if call.key_mask is not None else call.out, call.destinations, *descriptors,
         call.scale, q_len, k.shape[1], call.kv_len, call.kv_len // cfg.block_n * cfg.block_n, call.key_mask_len,
         call.key_mask_stride, Strides.of(q), Strides.of(k), Strides.of(call.v), Strides.of(call.out), heads,
-        call.scatter_args(cfg.block_m),
+        call.kv_group, call.scatter_args(cfg.block_m), *_forward_offsets(call),
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WRITE_LSE=call.lse is not None, HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
-        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, ALIGN=ALIGN_ELEMENTS,
+        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, FORWARD=call.forward is not None, ALIGN=ALIGN_ELEMENTS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

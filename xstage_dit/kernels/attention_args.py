@@ -63,11 +63,34 @@ class Scatter:
                            head0=self.head0, tile_shift=self.first_row // block_m)
 
 
+class KeyForward(NamedTuple):
+    """Where the attention kernel forwards the keys and values it reads (the X-Stage ring): buffers with the shape
+    and strides of its k and v at these addresses (another rank's, mapped into this address space). Every key row
+    [0, kv_len) of every batch and key head is stored there once, by one of the programs that load it; other rows
+    of the buffers may receive the source's rows too."""
+
+    key: int
+    value: int
+
+
+class DeviceAddress(NamedTuple):
+    """An address the kernels take as a pointer argument (or TMA descriptor base) where no tensor of this process
+    owns the memory: what Triton asks of a pointer argument."""
+
+    address: int
+    dtype: torch.dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
 @dataclass(frozen=True)
 class AttentionCall:
     """One flash_attention call, checked and defaulted, as either kernel's launcher takes it.
 
-    key_mask: (B, M) int8, or None; lse: (B, H, Sq) float32, or None; scatter: None stores into `out` locally."""
+    k and v hold H / kv_group heads (grouped-query attention: query head h reads key head h // kv_group).
+    key_mask: (B, M) int8, or None; lse: (B, H, Sq) float32, or None; scatter: None stores into `out` locally;
+    forward: None forwards no keys."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -78,6 +101,11 @@ class AttentionCall:
     key_mask: torch.Tensor | None
     lse: torch.Tensor | None
     scatter: Scatter | None
+    forward: KeyForward | None = None
+
+    @property
+    def kv_group(self) -> int:
+        return self.q.shape[2] // self.k.shape[2]
 
     def scatter_args(self, block_m: int) -> ScatterArgs:
         return self.scatter.args(block_m) if self.scatter is not None else ScatterArgs.unused()

@@ -15,7 +15,9 @@ finished last) and writes the rows. No program waits for another. A program has 
 - two consumer warpgroups, 64 query rows each, share those tiles. For key tile j a consumer issues tile j's q·kᵀ
   and tile j-1's p·v as asynchronous wgmmas, then runs tile j's softmax while p·v is still on the tensor cores;
   with PINGPONG the two take turns issuing (a `turn` mbarrier each), so one's softmax runs under the other's GEMMs.
-Each consumer writes its own rows: a local store or the X-Stage scatter into the destination ranks' buffers.
+Each consumer writes its own rows: a local store or the X-Stage scatter into the destination ranks' buffers. For
+the X-Stage ring the producer also forwards each key and value tile, once, from shared memory into the next rank's
+buffers (TMA stores, `_produce`), so that the next ring step's block drains under this one's attention.
 Shapes, masking and the epilogue mean what they mean in kernels/attention.py, which chooses between the kernels.
 Scalars arrive as named records (Schedule, Keys, Strides, ScatterArgs); the shared memory and its mbarriers
 travel between the partitions as one Ring.
@@ -35,16 +37,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
-from .attention_args import AttentionCall, Strides
+from ..sizes import ATTENTION_TILES
+from .attention_args import AttentionCall, DeviceAddress, Strides
 from .tables import ALIGN_ELEMENTS
 
-ROWS_PER_WARPGROUP = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
+ROWS_PER_WARPGROUP = ATTENTION_TILES.rows // 2  # query rows per consumer warpgroup (64: one warpgroup's wgmma M)
 WARPGROUP_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)  # the same, for the kernels
 
 
 @dataclass(frozen=True)
 class HopperConfig:
-    block_n: int = 128  # keys per tile
+    block_n: int = ATTENTION_TILES.keys  # keys per tile
     stages: int = 3  # K/V tiles in flight (3 of 128 keys fill the shared memory; 2 leave TMA latency exposed)
     pingpong: bool = True  # the consumers take turns issuing their GEMMs
     consumer_regs: int = 240  # registers per consumer thread (a producer thread keeps 24)
@@ -84,11 +87,12 @@ class Schedule(NamedTuple):
     """The kernel's work: work tile w is row tile w % row_tiles (shifted, see _work_tile) of (batch, head)
     w // row_tiles, over key_tiles key tiles. Programs walk items: work tiles [0, split_from) whole, then each
     later tile as `splits` pieces over its key tiles. kv_rows: rows of one batch (or one batch and head,
-    heads-major) in K and V."""
+    heads-major) in K and V, whose head h // kv_group query head h reads."""
 
     q_len: int
     kv_rows: int
     heads: int
+    kv_group: int
     row_tiles: int
     work_tiles: int
     key_tiles: int
@@ -203,11 +207,12 @@ def _work_tile(work, schedule, tile_shift):
 
 
 @gluon.jit
-def _tma_origin(batch, h, pid_bh, rows, HEAD_DIM: gl.constexpr, HEADS_MAJOR: gl.constexpr):
-    """TMA coordinates of row 0 of (batch, head) in a tensor with `rows` rows per batch (or per batch and head)."""
+def _tma_origin(batch, head, heads, rows, HEAD_DIM: gl.constexpr, HEADS_MAJOR: gl.constexpr):
+    """TMA coordinates of row 0 of (batch, head) in a tensor of `heads` heads with `rows` rows per batch (or per
+    batch and head)."""
     if HEADS_MAJOR:
-        return pid_bh * rows, 0
-    return batch * rows, h * HEAD_DIM
+        return (batch * heads + head) * rows, 0
+    return batch * rows, head * HEAD_DIM
 
 
 @gluon.jit
@@ -232,18 +237,37 @@ def _item(it, schedule):
 
 
 @gluon.jit
-def _produce(q_desc, k_desc, v_desc, ring, schedule, tile_shift, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, HEADS_MAJOR: gl.constexpr):
+def _first_forward(tile, h, first_key, schedule):
+    """The first key tile from `first_key` on that the items of work tile `tile` (of query head h) forward: tiles j
+    with j % row_tiles equal to the tile's row index, read by the first query head of each key head's group (-1:
+    none)."""
+    r = tile % schedule.row_tiles
+    first = r + gl.cdiv(gl.maximum(first_key - r, 0), schedule.row_tiles) * schedule.row_tiles
+    return gl.where(h % schedule.kv_group == 0, first, -1)
+
+
+@gluon.jit
+def _produce(q_desc, k_desc, v_desc, k_to, v_to, ring, schedule, tile_shift, HEAD_DIM: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEADS_MAJOR: gl.constexpr, FORWARD: gl.constexpr):
     """Producer partition, per item: the two Q halves once their consumers released the last item's, then its K
     and V tiles into the ring, the c-th tile of the program into stage c % STAGES once both consumers freed it.
     Q and the stages are free on their first lap (waiting for the parity before a fresh barrier's first phase
-    returns at once)."""
+    returns at once).
+
+    FORWARD (the X-Stage ring): each key tile of a key head is also stored from the ring, once it landed, into the
+    same rows of `k_to` and `v_to` (another rank's buffers) by one item that loads it (`_first_forward`): TMA
+    stores from shared memory, asynchronous, so the producer moves on at once; the stage a store reads is reloaded
+    only after the store has read it (and a second store waits for the first's)."""
     c = 0  # the program's key tiles so far
+    read_by = -1  # the program's key tile at which the last forward store's stage is reloaded
+    kv_heads = schedule.heads // schedule.kv_group
     for it in range(_programs_items(schedule)):
         tile, first_key, n_keys, _ = _item(it, schedule)
         batch, h, pid_bh, row0 = _work_tile(tile, schedule, tile_shift)
-        q_row, column = _tma_origin(batch, h, pid_bh, schedule.q_len, HEAD_DIM, HEADS_MAJOR)
-        kv_row, _ = _tma_origin(batch, h, pid_bh, schedule.kv_rows, HEAD_DIM, HEADS_MAJOR)
+        q_row, column = _tma_origin(batch, h, schedule.heads, schedule.q_len, HEAD_DIM, HEADS_MAJOR)
+        kv_row, kv_column = _tma_origin(batch, h // schedule.kv_group, kv_heads, schedule.kv_rows, HEAD_DIM,
+                                        HEADS_MAJOR)
+        forward = _first_forward(tile, h, first_key, schedule)
         for half in gl.static_range(2):
             mbarrier.wait(ring.q_free.index(half), (it & 1) ^ 1)
             mbarrier.expect(ring.q_ready.index(half), q_desc.block_type.nbytes)
@@ -252,12 +276,29 @@ def _produce(q_desc, k_desc, v_desc, ring, schedule, tile_shift, HEAD_DIM: gl.co
         for j in range(first_key, first_key + n_keys):
             stage = c % STAGES
             mbarrier.wait(ring.free.index(stage), ((c // STAGES) & 1) ^ 1)
+            if FORWARD:
+                if c == read_by:
+                    tma.store_wait(0)
             row = kv_row + j * BLOCK_N
             mbarrier.expect(ring.k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, column], ring.k_ready.index(stage), ring.k.index(stage))
+            tma.async_copy_global_to_shared(k_desc, [row, kv_column], ring.k_ready.index(stage),
+                                            ring.k.index(stage))
             mbarrier.expect(ring.v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, column], ring.v_ready.index(stage), ring.v.index(stage))
+            tma.async_copy_global_to_shared(v_desc, [row, kv_column], ring.v_ready.index(stage),
+                                            ring.v.index(stage))
+            if FORWARD:
+                if j == forward:
+                    if read_by > c:
+                        tma.store_wait(0)
+                    mbarrier.wait(ring.k_ready.index(stage), (c // STAGES) & 1)
+                    tma.async_copy_shared_to_global(k_to, [row, kv_column], ring.k.index(stage))
+                    mbarrier.wait(ring.v_ready.index(stage), (c // STAGES) & 1)
+                    tma.async_copy_shared_to_global(v_to, [row, kv_column], ring.v.index(stage))
+                    read_by = c + STAGES
+                    forward += schedule.row_tiles
             c += 1
+    if FORWARD:
+        tma.store_wait(0)  # every forward store done before the program (and its shared memory) ends
 
 
 @gluon.jit
@@ -461,11 +502,11 @@ def _write(m_i, l_i, acc, Out, Lse, Dest, first, q_len, batch, h, pid_bh, o_stri
 
 @gluon.jit
 def _attention_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, KeyMask, Dest, Partials, Tickets, sm_scale, schedule, keys, o_strides,
-    scatter,
+    q_desc, k_desc, v_desc, k_to, v_to, Out, Lse, KeyMask, Dest, Partials, Tickets, sm_scale, schedule, keys,
+    o_strides, scatter,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_KEY_MASK: gl.constexpr, SCATTER: gl.constexpr,
-    HEADS_MAJOR: gl.constexpr, ALIGN: gl.constexpr,
+    HEADS_MAJOR: gl.constexpr, FORWARD: gl.constexpr, ALIGN: gl.constexpr,
 ):
     ring = _allocate_ring(q_desc, k_desc, v_desc, HEAD_DIM, BLOCK_N, STAGES)
     # the two consumers' arguments differ only in their warpgroup index
@@ -474,8 +515,8 @@ def _attention_kernel(
                     gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, ALIGN)),
         (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
                     gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, ALIGN)),
-        (_produce, (q_desc, k_desc, v_desc, ring, schedule, scatter.tile_shift, HEAD_DIM, BLOCK_N, STAGES,
-                    HEADS_MAJOR)),
+        (_produce, (q_desc, k_desc, v_desc, k_to, v_to, ring, schedule, scatter.tile_shift, HEAD_DIM, BLOCK_N,
+                    STAGES, HEADS_MAJOR, FORWARD)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -503,11 +544,13 @@ def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMAShared
                                                 else gl.float16)
 
 
-def _descriptor(t: torch.Tensor, rows: int, view: TmaRows) -> TensorDescriptor:
-    """t seen as 2-D rows (TmaRows), in tiles of `rows` rows of one head."""
+def _descriptor(t: torch.Tensor, rows: int, view: TmaRows, address: int | None = None) -> TensorDescriptor:
+    """t seen as 2-D rows (TmaRows), in tiles of `rows` rows of one head; with `address`, the memory of t's shape
+    and strides there instead."""
     b, s, h, d = t.shape
     flat = t.view(b * s, h * d) if view is TmaRows.TOKENS else t.transpose(1, 2).view(b * h * s, d)
-    return TensorDescriptor.from_tensor(flat, [rows, d], _tile_layout(rows, d, t.dtype))
+    base = flat if address is None else DeviceAddress(address, t.dtype)
+    return TensorDescriptor(base, list(flat.shape), list(flat.stride()), [rows, d], _tile_layout(rows, d, t.dtype))
 
 
 def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: bool = False) -> None:
@@ -523,8 +566,9 @@ def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: boo
     split = (split_tail(work_tiles, programs, key_tiles) if persistent and config.split_tail
              else TailSplit(work_tiles, 1))
     grid = (min(split.items(work_tiles), programs),)
-    schedule = Schedule(q_len=q_len, kv_rows=k.shape[1], heads=heads, row_tiles=row_tiles, work_tiles=work_tiles,
-                        key_tiles=key_tiles, split_from=split.split_from, splits=split.splits)
+    schedule = Schedule(q_len=q_len, kv_rows=k.shape[1], heads=heads, kv_group=call.kv_group, row_tiles=row_tiles,
+                        work_tiles=work_tiles, key_tiles=key_tiles, split_from=split.split_from,
+                        splits=split.splits)
     split_tiles = work_tiles - split.split_from
     # a piece's partial result: 128 rows of accumulator, row maxima and row sums; a ticket per tile and half
     if split_tiles:
@@ -533,8 +577,13 @@ def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: boo
         tickets = torch.zeros(2 * split_tiles, device=q.device, dtype=torch.int32)
     else:  # unread, but typed as the kernel reads them
         partials, tickets = _unused(q.device, torch.float32), _unused(q.device, torch.int32)
-    args = (_descriptor(q, ROWS_PER_WARPGROUP, view), _descriptor(k, config.block_n, view),
-            _descriptor(call.v, config.block_n, view), call.out, call.lse if call.lse is not None else call.out,
+    k_desc, v_desc = _descriptor(k, config.block_n, view), _descriptor(call.v, config.block_n, view)
+    if call.forward is not None:
+        k_to = _descriptor(k, config.block_n, view, call.forward.key)
+        v_to = _descriptor(call.v, config.block_n, view, call.forward.value)
+    else:  # unread, but typed as the kernel reads them
+        k_to, v_to = k_desc, v_desc
+    args = (_descriptor(q, ROWS_PER_WARPGROUP, view), k_desc, v_desc, k_to, v_to, call.out, call.lse if call.lse is not None else call.out,
             call.key_mask if call.key_mask is not None else call.out, call.destinations, partials, tickets,
             call.scale, schedule, Keys(kv_len=call.kv_len, mask_len=call.key_mask_len,
                                        mask_stride=call.key_mask_stride),
@@ -542,7 +591,8 @@ def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: boo
     switches = dict(HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, PINGPONG=config.pingpong,
                     CONSUMER_REGS=config.consumer_regs, WRITE_LSE=call.lse is not None,
                     HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
-                    HEADS_MAJOR=view is TmaRows.HEADS, ALIGN=ALIGN_ELEMENTS, num_warps=4)
+                    HEADS_MAJOR=view is TmaRows.HEADS, FORWARD=call.forward is not None, ALIGN=ALIGN_ELEMENTS,
+                    num_warps=4)
     if warmup:
         _attention_kernel.warmup(*args, grid=grid, **switches)
     else:
