@@ -99,19 +99,21 @@ def test_two_ranks_replays_equal_eager(name, backend, cfg_degree, expert_paralle
     run_on_ranks(2, _two_rank_worker, name, backend, cfg_degree, expert_parallel, deadline_s=150)
 
 
-def _ring_worker(name: str) -> None:
+def _ring_worker(name: str, backend: str) -> None:
     two_gpus = torch.cuda.device_count() >= 2
-    if not two_gpus:  # both ranks on one GPU: gloo, whose sends graphs cannot hold
+    if not two_gpus:  # both ranks on one GPU: gloo, whose sends and output gather graphs cannot hold
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-    _graphs_equal_eager(name, two_gpus, backend="reference", ring_degree=2)
+    _graphs_equal_eager(name, two_gpus, backend=backend, ring_degree=2)
 
 
 @pytest.mark.parametrize("name", ["tiny-flux-d64", "tiny-wan-d64"])
-def test_a_ring_replays_equal_eager(name):
-    """A ring of 2 (its blocks by NCCL point-to-point inside the graph): replays on fresh inputs equal eager bit
-    for bit. NCCL takes one rank per GPU, so the capture is checked on two GPUs only; on one GPU the two ranks
-    share it over gloo and the check is that they run eagerly, equal to themselves."""
-    run_on_ranks(2, _ring_worker, name, deadline_s=150)
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_a_ring_replays_equal_eager(name, backend):
+    """A ring of 2 (the reference ring's blocks by NCCL point-to-point inside the graph, the fused ring's by the
+    attention kernel's stores and the barrier's device-side epochs): replays on fresh inputs equal eager bit for
+    bit. NCCL takes one rank per GPU, so the capture is checked on two GPUs only; on one GPU the two ranks share it
+    over gloo (the forward's output gather too) and the check is that they run eagerly, equal to themselves."""
+    run_on_ranks(2, _ring_worker, name, backend, deadline_s=150)
 
 
 def _first_block_cache(pipe) -> None:

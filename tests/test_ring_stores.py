@@ -1,5 +1,5 @@
 """The X-Stage ring (sp/attention/ring.py `stored_ring_steps`): N simulated ring ranks over a LoopbackFabric,
-their key blocks delivered by the forward kernel's stores, against one attention over every key (float32 on CPU in
+their key blocks forwarded by the attention kernel's stores, against one attention over every key (float32 on CPU in
 Triton's interpreter: < 1e-4; bf16 on a GPU against float32: < 2e-2)."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _check_stored_ring(device: str, dtype: torch.dtype, degree: int, seq_len: in
         rows = slice(rank * block, (rank + 1) * block)
         q, k, v = (torch.cat([text, image[:, rows]], dim=1).to(dtype)
                    for text, image in ((q_text, q_image), (k_text, k_image), (v_text, v_image)))
-        ranks.append(stored_ring_steps(q, k, v, layout, fabric.rank(rank), None, text_mask, programs=3))
+        ranks.append(stored_ring_steps(q, k, v, layout, fabric.rank(rank), None, text_mask))
         every_key = slice(0, text_len + seq_len)
         keys, values = (torch.cat([text, image], dim=1)[:, every_key] for text, image in
                         ((k_text, k_image), (v_text, v_image)))
@@ -69,7 +69,7 @@ def test_stored_ring_equals_one_attention_on_gpu(degree, seq_len, text_len):
 @pytest.mark.parametrize("backend", ["fused", "reference"])
 def test_ring_of_processes_sharing_one_gpu_matches_one_gpu(backend):
     """Ulysses 2 x ring 2 on 4 processes of one GPU: "fused" opens the ring group's fabric (its blocks by the
-    forward kernel's stores), "reference" sends them point to point; bf16 against one GPU."""
+    attention kernel's stores), "reference" sends them point to point; bf16 against one GPU."""
     run_on_ranks(4, _same_gpu_worker, "tiny-flux-d64", backend, None, None, {"ulysses_degree": 2, "ring_degree": 2},
                  deadline_s=300)
 

@@ -21,10 +21,10 @@ each); rotated, rank r starts at rank r + 1's rows and each destination hears on
 planner predicts both and picks the faster (rotated on ties).
 
 Rings (`ring_call`): shape.degree = U x R ranks, Ulysses groups of U consecutive ranks inside each step of a ring
-of R. A rank attends its H/U heads of the text and its Ulysses group's block (T + U*L query rows) over one block of
-U*L image keys per step (the text keys at the first step), and merges each step's output by log-sum-exp (three
-float32 copies of its output); with A_i the i-th step's attention plus merge and V = 2 * B * U*L * H/U * D * e the
-block's keys and values:
+of R. A rank attends its H/U heads of the text and its Ulysses group's block (T + U*L query rows) over the text
+keys once, then one block of U*L image keys per step, and merges each call's output by log-sum-exp (three float32
+copies of its output); with A_i the i-th step's attention plus merge (the first's with the text's) and
+V = 2 * B * U*L * H/U * D * e the block's keys and values:
 
 - around the ring: the Ulysses exchanges (q, k, v in, the output back, as the reference path's), or at U = 1 the
   copies that join text and image rows;
@@ -33,14 +33,16 @@ block's keys and values:
   nodes;
 - overlap (sp/attention/ring.py): the send of block i+1 in flight while block i attends:
   sum_{i<R-1} max(A_i, P) + A_{R-1};
-- fused (X-Stage ring, one node only, sp/attention/ring.py `stored_ring_steps`): the forward kernel's
-  P = RING_FORWARD_PROGRAMS programs store the block into the next rank's slot (one destination: its drain rate R)
-  on a side stream. The attention kernels the ring runs hold every SM for the whole step, so the forward does not
-  run under them: it adds its delivery D = delivery_time(V, P) to the step (`ring_forward`):
-  sum_{i<R-1} (A_i + D) + A_{R-1}.
+- fused (X-Stage ring, one node only, sp/attention/ring.py `stored_ring_steps`): our attention kernel attends
+  each block (A_i with our kernel's rate; the text with the vendor's) and forwards every key and value tile it
+  loads into the next rank's slot (one destination: its drain rate R), one tile per work tile of the matching row
+  index (`ring_forward`). That is a Burst-Gap train: per wave of K = #SMs work tiles, a burst of the block's
+  bytes over the waves (V_w = V / waves) after a gap of one work tile's attention (G = A / waves), each wave
+  stalling max(0, V_w/R - G - T0_iss), the last wave's bytes landing before the barrier: F = store_train(...),
+  sum_{i<R-1} (A_i + F) + A_{R-1}. The block is delivered in the kernel's key tiles (sizes.ATTENTION_TILES): the
+  train's bursts are as small as the waves make them, so the drain hides under the gap wherever V/R < A.
 
-Every transport attends with the vendor's kernel (the ring merges by log-sum-exp, which our kernel does not
-return).
+The serial and overlap transports attend with the vendor's kernel.
 
 `layer_splits` predicts every U x R of a layer's ranks (U dividing the heads, within a node) with each backend
 that can run it, fastest first; `xstage-dit plan` prints them and the pick.
@@ -68,7 +70,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
-from ..sizes import EXPERT_TILES, ExpertTiles, ceil_div
+from ..sizes import ATTENTION_TILES, EXPERT_TILES, AttentionTiles, ExpertTiles, ceil_div
 from .calibration import Calibration, KernelCosts
 from .model import BurstGapModel
 
@@ -195,16 +197,12 @@ class RingTransport(enum.Enum):
 
     SERIAL = "serial"  # attend a block, then send it on to the next rank (the baseline)
     OVERLAP = "overlap"  # NCCL point-to-point: a block in flight while the previous one attends (sp/attention/ring.py)
-    FUSED = "fused"  # X-Stage: a forward kernel beside the attention stores the block into the next rank's slot
+    FUSED = "fused"  # X-Stage: the attention kernel stores each key/value tile it loads into the next rank's slot
 
 
 # bytes per second one GPU sends to another node: one 400 Gb/s NIC per GPU. An assumption, not a measurement: no
 # calibration measures the network between nodes.
 INTERNODE_RATE = 50e9
-
-# programs of the fused ring's forward kernel (kernels/ring.py): few enough to leave the attention its SMs, enough
-# to drain a block under it
-RING_FORWARD_PROGRAMS = 32
 
 
 @dataclass(frozen=True)
@@ -472,13 +470,17 @@ class Planner:
         return {mode: cost[mode](shape) for mode in modes}
 
     # -- rings: Ulysses inside each ring step, key/value blocks around the ring ------------------------------------
-    def ring_steps(self, blocks: RingBlocks) -> list[float]:
-        """Each ring step's attention (the first over the text keys too; the vendor's kernel) and the log-sum-exp
-        merge after it."""
+    def ring_steps(self, blocks: RingBlocks, own: bool = False) -> list[float]:
+        """Each ring step's attention of a block (by our kernel where `own`, else the vendor's) and the log-sum-exp
+        merge after it; the first step's also the text keys' (the vendor's kernel)."""
         merge = self.copy(3 * blocks.merged_bytes())
-        text = blocks.shape.text_tokens
-        return [self.costs.attention_time(blocks.flops(keys), keys, blocks.shape.head_dim, False) + merge
-                for keys in [text + blocks.block_keys] + [blocks.block_keys] * (blocks.ring - 1)]
+
+        def attend(keys: int, by_own: bool) -> float:
+            return self.costs.attention_time(blocks.flops(keys), keys, blocks.shape.head_dim, by_own) + merge
+
+        block = attend(blocks.block_keys, own)
+        text = attend(blocks.shape.text_tokens, False) if blocks.shape.text_tokens else 0.0
+        return [text + block] + [block] * (blocks.ring - 1)
 
     def ring_send(self, blocks: RingBlocks, nodes: Nodes) -> float:
         """One block by NCCL point-to-point: within a node at the calibration's all-to-all rate, between nodes at
@@ -486,10 +488,17 @@ class Planner:
         rate = nodes.internode_rate if nodes.ring_crosses(blocks.ulysses, blocks.ring) else self.costs.alltoall_rate
         return self.costs.launch + blocks.block_bytes() / rate
 
-    def ring_forward(self, blocks: RingBlocks) -> float:
-        """What forwarding one block by the forward kernel's stores adds to a fused ring step: its delivery, which
-        the attention (holding every SM) does not hide."""
-        return self.model.delivery_time(blocks.block_bytes(), RING_FORWARD_PROGRAMS)
+    def ring_forward(self, blocks: RingBlocks, tiles: AttentionTiles = ATTENTION_TILES) -> float:
+        """What forwarding one block from our attention kernel adds to a fused ring step: the Burst-Gap train of
+        its key tiles' stores, one burst per wave of work tiles (the module's docstring)."""
+        s = blocks.shape
+        work_tiles = s.batch * blocks.heads * ceil_div(blocks.query_rows, tiles.rows)
+        producers = min(self.costs.sms, work_tiles)
+        waves = work_tiles / producers
+        key_tiles = s.batch * blocks.heads * ceil_div(blocks.block_keys, tiles.keys)  # each forwarded once
+        compute = self.costs.attention_time(blocks.flops(blocks.block_keys), blocks.block_keys, s.head_dim, True)
+        storing = max(1, min(producers, round(key_tiles / waves)))
+        return store_train(self.model, compute / waves, blocks.block_bytes() / waves, storing, math.ceil(waves))
 
     def ulysses_around_ring(self, blocks: RingBlocks) -> float:
         """The Ulysses exchanges around the ring (q, k, v in, the output back: the reference path's all-to-alls),
@@ -510,7 +519,7 @@ class Planner:
         if transport is RingTransport.FUSED and nodes.ring_crosses(ulysses_degree, ring_degree):
             raise ValueError(f"the fused ring spans one node; {ring_degree} x {ulysses_degree} ranks cross nodes of "
                              f"{nodes.ranks_per_node}")
-        steps = self.ring_steps(blocks)
+        steps = self.ring_steps(blocks, own=transport is RingTransport.FUSED)
         passed, last = steps[:-1], steps[-1]  # every step but the last sends its block on
         if transport is RingTransport.SERIAL:
             ring = sum(steps) + len(passed) * self.ring_send(blocks, nodes)

@@ -29,6 +29,7 @@ T = TypeVar("T")
 class FabricBuffer:
     tensor: torch.Tensor  # this rank's buffer
     destinations: torch.Tensor  # int64 element offsets of every rank's buffer from `tensor`, by rank
+    addresses: tuple[int, ...]  # every rank's buffer's address in this process, by rank (for TMA descriptors)
 
 
 class Fabric(Protocol):
@@ -68,7 +69,8 @@ class SymmetricFabric:
             symmetric = self.heap.allocate(shape, dtype)
             self._allocations.append(symmetric)  # keeps the peers' mappings alive
             self._buffers[key] = FabricBuffer(symmetric.tensor, offset_table(symmetric.peer_addresses,
-                                                                              symmetric.tensor))
+                                                                              symmetric.tensor),
+                                              tuple(symmetric.peer_addresses))
         return self._buffers[key]
 
     def barrier(self, what: str) -> None:
@@ -146,8 +148,8 @@ class LoopbackRank:
         key = (name, tuple(shape), dtype)
         if key not in self._buffers:
             tensors = self.loopback.tensors(name, shape, dtype)
-            mine = tensors[self.rank]
-            self._buffers[key] = FabricBuffer(mine, offset_table([t.data_ptr() for t in tensors], mine))
+            mine, addresses = tensors[self.rank], tuple(t.data_ptr() for t in tensors)
+            self._buffers[key] = FabricBuffer(mine, offset_table(addresses, mine), addresses)
         return self._buffers[key]
 
     def barrier(self, what: str) -> None:

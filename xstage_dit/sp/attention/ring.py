@@ -2,17 +2,18 @@
 
 The sequence is split into ring blocks, each held by one Ulysses group (a block is `degree` ranks' tokens). Inside
 a ring step Ulysses runs as usual: one all-to-all gives this rank its heads of its group's block, with the text.
-Each rank keeps those queries; the block's image keys and values travel around the ring by point-to-point sends,
-the next block in flight while the current one attends, and the partial outputs merge by their log-sum-exp. The
-text keys every rank holds are attended once, at the first step, with their padding mask (or a pair bias's
-factor: `ring_masks`). Only a block's true
-tokens travel (the padding sits at the tail of the whole sequence, in the last blocks), and a block of padding
-alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every head back.
+Each rank keeps those queries; the block's image keys and values travel around the ring, the next block in
+flight while the current one attends, and the partial outputs merge by their log-sum-exp. The text keys every
+rank holds are attended once, before the blocks, with their padding mask (or a pair bias's factor: `ring_masks`).
+Only a block's true tokens travel (the padding sits at the tail of the whole sequence, in the last blocks), and a
+block of padding alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every
+head back.
 
 The blocks travel one of two ways: point-to-point sends over the ring group (`ring_attention`, any backend choice,
 and across nodes), or, where `enable` opened the ring group's symmetric-memory fabric (its ranks share a node and
-the backend choice may store into a fabric), remote stores issued by a forward kernel beside the attention
-(`stored_ring_steps`, the X-Stage ring).
+the backend choice may store into a fabric), remote stores issued by the attention kernel itself: while it
+attends a block it forwards each key and value tile it loads into the next rank's buffer (`stored_ring_steps`,
+the X-Stage ring: the paper's piggyback applied to the ring).
 
 Keys and values that every rank holds whole, of every head (`WholeKeys`: FLUX.2's cached reference-image keys),
 need no exchange: each rank attends its heads of them once, merged like a ring block. This path runs such calls at
@@ -25,14 +26,16 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ...burst_gap.planner import RING_FORWARD_PROGRAMS, AttentionShape, Planner, RingTransport
+from ...burst_gap.planner import AttentionShape, Planner, RingTransport
+from ...kernels.attention_args import KeyForward
+from ...logging_utils import warn_once
 from ...runtime.distributed import waiting_for
 from ...sizes import ceil_div
 from ..fabric import Fabric, Steps, fabric_of, run_in_lockstep
 from ..planner import planner_for, ring_shape
 from .exchange import all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
-from .masks import pair_bias, with_image_keys
+from .masks import pair_bias
 
 
 def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -115,45 +118,46 @@ class _RingPass:
 
 
 class RingMasks(NamedTuple):
-    """The SDPA masks of a ring's steps: `first` over the first step's keys (the text and this rank's block), and
-    `per_block`, (B, 1, queries, 1), over any other block's keys, broadcast to its rows (None: no mask)."""
+    """How a ring's attention is masked: `text`, the SDPA mask over the text keys, and `shift`, (B, 1, queries),
+    what a pair bias adds to each query's score of every image key (None: nothing). A constant over a block's
+    keys leaves its softmax as it is and adds to its log-sum-exp, so blocks attend unmasked."""
 
-    first: torch.Tensor | None
-    per_block: torch.Tensor | None
+    text: torch.Tensor | None
+    shift: torch.Tensor | None
 
-    def block(self, rows: int) -> torch.Tensor | None:
-        return None if self.per_block is None else self.per_block.expand(-1, -1, -1, rows)
+    def block_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """A block's (B, H, queries) log-sum-exp under the mask."""
+        return lse if self.shift is None else lse + self.shift
 
 
 def ring_masks(text_mask: torch.Tensor | None, layout: UlyssesLayout, query_rows: int,
                text_factor: bool) -> RingMasks:
     """A key-padding mask masks text keys only; a pair bias's text factor (`text_factor`, Chroma) adds m_q m_k:
     over the text keys as over the gathered tokens, and over image keys (m_k = 1) each query's own factor."""
-    own = layout.block_keys(layout.ring_rank)
     if text_mask is None:
         return RingMasks(None, None)
     if not text_factor:
-        return RingMasks(with_image_keys(text_mask, own), None)
-    first = pair_bias(text_mask, layout, query_rows, layout.text_len + max(own, 1))
-    return RingMasks(first[..., :layout.text_len + own], first[..., -1:])
+        return RingMasks(text_mask, None)
+    bias = pair_bias(text_mask, layout, query_rows, layout.text_len + 1)  # the text keys and one image key
+    return RingMasks(bias[..., :layout.text_len], bias[..., -1].float())
 
 
-def _attend_own(merged: _Merged, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                layout: UlyssesLayout, scale: float | None, masks: RingMasks, whole: WholeKeys | None) -> None:
-    """The first step's keys: the text, this rank's own block and its heads of the `whole` keys."""
-    own = layout.block_keys(layout.ring_rank)
-    if layout.text_len or own:
-        keys = slice(0, layout.text_len + own)
-        merged.add(*attention_with_lse(query, key[:, keys], value[:, keys], masks.first, scale))
+def _attend_text(merged: _Merged, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 layout: UlyssesLayout, scale: float | None, masks: RingMasks, whole: WholeKeys | None) -> None:
+    """The keys no block holds: the text (the first rows of k and v) and this rank's heads of the `whole` keys."""
+    if layout.text_len:
+        text = slice(0, layout.text_len)
+        merged.add(*attention_with_lse(query, key[:, text], value[:, text], masks.text, scale))
     if whole is not None:
         merged.add(*attention_with_lse(query, *whole, None, scale))
 
 
 def _attend_block(merged: _Merged, query: torch.Tensor, block: torch.Tensor, scale: float | None,
                   masks: RingMasks) -> None:
-    """Another rank's block, (2, B, rows, h_kv, D) keys and values; nothing where it holds no true token."""
+    """A block, (2, B, rows, h_kv, D) keys and values; nothing where it holds no true token."""
     if block.shape[2]:
-        merged.add(*attention_with_lse(query, block[0], block[1], masks.block(block.shape[2]), scale))
+        out, lse = attention_with_lse(query, block[0], block[1], None, scale)
+        merged.add(out, masks.block_lse(lse))
 
 
 def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
@@ -181,10 +185,12 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             return None
         return _RingPass(block, layout.block_keys((rank - step - 1) % degree), group, rank, degree, what)
 
-    in_flight = send_on(_own_block(key, value, layout), 0)
+    block = _own_block(key, value, layout)
+    in_flight = send_on(block, 0)
     merged = _Merged(query)
     masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
-    _attend_own(merged, query, key, value, layout, scale, masks, whole)  # while the first block travels
+    _attend_text(merged, query, key, value, layout, scale, masks, whole)  # while the first block travels
+    _attend_block(merged, query, block, scale, masks)
     for step in range(1, degree):
         block = in_flight.wait()
         in_flight = send_on(block, step)  # passed on while it attends
@@ -192,44 +198,15 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return merged.out.to(query.dtype)
 
 
-class _Beside:
-    """Work issued on a side stream of the current device, beside the current stream's, until `join`; inline where
-    there is no stream (CPU)."""
-
-    _streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = None
-        if device.type == "cuda":
-            if device not in self._streams:
-                self._streams[device] = torch.cuda.Stream(device)
-            self.stream = self._streams[device]
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-
-    def __enter__(self) -> "_Beside":
-        if self.stream is not None:
-            self._context = torch.cuda.stream(self.stream)
-            self._context.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.stream is not None:
-            self._context.__exit__(*exc)
-
-    def join(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
-
 def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                       fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None, text_factor: bool = False,
-                      whole: WholeKeys | None = None, programs: int = RING_FORWARD_PROGRAMS) -> Steps[torch.Tensor]:
+                      whole: WholeKeys | None = None) -> Steps[torch.Tensor]:
     """ring_attention with the blocks delivered by remote stores (the X-Stage ring), one rank over `fabric` (the
     ring group's), paused before each barrier. Every rank holds two slots for incoming blocks: while a step
-    attends its block, the forward kernel stores that block into the next ring rank's other slot, beside the
-    attention on a side stream; the barrier that ends the step says every rank's block has landed and every rank is
-    done with the slot the next step overwrites."""
-    from ...kernels.ring import forward_block  # Triton: imported where a fabric is in use
+    attends its block, our attention kernel forwards each key and value tile it loads into the next ring rank's
+    other slot; the barrier that ends the step says every rank's block has landed and every rank is done with the
+    slot the next step overwrites."""
+    from ...kernels.attention import flash_attention  # Triton: imported where a fabric is in use
 
     degree, rank = layout.ring_degree, layout.ring_rank
     batch, _, heads, head_dim = key.shape
@@ -237,19 +214,15 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     block = _own_block(key, value, layout)
     merged = _Merged(query)
     masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
+    _attend_text(merged, query, key, value, layout, scale, masks, whole)
     for step in range(degree):
-        forward = _Beside(query.device)
-        if step + 1 < degree:
-            with forward:
-                if step == 0 and forward.stream is not None:  # its own block, freed by the caching allocator
-                    block.record_stream(forward.stream)
-                forward_block(block.reshape(-1), slots.tensor[(step + 1) % 2], slots.destinations,
-                              (rank + 1) % degree, programs)
-        if step == 0:
-            _attend_own(merged, query, key, value, layout, scale, masks, whole)
-        else:
-            _attend_block(merged, query, block, scale, masks)
-        forward.join()
+        if block.shape[2]:
+            forward = None
+            if step + 1 < degree:  # into the next rank's other slot, with the block's own layout
+                to = slots.addresses[(rank + 1) % degree] + (step + 1) % 2 * slots.tensor[0].nbytes
+                forward = KeyForward(to, to + block[0].nbytes)
+            out, lse = flash_attention(query, block[0], block[1], scale=scale, return_lse=True, forward=forward)
+            merged.add(out, masks.block_lse(lse))
         source = (rank - step - 1) % degree
         yield f"ring block {step + 2} of {degree} (ring rank {source}'s keys)" if step + 1 < degree else \
             "every ring rank to be done with its blocks"
@@ -261,11 +234,10 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                           fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
-                          text_factor: bool = False, whole: WholeKeys | None = None,
-                          programs: int = RING_FORWARD_PROGRAMS) -> torch.Tensor:
+                          text_factor: bool = False, whole: WholeKeys | None = None) -> torch.Tensor:
     """One rank's stored_ring_steps over `fabric`."""
     (out,) = run_in_lockstep([stored_ring_steps(query, key, value, layout, fabric, scale, text_mask, text_factor,
-                                                whole, programs)], fabric.barrier)
+                                                whole)], fabric.barrier)
     return out
 
 
@@ -281,9 +253,20 @@ def ring_stores(backend: str, ring_group: dist.ProcessGroup, query: torch.Tensor
                 layout: UlyssesLayout) -> Fabric | None:
     """The fabric the ring's blocks travel over by stores, or None for point-to-point sends: the ring group's
     fabric (opened by `enable` where its ranks share a node and the backend choice may store) under `fused`, and
-    under `auto` where the planner predicts the stores faster for this call's shape."""
+    under `auto` where the planner predicts the stores faster for this call's shape; never where our attention
+    kernel cannot take the call's head dim and dtype."""
     fabric = fabric_of(ring_group.group_name) if query.is_cuda else None
-    if fabric is None or backend == "fused":
+    if fabric is None:
+        return None
+    from ...kernels.attention import SUPPORTED_HEAD_DIMS, accepts  # Triton: imported where a fabric is in use
+
+    if not accepts(query):
+        if backend == "fused":
+            warn_once(f"xstage_dit: the fused ring's attention kernel takes head dims {SUPPORTED_HEAD_DIMS} in "
+                      f"bf16/fp16, not {query.shape[-1]} in {query.dtype}: the ring's blocks travel by "
+                      "point-to-point sends")
+        return None
+    if backend == "fused":
         return fabric
     ranks = layout.ring_degree * layout.degree
     faster = _stores_predicted_faster(planner_for(query.device, ranks), ring_shape(query, layout),
