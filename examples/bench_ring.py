@@ -1,12 +1,15 @@
 """One rank of a ring of N on one GPU: ring attention's step loop at T tokens per rank (24 heads of 128, bf16, pure
-ring: every rank keeps all heads), four ways, each timed against the attention alone:
+ring: every rank keeps all heads), six ways, each timed against the attention alone:
 
-- alone: the N blocks' attention and the log-sum-exp merge, nothing moved;
+- alone: the N blocks' attention (cuDNN) and the log-sum-exp merge, nothing moved;
+- alone_own: the same with our attention kernel (kernels/attention.py, its log-sum-exp), nothing moved;
+- forwarding: alone_own with the kernel forwarding each block's key and value tiles into a second buffer (the
+  stored ring's kernels without its own work around them: stacking the first block, the final cast);
 - serial: each step attends its block, then sends it on (a copy in stream order);
 - overlap: the send of each block in flight on a second stream while it attends (a copy-engine copy standing in
   for NCCL's point-to-point send, which needs a second GPU);
-- stored: the X-Stage ring (sp/attention/ring.py `stored_ring_steps`) over a loopback fabric: the forward kernel
-  stores each block into the next rank's slot beside the attention.
+- stored: the X-Stage ring (sp/attention/ring.py `stored_ring_steps`) over a loopback fabric: our attention kernel
+  forwards each key and value tile it loads into the next rank's slot (alone_own plus the forward stores).
 
 Loopback: rank 0 of N simulated ranks; the other ranks' blocks are random rows already in rank 0's slots, its stores
 go to rank 1's slot in this GPU's memory. It shows what the kernels and their stores cost beside the attention on
@@ -26,6 +29,8 @@ import torch
 from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_calibration
 from xstage_dit.burst_gap.planner import RingBlocks
 from xstage_dit.sp.attention.layout import UlyssesLayout
+from xstage_dit.kernels.attention import flash_attention
+from xstage_dit.kernels.attention_args import KeyForward
 from xstage_dit.sp.attention.ring import _Merged, attention_with_lse, stored_ring_attention
 from xstage_dit.sp.fabric import LoopbackFabric
 
@@ -52,17 +57,26 @@ class RingRank:
         self.fabric = LoopbackFabric(degree, "cuda", initialise=torch.Tensor.normal_).rank(0)
         self.side = torch.cuda.Stream()
 
-    def _steps(self, send) -> torch.Tensor:
+    def _steps(self, send, attend=lambda q, k, v: attention_with_lse(q, k, v, None, None)) -> torch.Tensor:
         merged = _Merged(self.query)
         for step in range(self.layout.ring_degree):
             sent = send(self.block) if step + 1 < self.layout.ring_degree else None
-            merged.add(*attention_with_lse(self.query, self.block[0], self.block[1], None, None))
+            merged.add(*attend(self.query, self.block[0], self.block[1]))
             if sent is not None:
                 sent()
         return merged.out
 
     def alone(self) -> torch.Tensor:
         return self._steps(lambda block: None)
+
+    def alone_own(self) -> torch.Tensor:
+        return self._steps(lambda block: None, lambda q, k, v: flash_attention(q, k, v, return_lse=True))
+
+    def forwarding(self) -> torch.Tensor:
+        to = torch.empty_like(self.block)
+        forward = KeyForward(to[0].data_ptr(), to[1].data_ptr())
+        return self._steps(lambda block: None,
+                           lambda q, k, v: flash_attention(q, k, v, return_lse=True, forward=forward))
 
     def serial(self) -> torch.Tensor:
         def send(block):
@@ -88,7 +102,10 @@ def predicted_ms(planner: Planner, degree: int, tokens: int) -> dict[str, float]
     shape = AttentionShape(1, degree * tokens, 0, HEADS, HEAD_DIM, degree)
     around = planner.ulysses_around_ring(RingBlocks.of(shape, degree, 1))
     ring = {name: (planner.ring_call(shape, degree, 1, name) - around) * 1e3 for name in ("serial", "overlap")}
-    return {"alone": sum(planner.ring_steps(RingBlocks.of(shape, degree, 1))) * 1e3, **ring,
+    blocks = RingBlocks.of(shape, degree, 1)
+    own = sum(planner.ring_steps(blocks, own=True)) * 1e3
+    return {"alone": sum(planner.ring_steps(blocks)) * 1e3, "alone_own": own,
+            "forwarding": own + planner.ring_forward(blocks) * 1e3 * degree, **ring,
             "stored": (planner.ring_call(shape, degree, 1, "fused") - around) * 1e3}
 
 
@@ -104,7 +121,8 @@ def bench(degrees: tuple[int, ...], tokens: tuple[int, ...]) -> list[dict]:
     for n in degrees:
         for t in tokens:
             rank = RingRank(n, t)
-            variants = {"alone": rank.alone, "serial": rank.serial, "overlap": rank.overlap, "stored": rank.stored}
+            variants = {"alone": rank.alone, "alone_own": rank.alone_own, "forwarding": rank.forwarding,
+                        "serial": rank.serial, "overlap": rank.overlap, "stored": rank.stored}
             for fn in variants.values():
                 fn()
             samples = {name: [] for name in variants}
@@ -115,7 +133,7 @@ def bench(degrees: tuple[int, ...], tokens: tuple[int, ...]) -> list[dict]:
             for name in variants:
                 records.append({"variant": name, "ring_degree": n, "tokens_per_rank": t, "heads": HEADS,
                                 "head_dim": HEAD_DIM, "ms": ms[name], "vs_alone": ms[name] / ms["alone"],
-                                "vs_serial": ms[name] / ms["serial"]})
+                                "vs_alone_own": ms[name] / ms["alone_own"], "vs_serial": ms[name] / ms["serial"]})
             print(f"N={n} T={t}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)
             del rank
             torch.cuda.empty_cache()
@@ -131,11 +149,13 @@ def write(records: list[dict], prefix: Path) -> None:
              f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}; `{env['command']}`. "
              "Rank 0 of N simulated on one GPU: the stores stay in this GPU's memory (no NVLink, no scaling); the "
              f"overlap row's send is a copy-engine copy on a second stream, standing in for NCCL's; {source}.", "",
-             "| N | tokens per rank | variant | ms | vs alone | vs serial | predicted ms |", "|---|---|---|---|---|---|---|"]
+             "| N | tokens per rank | variant | ms | vs alone | vs alone_own | vs serial | predicted ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in records:
         predicted = f"{r['predicted_ms']:.2f}" if "predicted_ms" in r else "-"
+        own = f"{r['vs_alone_own']:.3f}" if "vs_alone_own" in r else "-"
         lines.append(f"| {r['ring_degree']} | {r['tokens_per_rank']} | {r['variant']} | {r['ms']:.2f} | "
-                     f"{r['vs_alone']:.3f} | {r['vs_serial']:.3f} | {predicted} |")
+                     f"{r['vs_alone']:.3f} | {own} | {r['vs_serial']:.3f} | {predicted} |")
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
