@@ -2,7 +2,8 @@
 (test_kernels.test_hopper_kernel_compiles runs this in a subprocess): Triton is pointed at a stand-in driver that
 reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
 every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
-once; grouped keys forwarded, the X-Stage ring's call), the RoPE
+once; grouped keys forwarded, with and without the merge into a running output: the X-Stage ring's
+call), the RoPE
 kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and with the norm + RoPE) for bf16 at
 head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code does),
 and the MoE expert kernel, whose matmuls must be Hopper's wgmma.
@@ -62,6 +63,12 @@ def main() -> None:
                          KeyForward(to.data_ptr(), to.data_ptr()))
     hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, warmup=True)
     print("compiled the key forward")
+    # ... and the ring step that merges into a running float32 output
+    running = torch.empty(batch, seq, heads, 128)
+    call = AttentionCall(q, kv, kv, running, 0.1, seq, None, torch.empty(batch, heads, seq), None,
+                         KeyForward(to.data_ptr(), to.data_ptr()), merge=True)
+    hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, warmup=True)
+    print("compiled the key forward with the merge")
 
     from xstage_dit.kernels import rotary
 

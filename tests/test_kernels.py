@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
-from xstage_dit.kernels.attention_args import KeyForward  # noqa: E402
+from xstage_dit.kernels.attention_args import KeyForward, Running  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens, NormRope  # noqa: E402
 from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep  # noqa: E402
@@ -87,6 +87,45 @@ def _check_key_forward(device, dtype, batch, q_len, kv_rows, kv_len, heads, kv_h
 @pytest.mark.parametrize("kv_heads", [3, 1])
 def test_attention_forwards_its_keys_interpreted(q_len, kv_rows, kv_len, kv_heads):
     _check_key_forward("cpu", torch.float32, 2, q_len, kv_rows, kv_len, 3, kv_heads)
+
+
+def _check_merge(device, dtype, batch, q_len, first_keys, keys, heads, kv_heads, config=None):
+    """A call that merges into a running result (the X-Stage ring's step, forwarding its keys too): over a fresh
+    one (-inf log-sum-exp), then over the result of an earlier call on other keys, against one attention over
+    every key."""
+    def make(rows, n_heads):
+        return torch.randn(batch, rows, n_heads, 128, device=device, dtype=dtype)
+
+    q = make(q_len, heads)
+    k1, v1, k2, v2 = make(first_keys, kv_heads), make(first_keys, kv_heads), make(keys, kv_heads), make(keys, kv_heads)
+    running = Running(torch.zeros(q.shape, device=device), torch.full((batch, heads, q_len), float("-inf"),
+                                                                      device=device))
+    k_to, v_to = torch.empty_like(k1), torch.empty_like(v1)
+    for k, v in ((k1, v1), (k2, v2)):
+        flash_attention(q, k, v, merge=running, config=config, forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()))
+        if k is k1:
+            ref, _ = _reference(q, k1.repeat_interleave(heads // kv_heads, 2),
+                                      v1.repeat_interleave(heads // kv_heads, 2), first_keys)
+            assert _relative_error(running.out, ref) < TOLERANCE[dtype]
+            assert torch.equal(k_to, k1) and torch.equal(v_to, v1)
+    every_k, every_v = (torch.cat([a, b], dim=1).repeat_interleave(heads // kv_heads, 2)
+                        for a, b in ((k1, k2), (v1, v2)))
+    ref, ref_lse = _reference(q, every_k, every_v, first_keys + keys)
+    assert _relative_error(running.out, ref) < TOLERANCE[dtype]
+    assert (running.lse.double() - ref_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_attention_merges_into_a_running_result_interpreted(kv_heads):
+    _check_merge("cpu", torch.float32, 2, 37, 45, 20, 3, kv_heads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(4096, 4096, 4096), (1000, 1100, 300), (8000, 700, 613)],
+                         ids=["ring-block", "uneven", "many-work-tiles"])
+@pytest.mark.parametrize("config", [None, TileConfig(tma=False)], ids=["default", "triton"])
+def test_attention_merges_into_a_running_result_on_gpu(lengths, config):
+    _check_merge("cuda", torch.bfloat16, 2, *lengths, 6, 2, config)
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..logging_utils import warn_once
 from . import attention_hopper
-from .attention_args import AttentionCall, KeyForward, Scatter, Strides
+from .attention_args import AttentionCall, KeyForward, Running, Scatter, Strides
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
 from .tables import ALIGN_ELEMENTS
 
@@ -87,11 +87,12 @@ def _attention_kernel(
     q_strides, k_strides, v_strides, o_strides, heads, kv_group, scatter, k_to, v_to,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, FORWARD: tl.constexpr, ALIGN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, FORWARD: tl.constexpr, MERGE: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py). With FORWARD, the
     program of query tile i also stores key tiles i, i + #query tiles, ... of its key head `k_to` and `v_to`
-    elements further on (KeyForward), where its head is the first of its key head's group."""
+    elements further on (KeyForward), where its head is the first of its key head's group. With MERGE, Out and Lse
+    hold a running float32 output and log-sum-exp that the tile's rows are merged into, in place."""
     # the schedule knob: programs start at Q tile `tile_shift` and wrap around (see Scatter.first_row)
     pid_m = (tl.program_id(0) + scatter.tile_shift) % tl.num_programs(0)
     pid_bh = tl.program_id(1)
@@ -144,29 +145,42 @@ def _attention_kernel(
             _forward_keys(k_base, v_base, k_to, v_to, tl.program_id(0), tl.num_programs(0), kv_len, k_strides.seq,
                           v_strides.seq, offs_n, offs_d, BLOCK_N)
 
-    out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
-    if WRITE_LSE:
-        tl.store(Lse + pid_bh.to(tl.int64) * q_len + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
-                 mask=row_ok)
-    if SCATTER:
-        # rows and heads map to destinations as ScatterArgs says
-        r = offs_m - scatter.text_rows
-        is_image = (r >= 0) & row_ok
-        dest = tl.where(is_image, r // scatter.rows_per_rank, 0)
-        dest_row = tl.where(is_image, scatter.image_row0 + r % scatter.rows_per_rank, 0)
-        column = batch * o_strides.batch + (scatter.head0 + h) * o_strides.head + offs_d[None, :]
-        to_rank = tl.multiple_of(tl.load(Dest + dest), ALIGN)
-        tl.store(Out + to_rank[:, None] + column + dest_row[:, None] * o_strides.seq, out, mask=is_image[:, None])
-        if pid_m * BLOCK_M < scatter.text_rows:
-            # text rows: every rank needs every head of them
-            is_text = offs_m < scatter.text_rows
-            text_row = scatter.text_row0 + offs_m
-            for j in range(scatter.n_dest):
-                to_j = tl.multiple_of(tl.load(Dest + j), ALIGN)
-                tl.store(Out + to_j + column + text_row[:, None] * o_strides.seq, out, mask=is_text[:, None])
+    if MERGE:
+        # base-2 statistics; Lse holds natural logs
+        at_lse = Lse + pid_bh.to(tl.int64) * q_len + offs_m
+        mine = m_i + tl.math.log2(l_i)
+        before = tl.load(at_lse, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        top = tl.maximum(before, mine)
+        merged = top + tl.math.log2(tl.math.exp2(before - top) + tl.math.exp2(mine - top))
+        tl.store(at_lse, merged * 0.6931471805599453, mask=row_ok)
+        at = Out + batch * o_strides.batch + h * o_strides.head + offs_m[:, None] * o_strides.seq + offs_d[None, :]
+        out = (tl.load(at, mask=row_ok[:, None], other=0.0) * tl.math.exp2(before - merged)[:, None]
+               + acc * (tl.math.exp2(mine - merged) / l_i)[:, None])
+        tl.store(at, out, mask=row_ok[:, None])
     else:
-        tl.store(Out + batch * o_strides.batch + h * o_strides.head + offs_m[:, None] * o_strides.seq
-                 + offs_d[None, :], out, mask=row_ok[:, None])
+        out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
+        if WRITE_LSE:
+            tl.store(Lse + pid_bh.to(tl.int64) * q_len + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
+                     mask=row_ok)
+        if SCATTER:
+            # rows and heads map to destinations as ScatterArgs says
+            r = offs_m - scatter.text_rows
+            is_image = (r >= 0) & row_ok
+            dest = tl.where(is_image, r // scatter.rows_per_rank, 0)
+            dest_row = tl.where(is_image, scatter.image_row0 + r % scatter.rows_per_rank, 0)
+            column = batch * o_strides.batch + (scatter.head0 + h) * o_strides.head + offs_d[None, :]
+            to_rank = tl.multiple_of(tl.load(Dest + dest), ALIGN)
+            tl.store(Out + to_rank[:, None] + column + dest_row[:, None] * o_strides.seq, out, mask=is_image[:, None])
+            if pid_m * BLOCK_M < scatter.text_rows:
+                # text rows: every rank needs every head of them
+                is_text = offs_m < scatter.text_rows
+                text_row = scatter.text_row0 + offs_m
+                for j in range(scatter.n_dest):
+                    to_j = tl.multiple_of(tl.load(Dest + j), ALIGN)
+                    tl.store(Out + to_j + column + text_row[:, None] * o_strides.seq, out, mask=is_text[:, None])
+        else:
+            tl.store(Out + batch * o_strides.batch + h * o_strides.head + offs_m[:, None] * o_strides.seq
+                     + offs_d[None, :], out, mask=row_ok[:, None])
 
 
 @dataclass(frozen=True)
@@ -225,6 +239,7 @@ def flash_attention(
     scatter: Scatter | None = None,
     return_lse: bool = False,
     forward: KeyForward | None = None,
+    merge: Running | None = None,
     config: TileConfig | HopperConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale) v over the first `kv_len` keys, for (B, S, H, D) tensors (last dim contiguous); k
@@ -233,8 +248,9 @@ def flash_attention(
     key_mask: (B, M) bool/int, keys [0, M) it marks False are ignored (keys past M are kept).
     out: (B, Sq, H, D) output (allocated like q if None). With `scatter`, `out` gives the destination buffers'
     shape and strides and receives nothing unless it is one of them. `forward`: the kernel also stores the keys
-    and values it reads there (KeyForward). Returns out (and the natural-log log-sum-exp, (B, H, Sq) float32, if
-    `return_lse`)."""
+    and values it reads there (KeyForward). `merge`: the result is merged into that running output and
+    log-sum-exp, in place, instead (Running). Returns out (and the natural-log log-sum-exp, (B, H, Sq) float32, if
+    `return_lse`); with `merge`, its output."""
     batch, q_len, heads, head_dim = q.shape
     if not accepts(q):
         raise ValueError(f"flash_attention supports head_dim {SUPPORTED_HEAD_DIMS} in bf16/fp16 (fp32 in Triton's "
@@ -247,14 +263,20 @@ def flash_attention(
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
     if forward is not None and not q_len:
         raise ValueError("flash_attention forwards its keys from its query tiles' programs: it needs queries")
+    if merge is not None:
+        if out is not None or scatter is not None or return_lse:
+            raise ValueError("flash_attention: a merge writes its running output and log-sum-exp, nothing else")
+        merge.check(q)
+        out = merge.out
     kv_len = k.shape[1] if kv_len is None else kv_len
     if not 0 < kv_len <= k.shape[1]:
         raise ValueError(f"kv_len must be in [1, {k.shape[1]}] (the keys given), got {kv_len}")
     call = AttentionCall(
         q, k, v, torch.empty_like(q) if out is None else out, head_dim**-0.5 if scale is None else scale, kv_len,
         key_mask.to(torch.int8) if key_mask is not None else None,
+        merge.lse if merge is not None else
         torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32) if return_lse else None,
-        scatter, forward)
+        scatter, forward, merge is not None)
     # checked once per call: TMA loads (the Hopper kernel's, the Triton kernel's option) need row-viewable inputs
     rows = tma_rows(q, k, v)
     hopper_runs = rows is not None and attention_hopper.is_available(q)
@@ -289,6 +311,7 @@ def _launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool) -> None:
         call.kv_group, call.scatter_args(cfg.block_m), *_forward_offsets(call),
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WRITE_LSE=call.lse is not None, HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
-        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, FORWARD=call.forward is not None, ALIGN=ALIGN_ELEMENTS,
+        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, FORWARD=call.forward is not None, MERGE=call.merge,
+        ALIGN=ALIGN_ELEMENTS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -73,6 +73,22 @@ class KeyForward(NamedTuple):
     value: int
 
 
+class Running(NamedTuple):
+    """A running attention result that a call merges its own into, in place, by their log-sum-exps (ring
+    attention's steps over disjoint keys): `out`, the float32 output (B, Sq, H, D), and `lse`, its natural-log
+    log-sum-exp (B, H, Sq), both contiguous; -inf where nothing was attended yet."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    def check(self, q: torch.Tensor) -> None:
+        batch, rows, heads, _ = q.shape
+        if (self.out.shape != q.shape or self.lse.shape != (batch, heads, rows) or self.out.dtype != torch.float32
+                or self.lse.dtype != torch.float32 or not (self.out.is_contiguous() and self.lse.is_contiguous())):
+            raise ValueError(f"a running result for queries {tuple(q.shape)}: contiguous float32 output of their "
+                             f"shape and log-sum-exp ({batch}, {heads}, {rows})")
+
+
 class DeviceAddress(NamedTuple):
     """An address the kernels take as a pointer argument (or TMA descriptor base) where no tensor of this process
     owns the memory: what Triton asks of a pointer argument."""
@@ -90,7 +106,7 @@ class AttentionCall:
 
     k and v hold H / kv_group heads (grouped-query attention: query head h reads key head h // kv_group).
     key_mask: (B, M) int8, or None; lse: (B, H, Sq) float32, or None; scatter: None stores into `out` locally;
-    forward: None forwards no keys."""
+    forward: None forwards no keys; merge: `out` and `lse` hold a running result to merge into (Running)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -102,6 +118,7 @@ class AttentionCall:
     lse: torch.Tensor | None
     scatter: Scatter | None
     forward: KeyForward | None = None
+    merge: bool = False
 
     @property
     def kv_group(self) -> int:

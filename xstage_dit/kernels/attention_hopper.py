@@ -439,7 +439,7 @@ def _merge_piece(m_i, l_i, acc, Partials, Tickets, piece, splits, WG: gl.constex
 def _consume(ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              HAS_KEY_MASK: gl.constexpr, PINGPONG: gl.constexpr, WRITE_LSE: gl.constexpr, SCATTER: gl.constexpr,
-             ALIGN: gl.constexpr):
+             MERGE: gl.constexpr, ALIGN: gl.constexpr):
     """Consumer partition WG: for each of the program's items, attends its 64 rows (from row0 + 64 WG), then
     writes them (a piece: once its tile's pieces are merged)."""
     qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
@@ -459,45 +459,69 @@ def _consume(ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, 
                                                HEAD_DIM)
         if done:
             _write(m_i, l_i, acc, Out, Lse, Dest, row0 + WG * WARPGROUP_ROWS, schedule.q_len, batch, h, pid_bh,
-                   o_strides, scatter, HEAD_DIM, WRITE_LSE, SCATTER, ALIGN)
+                   o_strides, scatter, HEAD_DIM, WRITE_LSE, SCATTER, MERGE, ALIGN)
+
+
+@gluon.jit
+def _merge_rows(m_i, l_o, acc, Out, Lse, offs_m, q_len, batch, h, pid_bh, o_strides, HEAD_DIM: gl.constexpr):
+    """Merge a consumer's rows into the running float32 output and log-sum-exp at Out and Lse, in place: each
+    weighted by its share of the merged sum (base-2 statistics; Lse holds natural logs)."""
+    ROWS: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    row_ok = offs_m < q_len
+    at_lse = Lse + pid_bh.to(gl.int64) * q_len + offs_m
+    mine = gl.convert_layout(m_i, ROWS, assert_trivial=True) + gl.log2(l_o)
+    before = gl.load(at_lse, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+    top = gl.maximum(before, mine)
+    merged = top + gl.log2(gl.exp2(before - top) + gl.exp2(mine - top))
+    gl.store(at_lse, merged * 0.6931471805599453, mask=row_ok)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc.type.layout))
+    rows = batch.to(gl.int64) * o_strides.batch + h * o_strides.head + offs_m.to(gl.int64) * o_strides.seq
+    at = Out + gl.expand_dims(rows, 1) + gl.expand_dims(offs_d, 0)
+    ok = gl.expand_dims(row_ok, 1)
+    out = (gl.load(at, mask=ok, other=0.0) * gl.expand_dims(gl.exp2(before - merged), 1)
+           + acc * gl.expand_dims(gl.exp2(mine - merged) / l_o, 1))
+    gl.store(at, out, mask=ok)
 
 
 @gluon.jit
 def _write(m_i, l_i, acc, Out, Lse, Dest, first, q_len, batch, h, pid_bh, o_strides, scatter, HEAD_DIM: gl.constexpr,
-           WRITE_LSE: gl.constexpr, SCATTER: gl.constexpr, ALIGN: gl.constexpr):
+           WRITE_LSE: gl.constexpr, SCATTER: gl.constexpr, MERGE: gl.constexpr, ALIGN: gl.constexpr):
     """Normalise a consumer's 64 rows (from `first`) and store them (and their LSE): locally, or scattered into
-    the destination ranks' buffers."""
+    the destination ranks' buffers; or (MERGE) merge them into the running output and LSE there."""
     ROWS: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     offs_m = first + gl.arange(0, WARPGROUP_ROWS, layout=ROWS)
     l_o = gl.convert_layout(l_i, ROWS, assert_trivial=True)
-    out = (acc / gl.expand_dims(l_o, 1)).to(Out.dtype.element_ty)
-    if WRITE_LSE:
-        lse = (gl.convert_layout(m_i, ROWS, assert_trivial=True) + gl.log2(l_o)) * 0.6931471805599453
-        gl.store(Lse + pid_bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
-
-    # stored straight from the wgmma layout (no shared-memory shuffle: that space goes to the K/V ring)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc.type.layout))
-    row_ok = offs_m < q_len
-    if SCATTER:
-        # rows and heads map to destinations as ScatterArgs says
-        column = gl.expand_dims(batch.to(gl.int64) * o_strides.batch + (scatter.head0 + h) * o_strides.head
-                                + offs_d, 0)
-        r = offs_m - scatter.text_rows
-        is_image = (r >= 0) & row_ok
-        dest = gl.where(is_image, r // scatter.rows_per_rank, 0)
-        image_row = gl.where(is_image, scatter.image_row0 + r % scatter.rows_per_rank, 0)
-        to_rank = gl.multiple_of(gl.load(Dest + dest), ALIGN) + image_row.to(gl.int64) * o_strides.seq
-        gl.store(Out + gl.expand_dims(to_rank, 1) + column, out, mask=gl.expand_dims(is_image, 1))
-        if first < scatter.text_rows:
-            # text rows: every rank needs every head of them
-            is_text = gl.expand_dims(offs_m < scatter.text_rows, 1)
-            text_row = gl.expand_dims((scatter.text_row0 + offs_m).to(gl.int64) * o_strides.seq, 1)
-            for j in range(scatter.n_dest):
-                to_j = gl.multiple_of(gl.load(Dest + j), ALIGN)
-                gl.store(Out + to_j + text_row + column, out, mask=is_text)
+    if MERGE:
+        _merge_rows(m_i, l_o, acc, Out, Lse, offs_m, q_len, batch, h, pid_bh, o_strides, HEAD_DIM)
     else:
-        rows = batch.to(gl.int64) * o_strides.batch + h * o_strides.head + offs_m.to(gl.int64) * o_strides.seq
-        gl.store(Out + gl.expand_dims(rows, 1) + gl.expand_dims(offs_d, 0), out, mask=gl.expand_dims(row_ok, 1))
+        out = (acc / gl.expand_dims(l_o, 1)).to(Out.dtype.element_ty)
+        if WRITE_LSE:
+            lse = (gl.convert_layout(m_i, ROWS, assert_trivial=True) + gl.log2(l_o)) * 0.6931471805599453
+            gl.store(Lse + pid_bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+
+        # stored straight from the wgmma layout (no shared-memory shuffle: that space goes to the K/V ring)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc.type.layout))
+        row_ok = offs_m < q_len
+        if SCATTER:
+            # rows and heads map to destinations as ScatterArgs says
+            column = gl.expand_dims(batch.to(gl.int64) * o_strides.batch + (scatter.head0 + h) * o_strides.head
+                                    + offs_d, 0)
+            r = offs_m - scatter.text_rows
+            is_image = (r >= 0) & row_ok
+            dest = gl.where(is_image, r // scatter.rows_per_rank, 0)
+            image_row = gl.where(is_image, scatter.image_row0 + r % scatter.rows_per_rank, 0)
+            to_rank = gl.multiple_of(gl.load(Dest + dest), ALIGN) + image_row.to(gl.int64) * o_strides.seq
+            gl.store(Out + gl.expand_dims(to_rank, 1) + column, out, mask=gl.expand_dims(is_image, 1))
+            if first < scatter.text_rows:
+                # text rows: every rank needs every head of them
+                is_text = gl.expand_dims(offs_m < scatter.text_rows, 1)
+                text_row = gl.expand_dims((scatter.text_row0 + offs_m).to(gl.int64) * o_strides.seq, 1)
+                for j in range(scatter.n_dest):
+                    to_j = gl.multiple_of(gl.load(Dest + j), ALIGN)
+                    gl.store(Out + to_j + text_row + column, out, mask=is_text)
+        else:
+            rows = batch.to(gl.int64) * o_strides.batch + h * o_strides.head + offs_m.to(gl.int64) * o_strides.seq
+            gl.store(Out + gl.expand_dims(rows, 1) + gl.expand_dims(offs_d, 0), out, mask=gl.expand_dims(row_ok, 1))
 
 
 @gluon.jit
@@ -506,15 +530,17 @@ def _attention_kernel(
     o_strides, scatter,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_KEY_MASK: gl.constexpr, SCATTER: gl.constexpr,
-    HEADS_MAJOR: gl.constexpr, FORWARD: gl.constexpr, ALIGN: gl.constexpr,
+    MERGE: gl.constexpr, HEADS_MAJOR: gl.constexpr, FORWARD: gl.constexpr, ALIGN: gl.constexpr,
 ):
     ring = _allocate_ring(q_desc, k_desc, v_desc, HEAD_DIM, BLOCK_N, STAGES)
     # the two consumers' arguments differ only in their warpgroup index
     gl.warp_specialize([
         (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
-                    gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, ALIGN)),
+                    gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, MERGE,
+                    ALIGN)),
         (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
-                    gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, ALIGN)),
+                    gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, MERGE,
+                    ALIGN)),
         (_produce, (q_desc, k_desc, v_desc, k_to, v_to, ring, schedule, scatter.tile_shift, HEAD_DIM, BLOCK_N,
                     STAGES, HEADS_MAJOR, FORWARD)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -583,14 +609,15 @@ def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: boo
         v_to = _descriptor(call.v, config.block_n, view, call.forward.value)
     else:  # unread, but typed as the kernel reads them
         k_to, v_to = k_desc, v_desc
-    args = (_descriptor(q, ROWS_PER_WARPGROUP, view), k_desc, v_desc, k_to, v_to, call.out, call.lse if call.lse is not None else call.out,
+    args = (_descriptor(q, ROWS_PER_WARPGROUP, view), k_desc, v_desc, k_to, v_to, call.out,
+            call.lse if call.lse is not None else call.out,
             call.key_mask if call.key_mask is not None else call.out, call.destinations, partials, tickets,
             call.scale, schedule, Keys(kv_len=call.kv_len, mask_len=call.key_mask_len,
                                        mask_stride=call.key_mask_stride),
             Strides.of(call.out), call.scatter_args(config.block_m))
     switches = dict(HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, PINGPONG=config.pingpong,
                     CONSUMER_REGS=config.consumer_regs, WRITE_LSE=call.lse is not None,
-                    HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
+                    HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None, MERGE=call.merge,
                     HEADS_MAJOR=view is TmaRows.HEADS, FORWARD=call.forward is not None, ALIGN=ALIGN_ELEMENTS,
                     num_warps=4)
     if warmup:
