@@ -10,12 +10,14 @@ from dist_harness import run_on_ranks
 from test_gpu import _same_gpu_worker
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.sp.attention.ring import attention_with_lse, stored_ring_steps
-from xstage_dit.sp.attention.masks import with_image_keys
+from xstage_dit.sp.attention.masks import pair_bias, with_image_keys
 from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep
 
 
 def _check_stored_ring(device: str, dtype: torch.dtype, degree: int, seq_len: int, text_len: int, heads: int,
-                       kv_heads: int, tolerance: float, batch: int = 2, head_dim: int = 64) -> None:
+                       kv_heads: int, tolerance: float, batch: int = 2, head_dim: int = 64,
+                       text_factor: bool = False) -> None:
+    """`text_factor`: the text mask is a pair bias's 0/1 factor (Chroma's), else a key-padding mask."""
     block = -(-seq_len // degree)  # each rank's block, the sequence tail-padded
     gen = torch.Generator().manual_seed(degree * 100 + seq_len)
 
@@ -29,6 +31,8 @@ def _check_stored_ring(device: str, dtype: torch.dtype, degree: int, seq_len: in
     if text_len:
         text_mask = torch.ones(batch, 1, 1, text_len, dtype=torch.bool, device=device)
         text_mask[1, ..., text_len // 2:] = False
+        if text_factor:
+            text_mask = text_mask.float()
     fabric = LoopbackFabric(degree, device, initialise=lambda t: t.fill_(float("nan")))
     ranks, expected = [], []
     for rank in range(degree):
@@ -37,12 +41,14 @@ def _check_stored_ring(device: str, dtype: torch.dtype, degree: int, seq_len: in
         rows = slice(rank * block, (rank + 1) * block)
         q, k, v = (torch.cat([text, image[:, rows]], dim=1).to(dtype)
                    for text, image in ((q_text, q_image), (k_text, k_image), (v_text, v_image)))
-        ranks.append(stored_ring_steps(q, k, v, layout, fabric.rank(rank), None, text_mask))
+        ranks.append(stored_ring_steps(q, k, v, layout, fabric.rank(rank), None, text_mask, text_factor))
         every_key = slice(0, text_len + seq_len)
         keys, values = (torch.cat([text, image], dim=1)[:, every_key] for text, image in
                         ((k_text, k_image), (v_text, v_image)))
-        expected.append(attention_with_lse(torch.cat([q_text, q_image[:, rows]], dim=1), keys, values,
-                                           with_image_keys(text_mask, seq_len), None)[0])
+        queries = torch.cat([q_text, q_image[:, rows]], dim=1)
+        mask = (pair_bias(text_mask, layout, queries.shape[1], text_len + seq_len) if text_factor
+                else with_image_keys(text_mask, seq_len))
+        expected.append(attention_with_lse(queries, keys, values, mask, None)[0])
     outputs = run_in_lockstep(ranks, lambda what: None)
     for rank, (out, want) in enumerate(zip(outputs, expected)):
         true_rows = text_len + max(0, min(block, seq_len - rank * block))
@@ -51,11 +57,13 @@ def _check_stored_ring(device: str, dtype: torch.dtype, degree: int, seq_len: in
         assert error < tolerance, f"ring rank {rank}: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("degree, seq_len, text_len", [(3, 19, 0), (4, 10, 4)])
-def test_stored_ring_equals_one_attention_interpreted(degree, seq_len, text_len):
-    """Uneven blocks (19 over 3; 10 over 4 leaves the last block empty), text with a padding mask or none, grouped
-    keys (4 query heads over 2 key heads)."""
-    _check_stored_ring("cpu", torch.float32, degree, seq_len, text_len, heads=4, kv_heads=2, tolerance=1e-4)
+@pytest.mark.parametrize("degree, seq_len, text_len, text_factor", [(3, 19, 0, False), (4, 10, 4, False),
+                                                                    (3, 17, 6, True)])
+def test_stored_ring_equals_one_attention_interpreted(degree, seq_len, text_len, text_factor):
+    """Uneven blocks (19 over 3; 10 over 4 leaves the last block empty), text with a padding mask, a pair bias's
+    factor (Chroma's) or none, grouped keys (4 query heads over 2 key heads)."""
+    _check_stored_ring("cpu", torch.float32, degree, seq_len, text_len, heads=4, kv_heads=2, tolerance=1e-4,
+                       text_factor=text_factor)
 
 
 @pytest.mark.gpu

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...burst_gap.planner import AttentionShape, Planner, RingTransport
-from ...kernels.attention_args import KeyForward
+from ...kernels.attention_args import KeyForward, Running
 from ...logging_utils import warn_once
 from ...runtime.distributed import waiting_for
 from ...sizes import ceil_div
@@ -88,6 +88,16 @@ class _Merged:
         keep, take = (torch.exp(x - merged).transpose(1, 2).unsqueeze(-1) for x in (self.lse, lse))
         self.out = self.out * keep + out.float() * take
         self.lse = merged
+
+    def add_by(self, attend: Callable[[Running], object], masks: "RingMasks") -> None:
+        """Merge in the output of a kernel that merges into a running result itself (`attend`, given this one),
+        over keys that `masks.shift` applies to: shifting the running log-sum-exp the other way around the call
+        adds the shift to the kernel's own."""
+        if masks.shift is not None:
+            self.lse = self.lse - masks.shift
+        attend(Running(self.out, self.lse))
+        if masks.shift is not None:
+            self.lse += masks.shift
 
 
 class _RingPass:
@@ -204,7 +214,7 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """ring_attention with the blocks delivered by remote stores (the X-Stage ring), one rank over `fabric` (the
     ring group's), paused before each barrier. Every rank holds two slots for incoming blocks: while a step
     attends its block, our attention kernel forwards each key and value tile it loads into the next ring rank's
-    other slot; the barrier that ends the step says every rank's block has landed and every rank is done with the
+    other slot, and merges its output into the running result itself; the barrier that ends the step says every rank's block has landed and every rank is done with the
     slot the next step overwrites."""
     from ...kernels.attention import flash_attention  # Triton: imported where a fabric is in use
 
@@ -221,8 +231,8 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             if step + 1 < degree:  # into the next rank's other slot, with the block's own layout
                 to = slots.addresses[(rank + 1) % degree] + (step + 1) % 2 * slots.tensor[0].nbytes
                 forward = KeyForward(to, to + block[0].nbytes)
-            out, lse = flash_attention(query, block[0], block[1], scale=scale, return_lse=True, forward=forward)
-            merged.add(out, masks.block_lse(lse))
+            merged.add_by(lambda running: flash_attention(query, block[0], block[1], scale=scale, forward=forward,
+                                                          merge=running), masks)
         source = (rank - step - 1) % degree
         yield f"ring block {step + 2} of {degree} (ring rank {source}'s keys)" if step + 1 < degree else \
             "every ring rank to be done with its blocks"
