@@ -2,7 +2,8 @@
 ring: every rank keeps all heads), six ways, each timed against the attention alone:
 
 - alone: the N blocks' attention (cuDNN) and the log-sum-exp merge, nothing moved;
-- alone_own: the same with our attention kernel (kernels/attention.py, its log-sum-exp), nothing moved;
+- alone_own: the blocks' attention with our kernel (kernels/attention.py), which merges each block's output into
+  the running result itself, nothing moved;
 - forwarding: alone_own with the kernel forwarding each block's key and value tiles into a second buffer (the
   stored ring's kernels without its own work around them: stacking the first block, the final cast);
 - serial: each step attends its block, then sends it on (a copy in stream order);
@@ -30,7 +31,7 @@ from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_cali
 from xstage_dit.burst_gap.planner import RingBlocks
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.kernels.attention import flash_attention
-from xstage_dit.kernels.attention_args import KeyForward
+from xstage_dit.kernels.attention_args import KeyForward, Running
 from xstage_dit.sp.attention.ring import _Merged, attention_with_lse, stored_ring_attention
 from xstage_dit.sp.fabric import LoopbackFabric
 
@@ -57,26 +58,31 @@ class RingRank:
         self.fabric = LoopbackFabric(degree, "cuda", initialise=torch.Tensor.normal_).rank(0)
         self.side = torch.cuda.Stream()
 
-    def _steps(self, send, attend=lambda q, k, v: attention_with_lse(q, k, v, None, None)) -> torch.Tensor:
+    def _steps(self, send) -> torch.Tensor:
         merged = _Merged(self.query)
         for step in range(self.layout.ring_degree):
             sent = send(self.block) if step + 1 < self.layout.ring_degree else None
-            merged.add(*attend(self.query, self.block[0], self.block[1]))
+            merged.add(*attention_with_lse(self.query, self.block[0], self.block[1], None, None))
             if sent is not None:
                 sent()
+        return merged.out
+
+    def _own_steps(self, forward: KeyForward | None) -> torch.Tensor:
+        merged = _Merged(self.query)
+        for _ in range(self.layout.ring_degree):
+            flash_attention(self.query, self.block[0], self.block[1], forward=forward,
+                            merge=Running(merged.out, merged.lse))
         return merged.out
 
     def alone(self) -> torch.Tensor:
         return self._steps(lambda block: None)
 
     def alone_own(self) -> torch.Tensor:
-        return self._steps(lambda block: None, lambda q, k, v: flash_attention(q, k, v, return_lse=True))
+        return self._own_steps(None)
 
     def forwarding(self) -> torch.Tensor:
         to = torch.empty_like(self.block)
-        forward = KeyForward(to[0].data_ptr(), to[1].data_ptr())
-        return self._steps(lambda block: None,
-                           lambda q, k, v: flash_attention(q, k, v, return_lse=True, forward=forward))
+        return self._own_steps(KeyForward(to[0].data_ptr(), to[1].data_ptr()))
 
     def serial(self) -> torch.Tensor:
         def send(block):
