@@ -23,8 +23,8 @@ planner predicts both and picks the faster (rotated on ties).
 Rings (`ring_call`): shape.degree = U x R ranks, Ulysses groups of U consecutive ranks inside each step of a ring
 of R. A rank attends its H/U heads of the text and its Ulysses group's block (T + U*L query rows) over the text
 keys once, then one block of U*L image keys per step, and merges each call's output by log-sum-exp (three float32
-copies of its output; the fused ring's kernel merges in its epilogue); with A_i the i-th step's attention plus merge (the first's with the text's) and
-V = 2 * B * U*L * H/U * D * e the block's keys and values:
+copies of its output; the fused ring's kernel merges in its epilogue); with A_i the i-th step's attention plus
+merge (the first's with the text's) and V = 2 * B * U*L * H/U * D * e the block's keys and values:
 
 - around the ring: the Ulysses exchanges (q, k, v in, the output back, as the reference path's), or at U = 1 the
   copies that join text and image rows;
@@ -33,14 +33,15 @@ V = 2 * B * U*L * H/U * D * e the block's keys and values:
   nodes;
 - overlap (sp/attention/ring.py): the send of block i+1 in flight while block i attends:
   sum_{i<R-1} max(A_i, P) + A_{R-1};
-- fused (X-Stage ring, one node only, sp/attention/ring.py `stored_ring_steps`): our attention kernel attends
-  each block (A_i with our kernel's rate, its merge in the epilogue: the running float32 output read and written
-  once; the text with the vendor's) and forwards every key and value tile it loads into the next rank's slot (one destination: its drain rate R), one tile per work tile of the matching row
-  index (`ring_forward`). That is a Burst-Gap train: per wave of K = #SMs work tiles, a burst of the block's
-  bytes over the waves (V_w = V / waves) after a gap of one work tile's attention (G = A / waves), each wave
-  stalling max(0, V_w/R - G - T0_iss), the last wave's bytes landing before the barrier: F = store_train(...),
-  sum_{i<R-1} (A_i + F) + A_{R-1}. The block is delivered in the kernel's key tiles (sizes.ATTENTION_TILES): the
-  train's bursts are as small as the waves make them, so the drain hides under the gap wherever V/R < A.
+- fused (X-Stage ring, one node only, sp/attention/ring.py `stored_ring_steps`): our attention kernel attends each
+  block (A_i with our kernel's rate, its merge in the epilogue: the running float32 output read and written once;
+  the text with the vendor's) and forwards every key and value tile it loads into the next rank's slot (one
+  destination: its drain rate R), one tile per work tile of the matching row index (`ring_forward`). That is a
+  Burst-Gap train: per wave of K = #SMs work tiles, a burst of the block's bytes over the waves (V_w = V / waves)
+  after a gap of one work tile's attention (G = A / waves), each wave stalling max(0, V_w/R - G - T0_iss), the last
+  wave's bytes landing before the barrier: F = store_train(...), sum_{i<R-1} (A_i + F) + A_{R-1}. The block is
+  delivered in the kernel's key tiles (sizes.ATTENTION_TILES): the train's bursts are as small as the waves make
+  them, so the drain hides under the gap wherever V/R < A.
 
 The serial and overlap transports attend with the vendor's kernel.
 

@@ -89,16 +89,6 @@ class _Merged:
         self.out = self.out * keep + out.float() * take
         self.lse = merged
 
-    def add_by(self, attend: Callable[[Running], object], masks: "RingMasks") -> None:
-        """Merge in the output of a kernel that merges into a running result itself (`attend`, given this one),
-        over keys that `masks.shift` applies to: shifting the running log-sum-exp the other way around the call
-        adds the shift to the kernel's own."""
-        if masks.shift is not None:
-            self.lse = self.lse - masks.shift
-        attend(Running(self.out, self.lse))
-        if masks.shift is not None:
-            self.lse += masks.shift
-
 
 class _RingPass:
     """One block's keys and values, packed, sent to the next ring rank while the previous rank's comes in. A gloo
@@ -214,8 +204,8 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """ring_attention with the blocks delivered by remote stores (the X-Stage ring), one rank over `fabric` (the
     ring group's), paused before each barrier. Every rank holds two slots for incoming blocks: while a step
     attends its block, our attention kernel forwards each key and value tile it loads into the next ring rank's
-    other slot, and merges its output into the running result itself; the barrier that ends the step says every rank's block has landed and every rank is done with the
-    slot the next step overwrites."""
+    other slot, and merges its output into the running result itself; the barrier that ends the step says every
+    rank's block has landed and every rank is done with the slot the next step overwrites."""
     from ...kernels.attention import flash_attention  # Triton: imported where a fabric is in use
 
     degree, rank = layout.ring_degree, layout.ring_rank
@@ -225,21 +215,23 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     merged = _Merged(query)
     masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
     _attend_text(merged, query, key, value, layout, scale, masks, whole)
+    # a pair bias adds `masks.shift` to each query's score of every image key: the running log-sum-exp shifted the
+    # other way, once, does that for every block (only the output is kept)
+    running = Running(merged.out, merged.lse if masks.shift is None else merged.lse - masks.shift)
     for step in range(degree):
         if block.shape[2]:
             forward = None
             if step + 1 < degree:  # into the next rank's other slot, with the block's own layout
                 to = slots.addresses[(rank + 1) % degree] + (step + 1) % 2 * slots.tensor[0].nbytes
                 forward = KeyForward(to, to + block[0].nbytes)
-            merged.add_by(lambda running: flash_attention(query, block[0], block[1], scale=scale, forward=forward,
-                                                          merge=running), masks)
+            flash_attention(query, block[0], block[1], scale=scale, forward=forward, merge=running)
         source = (rank - step - 1) % degree
         yield f"ring block {step + 2} of {degree} (ring rank {source}'s keys)" if step + 1 < degree else \
             "every ring rank to be done with its blocks"
         rows = layout.block_keys(source)
         block = slots.tensor[(step + 1) % 2, :2 * batch * rows * heads * head_dim].view(2, batch, rows, heads,
                                                                                          head_dim)
-    return merged.out.to(query.dtype)
+    return running.out.to(query.dtype)
 
 
 def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
