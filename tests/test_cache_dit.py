@@ -118,6 +118,9 @@ def _cache_dit_worker(names: list[str], size: str) -> None:
         (whole, *_), (alone, *_), uncached = _compared(pipe, generate)
         threshold = _between(whole, min(statistic for statistic in alone if statistic > whole))
         _equal_to_one_process(name, pipe, generate, threshold, uncached)
+        if torch.distributed.get_world_size() == 2 and name in ("tiny-flux", "tiny-wan"):
+            # the same split of the tokens as a ring of two (cache-dit's hooks at the input, and in its wrapper)
+            _equal_to_one_process(name, pipe, generate, threshold, uncached, ring_degree=2)
     if torch.distributed.get_world_size() == 2:
         _cfg_split()
         _refuses_cache_dits_parallelism()

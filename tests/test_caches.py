@@ -64,7 +64,7 @@ def _stock_with(pipe: Any, make: Callable[[], Any], generate: Callable[[], torch
             pipe.transformer.disable_cache()
 
 
-def _caches_worker(names: list[str], size: str) -> None:
+def _caches_worker(names: list[str], size: str, degrees: dict | None = None) -> None:
     acted = set()
     for name in names:
         pipe = zoo.build_pipeline(name)
@@ -82,11 +82,11 @@ def _caches_worker(names: list[str], size: str) -> None:
                 continue  # diffusers' cache refuses this family, or changes nothing here
             acted.add(cache)
             pipe.transformer.enable_cache(make())  # before enable
-            xstage_dit.enable(pipe, backend="reference", timeout_s=60)
+            xstage_dit.enable(pipe, backend="reference", timeout_s=60, **(degrees or {}))
             before = generate(guidance)
             xstage_dit.disable(pipe)
             pipe.transformer.disable_cache()
-            xstage_dit.enable(pipe, backend="reference", timeout_s=60)  # after enable
+            xstage_dit.enable(pipe, backend="reference", timeout_s=60, **(degrees or {}))  # after enable
             pipe.transformer.enable_cache(make())
             after = generate(guidance)
             pipe.transformer.disable_cache()
@@ -112,6 +112,11 @@ def test_caches_before_and_after_enable_equal_one_process(world_size: int, size:
     """Every cache that acts on a family in one process (some refuse a family: no block metadata, no cache
     context, no `enable_cache`) gives the same result with xstage_dit, whichever was enabled first."""
     run_on_ranks(world_size, _caches_worker, FAMILIES[world_size, size], size, deadline_s=900)
+
+
+def test_caches_before_and_after_enable_on_a_ring_equal_one_process() -> None:
+    """The same on a ring of two ranks (the token split of ring ranks, a cache's decision over the ring group)."""
+    run_on_ranks(2, _caches_worker, ["tiny-flux", "tiny-wan"], "uneven", {"ring_degree": 2}, deadline_s=600)
 
 
 def _first_block_cache_between(name: str, generate: Callable[[Any], torch.Tensor]) -> float:

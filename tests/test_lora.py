@@ -152,9 +152,10 @@ def _fresh(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
 
 def _adapters_worker(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                      tolerance: float = TOLERANCE, cuda_graphs: bool | None = None, compiled: bool = False,
-                     steps: list[str] | None = None, calls: int = 1) -> None:
-    """The sequence (or its `steps`) on stock, then enabled; `calls` pipeline calls after each step (with CUDA
-    graphs the later ones replay graphs captured after the step)."""
+                     steps: list[str] | None = None, calls: int = 1, degrees: dict | None = None) -> None:
+    """The sequence (or its `steps`) on stock, then enabled (with `degrees`, else Ulysses over every rank);
+    `calls` pipeline calls after each step (with CUDA graphs the later ones replay graphs captured after the
+    step)."""
     pipe = _fresh(name, device, dtype)
     sequence = [(what, step) for what, step in STEPS if steps is None or what in steps]
     stock = []
@@ -175,7 +176,7 @@ def _adapters_worker(name: str, device: str = "cpu", dtype: torch.dtype = torch.
         for index, ((what, step), ref) in enumerate(zip(sequence, stock)):
             step(pipe, adapters)
             if index == 0:
-                xstage_dit.enable(pipe, timeout_s=120, cuda_graphs=cuda_graphs)
+                xstage_dit.enable(pipe, timeout_s=120, cuda_graphs=cuda_graphs, **(degrees or {}))
                 if compiled:  # a graph break is an error; the eager backend keeps it fast
                     pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
             for _ in range(calls):
@@ -217,6 +218,17 @@ def _families_worker(names: list[str]) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_adapters_equal_stock_on_more_families(world_size: int) -> None:
     run_on_ranks(world_size, _families_worker, PLAIN_FAMILIES, deadline_s=600)
+
+
+def _ring_worker(names: list[str]) -> None:
+    for name in names:
+        _adapters_worker(name, degrees={"ring_degree": 2})
+
+
+def test_adapters_on_a_ring_equal_stock() -> None:
+    """Every step of the sequence with the sequence split as a ring of two ranks: FLUX.1 (its split projection
+    and the ring's joint text) and Z-Image (30 heads, which Ulysses over 4 or 8 ranks cannot split)."""
+    run_on_ranks(2, _ring_worker, ["tiny-flux", "tiny-zimage"], deadline_s=600)
 
 
 def _sharded_experts_worker() -> None:
