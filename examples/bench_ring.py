@@ -32,7 +32,7 @@ from xstage_dit.burst_gap.planner import RingBlocks
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.kernels.attention import flash_attention
 from xstage_dit.kernels.attention_args import KeyForward, Running
-from xstage_dit.sp.attention.ring import _Merged, attention_with_lse, stored_ring_attention
+from xstage_dit.sp.attention.ring import Merged, attention_with_lse, stored_ring_attention
 from xstage_dit.sp.fabric import LoopbackFabric
 
 from bench_kernels import back_to_back_ms
@@ -59,16 +59,16 @@ class RingRank:
         self.side = torch.cuda.Stream()
 
     def _steps(self, send) -> torch.Tensor:
-        merged = _Merged(self.query)
+        merged = Merged(self.query)
         for step in range(self.layout.ring_degree):
             sent = send(self.block) if step + 1 < self.layout.ring_degree else None
-            merged.add(*attention_with_lse(self.query, self.block[0], self.block[1], None, None))
+            merged.add(attention_with_lse(self.query, self.block[0], self.block[1], None, None))
             if sent is not None:
                 sent()
         return merged.out
 
     def _own_steps(self, forward: KeyForward | None) -> torch.Tensor:
-        merged = _Merged(self.query)
+        merged = Merged(self.query)
         for _ in range(self.layout.ring_degree):
             flash_attention(self.query, self.block[0], self.block[1], forward=forward,
                             merge=Running(merged.out, merged.lse))

@@ -38,10 +38,18 @@ from .layout import UlyssesLayout
 from .masks import pair_bias
 
 
+class Partial(NamedTuple):
+    """Attention over part of the keys: the (B, S, H, D) output and each query's log-sum-exp of its scores over
+    that part, (B, H, S) float32."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
 def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                       scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of (B, S, H, D) queries over keys and values with H or fewer heads (grouped-query attention), and
-    each query's log-sum-exp of its scores, (B, H, S) float32. `mask`: an SDPA mask (bool, or additive)."""
+                       scale: float | None) -> Partial:
+    """Attention of (B, S, H, D) queries over keys and values with H or fewer heads (grouped-query attention),
+    with its log-sum-exp. `mask`: an SDPA mask (bool, or additive)."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
@@ -60,7 +68,7 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         lse = lse[..., :q.shape[2]]  # the kernel pads the queries of its log-sum-exp to a multiple of 32
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2), lse.float()
+    return Partial(out.transpose(1, 2), lse.float())
 
 
 class WholeKeys(NamedTuple):
@@ -75,7 +83,7 @@ class WholeKeys(NamedTuple):
         return WholeKeys(*(t[:, :, rank * share:(rank + 1) * share] for t in self))
 
 
-class _Merged:
+class Merged:
     """Partial attention outputs over disjoint key sets, merged by their log-sum-exp in float32."""
 
     def __init__(self, query: torch.Tensor) -> None:
@@ -83,10 +91,10 @@ class _Merged:
         self.out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
         self.lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=query.device)
 
-    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        merged = torch.logaddexp(self.lse, lse)
-        keep, take = (torch.exp(x - merged).transpose(1, 2).unsqueeze(-1) for x in (self.lse, lse))
-        self.out = self.out * keep + out.float() * take
+    def add(self, partial: Partial) -> None:
+        merged = torch.logaddexp(self.lse, partial.lse)
+        keep, take = (torch.exp(x - merged).transpose(1, 2).unsqueeze(-1) for x in (self.lse, partial.lse))
+        self.out = self.out * keep + partial.out.float() * take
         self.lse = merged
 
 
@@ -125,9 +133,9 @@ class RingMasks(NamedTuple):
     text: torch.Tensor | None
     shift: torch.Tensor | None
 
-    def block_lse(self, lse: torch.Tensor) -> torch.Tensor:
-        """A block's (B, H, queries) log-sum-exp under the mask."""
-        return lse if self.shift is None else lse + self.shift
+    def on_block(self, partial: Partial) -> Partial:
+        """A block's unmasked attention as it is under the mask."""
+        return partial if self.shift is None else partial._replace(lse=partial.lse + self.shift)
 
 
 def ring_masks(text_mask: torch.Tensor | None, layout: UlyssesLayout, query_rows: int,
@@ -142,22 +150,21 @@ def ring_masks(text_mask: torch.Tensor | None, layout: UlyssesLayout, query_rows
     return RingMasks(bias[..., :layout.text_len], bias[..., -1].float())
 
 
-def _attend_text(merged: _Merged, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _attend_text(merged: Merged, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  layout: UlyssesLayout, scale: float | None, masks: RingMasks, whole: WholeKeys | None) -> None:
     """The keys no block holds: the text (the first rows of k and v) and this rank's heads of the `whole` keys."""
     if layout.text_len:
         text = slice(0, layout.text_len)
-        merged.add(*attention_with_lse(query, key[:, text], value[:, text], masks.text, scale))
+        merged.add(attention_with_lse(query, key[:, text], value[:, text], masks.text, scale))
     if whole is not None:
-        merged.add(*attention_with_lse(query, *whole, None, scale))
+        merged.add(attention_with_lse(query, *whole, None, scale))
 
 
-def _attend_block(merged: _Merged, query: torch.Tensor, block: torch.Tensor, scale: float | None,
+def _attend_block(merged: Merged, query: torch.Tensor, block: torch.Tensor, scale: float | None,
                   masks: RingMasks) -> None:
     """A block, (2, B, rows, h_kv, D) keys and values; nothing where it holds no true token."""
     if block.shape[2]:
-        out, lse = attention_with_lse(query, block[0], block[1], None, scale)
-        merged.add(out, masks.block_lse(lse))
+        merged.add(masks.on_block(attention_with_lse(query, block[0], block[1], None, scale)))
 
 
 def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
@@ -187,7 +194,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     block = _own_block(key, value, layout)
     in_flight = send_on(block, 0)
-    merged = _Merged(query)
+    merged = Merged(query)
     masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
     _attend_text(merged, query, key, value, layout, scale, masks, whole)  # while the first block travels
     _attend_block(merged, query, block, scale, masks)
@@ -212,7 +219,7 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     batch, _, heads, head_dim = key.shape
     slots = fabric.buffer("ring_kv", (2, 2 * batch * layout.padded_len * heads * head_dim), key.dtype)
     block = _own_block(key, value, layout)
-    merged = _Merged(query)
+    merged = Merged(query)
     masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
     _attend_text(merged, query, key, value, layout, scale, masks, whole)
     # a pair bias adds `masks.shift` to each query's score of every image key: the running log-sum-exp shifted the
