@@ -111,7 +111,7 @@ def predicted_ms(planner: Planner, degree: int, tokens: int) -> dict[str, float]
     blocks = RingBlocks.of(shape, degree, 1)
     own = sum(planner.ring_steps(blocks, own=True)) * 1e3
     return {"alone": sum(planner.ring_steps(blocks)) * 1e3, "alone_own": own,
-            "forwarding": own + planner.ring_forward(blocks) * 1e3 * degree, **ring,
+            "forwarding": own + planner.ring_forward(blocks).added * 1e3 * degree, **ring,
             "stored": (planner.ring_call(shape, degree, 1, "fused") - around) * 1e3}
 
 

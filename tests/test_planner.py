@@ -228,6 +228,9 @@ def test_plan_command_without_a_gpu_plans_for_the_shipped_h200(capsys):
     assert "auto runs" not in printed  # no Ulysses-only split of 30 heads over 8 ranks
     assert re.search(r"plan: Ulysses [12] x ring [48], backend (reference|fused), [0-9.]+ ms predicted", printed)
     assert "enable() with no degrees runs Ulysses 2 x ring 4" in printed
+    # the fastest X-Stage ring's forward as a Burst-Gap train: a block of 2 x 512 keys of 15 heads, K and V, bf16
+    train = re.search(r"fused ring's forward \(Ulysses 2 x ring 4\): ([0-9.]+) MB a step in 1 burst\(s\)", printed)
+    assert train and float(train.group(1)) == pytest.approx(2 * 4096 // 4 * 15 * 128 * 2 / 1e6, abs=0.05)
 
 
 # -- rings ------------------------------------------------------------------------------------------------------
@@ -261,16 +264,18 @@ def test_the_fused_ring_adds_each_forward_s_store_train_to_its_step():
     planner = Planner(NVLINK_LIKE, COSTS)
     blocks = RingBlocks.of(RING_SHAPE, 4, 1)
     steps = planner.ring_steps(blocks, own=True)
-    forward = planner.ring_forward(blocks)
-    assert forward > 0
+    train = planner.ring_forward(blocks)
+    forward = train.added
+    assert forward > 0 and train.nbytes == blocks.block_bytes()
+    assert train.bursts == math.ceil(train.nbytes / train.burst_bytes)  # one a wave of work tiles
     fused = planner.ring_call(RING_SHAPE, 4, 1, "fused")
     assert fused == pytest.approx(planner.ulysses_around_ring(blocks) + sum(steps) + 3 * forward)
     # the block drains under its attention: the train adds far less than the block's delivery in one burst
     assert forward < 0.5 * planner.model.delivery_time(blocks.block_bytes(), planner.costs.sms)
     # a drain slower than the attention stalls the stores
     slow = Planner(replace(NVLINK_LIKE, drain_rate=5e9), COSTS)
-    assert slow.ring_forward(blocks) > forward
-    assert slow.ring_forward(blocks) > blocks.block_bytes() / 5e9 - sum(steps) / len(steps)
+    assert slow.ring_forward(blocks).added > forward
+    assert slow.ring_forward(blocks).added > blocks.block_bytes() / 5e9 - sum(steps) / len(steps)
 
 
 def test_hybrid_rings_split_the_heads_and_blocks():

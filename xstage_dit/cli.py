@@ -20,7 +20,7 @@ from .probing.calibrate import calibrate, describe, remeasure_kernel_costs, topo
 from .sp.attention.backends import available_backends, backends, costs_of
 from .burst_gap.calibration import SHIPPED, SHIPPED_GPU, Calibration, calibration_dir, find_calibration
 from .burst_gap.planner import (INTERNODE_RATE, SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Nodes, Planner,
-                                widest_ulysses)
+                                RingBlocks, widest_ulysses)
 
 
 def _version(package: str) -> str:
@@ -84,6 +84,10 @@ def plan_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes) ->
     best = splits[0]
     lines.append(f"  plan: Ulysses {best.ulysses} x ring {best.ring}, backend {best.backend}, "
                  f"{best.seconds * 1e3:.3f} ms predicted")
+    fused = next((split for split in splits if split.backend == "fused" and split.ring > 1), None)
+    if fused is not None:  # how the fastest X-Stage ring's blocks drain under its attention
+        train = planner.ring_forward(RingBlocks.of(shape, fused.ring, fused.ulysses))
+        lines.append(f"  fused ring's forward (Ulysses {fused.ulysses} x ring {fused.ring}): {train}")
     ulysses = widest_ulysses(shape.degree, [shape.heads], nodes.ranks_per_node)
     lines.append(f"  enable() with no degrees runs Ulysses {ulysses} x ring {shape.degree // ulysses} (Ulysses as "
                  f"wide as divides the heads within a node)")

@@ -297,6 +297,25 @@ def store_train(path: BurstGapModel, gap: float, burst_bytes: float, producers: 
     return max(0, bursts - 1) * stall + path.delivery_time(burst_bytes, producers) - free
 
 
+@dataclass(frozen=True)
+class ForwardTrain:
+    """A fused ring step's forward of its block (`nbytes`) as a Burst-Gap train: `bursts` bursts of up to
+    `burst_bytes` from `storing` programs, each after `gap` seconds of attention; `added`, the seconds it adds to
+    the step."""
+
+    nbytes: float
+    bursts: int
+    burst_bytes: float
+    storing: int
+    gap: float
+    added: float
+
+    def __str__(self) -> str:
+        return (f"{self.nbytes / 1e6:.1f} MB a step in {self.bursts} burst(s) of up to "
+                f"{self.burst_bytes / 1e6:.2f} MB from {self.storing} programs, {self.gap * 1e3:.3f} ms of attention "
+                f"apart: +{self.added * 1e3:.3f} ms a step")
+
+
 # predicted seconds of one attention call of a shape, from the planner's pieces
 Cost = Callable[["Planner", AttentionShape], float]
 
@@ -490,9 +509,9 @@ class Planner:
         rate = nodes.internode_rate if nodes.ring_crosses(blocks.ulysses, blocks.ring) else self.costs.alltoall_rate
         return self.costs.launch + blocks.block_bytes() / rate
 
-    def ring_forward(self, blocks: RingBlocks, tiles: AttentionTiles = ATTENTION_TILES) -> float:
-        """What forwarding one block from our attention kernel adds to a fused ring step: the Burst-Gap train of
-        its key tiles' stores, one burst per wave of work tiles (the module's docstring)."""
+    def ring_forward(self, blocks: RingBlocks, tiles: AttentionTiles = ATTENTION_TILES) -> ForwardTrain:
+        """Forwarding one block from our attention kernel in a fused ring step: the Burst-Gap train of its key
+        tiles' stores, one burst per wave of work tiles (the module's docstring), and what it adds to the step."""
         s = blocks.shape
         work_tiles = s.batch * blocks.heads * ceil_div(blocks.query_rows, tiles.rows)
         producers = min(self.costs.sms, work_tiles)
@@ -500,7 +519,10 @@ class Planner:
         key_tiles = s.batch * blocks.heads * ceil_div(blocks.block_keys, tiles.keys)  # each forwarded once
         compute = self.costs.attention_time(blocks.flops(blocks.block_keys), blocks.block_keys, s.head_dim, True)
         storing = max(1, min(producers, round(key_tiles / waves)))
-        return store_train(self.model, compute / waves, blocks.block_bytes() / waves, storing, math.ceil(waves))
+        nbytes = blocks.block_bytes()
+        gap, burst_bytes, bursts = compute / waves, nbytes / waves, math.ceil(waves)
+        return ForwardTrain(nbytes, bursts, burst_bytes, storing, gap,
+                            store_train(self.model, gap, burst_bytes, storing, bursts))
 
     def ulysses_around_ring(self, blocks: RingBlocks) -> float:
         """The Ulysses exchanges around the ring (q, k, v in, the output back: the reference path's all-to-alls),
@@ -529,7 +551,7 @@ class Planner:
             send = self.ring_send(blocks, nodes)
             ring = sum(max(step, send) for step in passed) + last
         else:
-            ring = sum(passed) + len(passed) * self.ring_forward(blocks) + last
+            ring = sum(passed) + len(passed) * self.ring_forward(blocks).added + last
         return self.ulysses_around_ring(blocks) + ring
 
     def ring_transport(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int, nodes: Nodes | None = None
