@@ -68,11 +68,10 @@ class RingRank:
         return merged.out
 
     def _own_steps(self, forward: KeyForward | None) -> torch.Tensor:
-        merged = Merged(self.query)
+        running = Running.empty(self.query)
         for _ in range(self.layout.ring_degree):
-            flash_attention(self.query, self.block[0], self.block[1], forward=forward,
-                            merge=Running(merged.out, merged.lse))
-        return merged.out
+            flash_attention(self.query, self.block[0], self.block[1], forward=forward, merge=running)
+        return running.out
 
     def alone(self) -> torch.Tensor:
         return self._steps(lambda block: None)

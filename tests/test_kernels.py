@@ -98,14 +98,13 @@ def _check_merge(device, dtype, batch, q_len, first_keys, keys, heads, kv_heads,
 
     q = make(q_len, heads)
     k1, v1, k2, v2 = make(first_keys, kv_heads), make(first_keys, kv_heads), make(keys, kv_heads), make(keys, kv_heads)
-    running = Running(torch.zeros(q.shape, device=device), torch.full((batch, heads, q_len), float("-inf"),
-                                                                      device=device))
+    running = Running.empty(q)
     k_to, v_to = torch.empty_like(k1), torch.empty_like(v1)
     for k, v in ((k1, v1), (k2, v2)):
         flash_attention(q, k, v, merge=running, config=config, forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()))
         if k is k1:
             ref, _ = _reference(q, k1.repeat_interleave(heads // kv_heads, 2),
-                                      v1.repeat_interleave(heads // kv_heads, 2), first_keys)
+                                v1.repeat_interleave(heads // kv_heads, 2), first_keys)
             assert _relative_error(running.out, ref) < TOLERANCE[dtype]
             assert torch.equal(k_to, k1) and torch.equal(v_to, v1)
     every_k, every_v = (torch.cat([a, b], dim=1).repeat_interleave(heads // kv_heads, 2)

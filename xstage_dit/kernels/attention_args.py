@@ -81,6 +81,13 @@ class Running(NamedTuple):
     out: torch.Tensor
     lse: torch.Tensor
 
+    @classmethod
+    def empty(cls, q: torch.Tensor) -> "Running":
+        """Nothing attended yet by queries `q`: a zero output and a -inf log-sum-exp."""
+        batch, rows, heads, _ = q.shape
+        return cls(torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+                   torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device))
+
     def check(self, q: torch.Tensor) -> None:
         batch, rows, heads, _ = q.shape
         if (self.out.shape != q.shape or self.lse.shape != (batch, heads, rows) or self.out.dtype != torch.float32

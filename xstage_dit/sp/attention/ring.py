@@ -87,9 +87,7 @@ class Merged:
     """Partial attention outputs over disjoint key sets, merged by their log-sum-exp in float32."""
 
     def __init__(self, query: torch.Tensor) -> None:
-        batch, rows, heads, _ = query.shape
-        self.out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
-        self.lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=query.device)
+        self.out, self.lse = Running.empty(query)
 
     def add(self, partial: Partial) -> None:
         merged = torch.logaddexp(self.lse, partial.lse)
