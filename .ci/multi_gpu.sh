@@ -6,7 +6,7 @@
 #   "kernels"          attention + post-all-to-all at N = G: attention only / serial / fused, planner predictions
 #   "e2e CONFIG N..."  bench_e2e at each N: stock (N = 1), xstage reference / fused / auto, diffusers' own Ulysses,
 #                      and rank 0's GPU time per step by kernel (--profile): wall minus GPU time says how host-bound
-# On 8 GPUs, four calls, each within one device call (docs/benchmarks/README.md has the times):
+# On 8 GPUs, four calls, each within one device call (docs/benchmarks/notes-multi-gpu-device-time.md has the times):
 #   bash .ci/multi_gpu.sh correctness
 #   bash .ci/multi_gpu.sh calibrate kernels
 #   bash .ci/multi_gpu.sh "e2e flux-dev 1 2 4 8"
