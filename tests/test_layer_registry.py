@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -18,6 +19,7 @@ from test_parallel_pipelines import seeded_latents
 from xstage_dit import api, patches
 from xstage_dit.hooks.layers import stack_of
 from xstage_dit.layers import MODEL_LAYERS, PIPELINE_LAYERS, layer_names
+from xstage_dit.sp.plan import FAMILY_LAYERS, SequenceParallelPlan
 
 GPU_ONLY = {"CUDA graphs"}  # installs only where there is a GPU (tests/test_cuda_graphs.py checks its removal)
 BOOKKEEPING = {"_xstage_dit_applied", "_xstage_dit_layers"}  # enable's own records, gone after disable
@@ -135,3 +137,12 @@ def test_installed_layers_names_them_in_order() -> None:
     assert {"attention routing", "fused RoPE", "GELU epilogue", "split projection"} <= set(installed)
     assert not {"token split", "cache decisions", "CFG split", "pipeline call", "parallel VAE"} & set(installed)
     assert xstage_dit.installed_layers(flux_pipe) == []
+
+
+def test_a_plan_installs_only_into_the_layers_a_family_fills() -> None:
+    """A family plan's installs are keyed by the names of `enable`'s layers; a name that is no such layer (a typo, or
+    a layer the library fills itself) is refused when the plan is made, naming the layers it could use."""
+    assert set(FAMILY_LAYERS) <= set(layer_names())
+    with pytest.raises(ValueError, match="token split.*not layers a family fills"):
+        SequenceParallelPlan(family="made-up", call_site=("m", "dispatch"), attention_modules=lambda model: [],
+                             cfg=None, installs={"token split": lambda model, context: []})

@@ -31,8 +31,8 @@ from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_hooks import CfgBranches, SharedCacheDecisions, stateful_hooks
 from .sp.fabric import fabric_of
 from .sp.moe.modes import ExpertModes
-from .sp.plan import (PlanContext, SequenceParallelPlan, attention_routes, check_inputs_hooks, split_blocks,
-                      token_split_hooks)
+from .sp.plan import (FAMILY_CHANGES, FUSED_ROPE, MOE_EXPERTS, PROCESSORS, SPLIT_PROJECTION, PlanContext,
+                      SequenceParallelPlan, attention_routes, check_inputs_hooks, split_blocks, token_split_hooks)
 from .sp.sharding import SequenceShard
 from .vae.decode import ParallelDecode
 
@@ -86,16 +86,12 @@ class Layer:
     why_here: str
 
 
-def _family_changes(job: ModelJob) -> list[Change]:
-    return job.plan.install(job.model, job.context) if job.plan.install is not None else []
+def _family(layer: str) -> Callable[[ModelJob], list[Change]]:
+    """A layer holding the family's own changes for it, wherever the family has some."""
+    def install(job: ModelJob) -> list[Change]:
+        return job.plan.changes(layer, job.model, job.context)
 
-
-def _experts(job: ModelJob) -> list[Change]:
-    return job.plan.experts(job.model, job.context) if job.plan.experts is not None else []
-
-
-def _processors(job: ModelJob) -> list[Change]:
-    return job.plan.processors(job.model) if job.plan.processors is not None else []
+    return install
 
 
 def _input_checks(job: ModelJob) -> list[Change]:
@@ -123,7 +119,7 @@ def _attention_routing(job: ModelJob) -> list[Change]:
 def _fused_rope(job: ModelJob) -> list[Change]:
     if not job.config.fuse_rope:
         return []
-    processors = job.plan.norm_rope_processors(job.model) if job.plan.norm_rope_processors is not None else []
+    processors = job.plan.changes(FUSED_ROPE, job.model, job.context)
     route = [routing.RotaryRoute(job.plan.rotary_site, job.attention)] if job.plan.rotary_site is not None else []
     return [*processors, *route]
 
@@ -133,9 +129,7 @@ def _gelu_epilogue(job: ModelJob) -> list[Change]:
 
 
 def _split_projection(job: ModelJob) -> list[Change]:
-    if not job.config.fuse_mlp or job.plan.split_projection is None:
-        return []
-    return job.plan.split_projection(job.model)
+    return job.plan.changes(SPLIT_PROJECTION, job.model, job.context) if job.config.fuse_mlp else []
 
 
 def _capturable(groups: ParallelGroups) -> bool:
@@ -185,12 +179,12 @@ def _cfg_split(job: ModelJob) -> list[Change]:
 
 
 MODEL_LAYERS: tuple[Layer, ...] = (
-    Layer("family changes", _family_changes,
+    Layer(FAMILY_CHANGES, _family(FAMILY_CHANGES),
           "first: a family's own modules and helpers (embeddings on the device, sync-free text lengths, its own "
           "hooks) are what every later layer runs"),
-    Layer("MoE experts", _experts,
+    Layer(MOE_EXPERTS, _family(MOE_EXPERTS),
           "before anything that runs the blocks: the MoE layers' weights and forwards are set once"),
-    Layer("processors", _processors, "attention processors of ours, on the modules routing marks next"),
+    Layer(PROCESSORS, _family(PROCESSORS), "attention processors of ours, on the modules routing marks next"),
     Layer("input checks", _input_checks,
           "before the token split: a forward pre-hook registered first sees the inputs whole"),
     Layer("token split", _token_split,
@@ -200,10 +194,10 @@ MODEL_LAYERS: tuple[Layer, ...] = (
           "batch where the CFG split halves it (cache-dit's own reduction would average over every rank)"),
     Layer("attention routing", _attention_routing,
           "marks the plan's attention modules and rebinds the family's attention call site to them"),
-    Layer("fused RoPE", _fused_rope,
+    Layer(FUSED_ROPE, _fused_rope,
           "after routing: our RoPE kernel and norm + RoPE processors run for the marked modules' calls"),
     Layer("GELU epilogue", _gelu_epilogue, "feed-forward classes swapped; before graphs capture their forwards"),
-    Layer("split projection", _split_projection, "single-stream block classes swapped; before graphs likewise"),
+    Layer(SPLIT_PROJECTION, _split_projection, "single-stream block classes swapped; before graphs likewise"),
     Layer("CUDA graphs", _cuda_graphs,
           "around the hooked forward, so a graph holds this rank's whole branch, collectives included"),
     Layer("CFG split", _cfg_split,

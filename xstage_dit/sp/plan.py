@@ -4,7 +4,7 @@ and takes it off again."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -73,6 +73,23 @@ class PlanContext:
     experts: ExpertModes = ExpertModes()
 
 
+# the layers of `enable` (xstage_dit/layers.py) that a family fills with changes of its own, by the layers' names
+FAMILY_CHANGES = "family changes"  # its own modules and helpers (embeddings, sync-free lengths, hooks of its own)
+MOE_EXPERTS = "MoE experts"  # its MoE layers through xstage_dit (sharded or replicated, per the context's modes)
+PROCESSORS = "processors"  # attention processors of ours set on its modules
+FUSED_ROPE = "fused RoPE"  # processors handing q and k over before their norms and rotation (while fuse_rope)
+SPLIT_PROJECTION = "split projection"  # blocks projecting attention and MLP outputs apart (while fuse_mlp)
+FAMILY_LAYERS = (FAMILY_CHANGES, MOE_EXPERTS, PROCESSORS, FUSED_ROPE, SPLIT_PROJECTION)
+
+# a family's changes for one layer: given the model and the PlanContext, each change undone by `.remove()`
+FamilyInstall = Callable[[nn.Module, "PlanContext"], list[Any]]
+
+
+def model_only(install: Callable[[nn.Module], list[Any]]) -> FamilyInstall:
+    """A family's install that needs the model alone, as a FamilyInstall."""
+    return lambda model, context: install(model)
+
+
 @dataclass(frozen=True)
 class SequenceParallelPlan:
     """A model family's sequence-parallel plan.
@@ -104,14 +121,9 @@ class SequenceParallelPlan:
         one process does. For families whose joint attention never has keys-only text.
     check_model: raises, at enable time, for a model configuration the plan cannot shard.
     check_inputs: raises for model inputs the plan cannot shard (called with the bound forward arguments).
-    install: the family's own changes (embeddings, helpers rebound, hooks of its own), given a PlanContext; each
-        undone by `.remove()`.
-    experts: the family's MoE layers run through xstage_dit (sharded or replicated, per the PlanContext's modes).
-    processors: attention processors of ours set on the family's modules while it is enabled.
-    norm_rope_processors: processors that hand q and k to the attention before their norms and rotation, set while
-        RoPE is fused (XStageConfig.fuse_rope).
-    split_projection: the family's blocks switched to ones that project attention and MLP outputs without joining
-        them, while MLPs are fused (XStageConfig.fuse_mlp).
+    installs: the family's own changes, keyed by the name of the layer of `enable` that installs them (one of
+        FAMILY_LAYERS: its own modules and hooks, its MoE layers, attention processors, the fused-RoPE processors,
+        the split projection's blocks); the layer decides whether they apply (e.g. fuse_rope, fuse_mlp).
     num_experts: routed experts per MoE layer where the plan's MoE can run expert parallel (0: no MoE layers).
     """
 
@@ -130,12 +142,19 @@ class SequenceParallelPlan:
     local_cross_attention: bool = False
     check_model: Callable[[nn.Module], None] | None = None
     check_inputs: Callable[[dict[str, Any]], None] | None = None
-    install: Callable[[nn.Module, PlanContext], list[Any]] | None = None
-    experts: Callable[[nn.Module, PlanContext], list[Any]] | None = None
-    processors: Callable[[nn.Module], list[Any]] | None = None
-    norm_rope_processors: Callable[[nn.Module], list[Any]] | None = None
-    split_projection: Callable[[nn.Module], list[Any]] | None = None
+    installs: Mapping[str, FamilyInstall] = field(default_factory=dict)
     num_experts: Callable[[nn.Module], int] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = set(self.installs) - set(FAMILY_LAYERS)
+        if unknown:
+            raise ValueError(f"{self.family}'s plan installs changes for {sorted(unknown)}, which are not layers a "
+                             f"family fills; those are {list(FAMILY_LAYERS)}")
+
+    def changes(self, layer: str, model: nn.Module, context: PlanContext) -> list[Any]:
+        """The family's changes for `layer` (one of FAMILY_LAYERS), none where it has none."""
+        install = self.installs.get(layer)
+        return install(model, context) if install is not None else []
 
 
 def _modules_at(model: nn.Module, path: str) -> list[nn.Module]:

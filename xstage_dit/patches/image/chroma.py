@@ -22,7 +22,8 @@ from ...cfg.plan import PAIRS, CfgPlan
 from ...hooks.module_forward import SwappedClasses
 from ...sp.attention import routing
 from ...sp.attention.masks import QueryKeyMasks
-from ...sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
+from ...sp.plan import (FAMILY_CHANGES, FUSED_ROPE, SPLIT_PROJECTION, PlanContext, SequenceParallelPlan, TextAndImage,
+                        model_only)
 from .. import cfg_rules
 from .flux import attention_of_both_streams, norm_rope_processors
 from .flux_mlp import split_projection_blocks
@@ -70,8 +71,7 @@ PLANS = {
         gather_outputs={"proj_out": -2},
         check_inputs=_refuse_controlnet_and_ip_adapter,
         query_key_masks=QueryKeyMasks.PAIR_BIAS,
-        install=_install,
-        norm_rope_processors=norm_rope_processors,
-        split_projection=split_projection_blocks,
+        installs={FAMILY_CHANGES: _install, FUSED_ROPE: model_only(norm_rope_processors),
+                  SPLIT_PROJECTION: model_only(split_projection_blocks)},
     )
 }

@@ -30,7 +30,7 @@ from ...cfg.plan import PAIRS, CfgPlan
 from ...fusions.plain import reads_plain
 from ...kernels.rotary_args import JointTokens, NormedTokens
 from ...sp.attention import ops, routing
-from ...sp.plan import JointText, LocalOrWhole, SequenceParallelPlan
+from ...sp.plan import FUSED_ROPE, SPLIT_PROJECTION, JointText, LocalOrWhole, SequenceParallelPlan, model_only
 from .. import cfg_rules
 from .flux_mlp import split_projection_blocks
 from ..processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
@@ -142,8 +142,7 @@ PLANS = {
                            "controlnet_single_block_samples": LocalOrWhole(-2)}},
         gather_outputs={"proj_out": -2},
         local_cross_attention=True,
-        norm_rope_processors=norm_rope_processors,
-        split_projection=split_projection_blocks,
+        installs={FUSED_ROPE: model_only(norm_rope_processors), SPLIT_PROJECTION: model_only(split_projection_blocks)},
     ),
     FluxControlNetModel: SequenceParallelPlan(
         family="Flux ControlNet",
@@ -156,7 +155,6 @@ PLANS = {
         # this rank's tokens, which the enabled transformer adds to its own
         shard_inputs={"": {"hidden_states": -2, "img_ids": -2}},
         shard_outputs={"controlnet_x_embedder": {0: -2}},
-        norm_rope_processors=norm_rope_processors,
-        split_projection=split_projection_blocks,
+        installs={FUSED_ROPE: model_only(norm_rope_processors), SPLIT_PROJECTION: model_only(split_projection_blocks)},
     ),
 }

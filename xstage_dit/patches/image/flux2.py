@@ -27,7 +27,7 @@ from ...cfg.plan import PAIRS, CfgPlan
 from ...hooks.module_forward import ReboundName
 from ...sp.attention import routing
 from ...sp.attention.ring import WholeKeys
-from ...sp.plan import JointText, PlanContext, SequenceParallelPlan, TextAndImage
+from ...sp.plan import FAMILY_CHANGES, JointText, PlanContext, SequenceParallelPlan, TextAndImage
 from ...sp.sharding import SequenceShard
 from .. import cfg_rules
 from .flux import attention_of_both_streams
@@ -99,6 +99,6 @@ PLANS = {
         shard_inputs={"": {"hidden_states": TextAndImage(1), "img_ids": TextAndImage(-2),
                            "encoder_hidden_states": JointText(1), "txt_ids": JointText(-2)}},
         gather_outputs={"proj_out": 1},
-        install=_install,
+        installs={FAMILY_CHANGES: _install},
     )
 }

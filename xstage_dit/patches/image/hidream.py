@@ -23,7 +23,7 @@ from ...hooks.module_forward import forward_signature
 from ...sp.moe.choice import gather_tokens, reduce_tokens
 from ...sp.moe.token_choice import GroupedSwiGLUExperts, dispatch
 from ...sp.attention import routing
-from ...sp.plan import PlanContext, SequenceParallelPlan
+from ...sp.plan import FAMILY_CHANGES, MOE_EXPERTS, PlanContext, SequenceParallelPlan
 
 
 class _PatchifyFirst:
@@ -114,8 +114,7 @@ PLANS = {
         shard_inputs={"": {"hidden_states": 1, "img_ids": 1, "hidden_states_masks": 1}},
         gather_outputs={"final_layer": 1},
         text_first=False,
-        install=_install,
-        experts=_experts,
+        installs={FAMILY_CHANGES: _install, MOE_EXPERTS: _experts},
         num_experts=lambda model: model.config.num_routed_experts,
     )
 }

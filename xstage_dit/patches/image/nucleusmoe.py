@@ -27,7 +27,7 @@ from ...sp.attention import routing
 from ...sp.moe.layer import ExpertChoiceCall
 from ...sp.moe.modes import ExpertModes
 from ...sp.moe.ops import expert_choice
-from ...sp.plan import PlanContext, SequenceParallelPlan
+from ...sp.plan import FAMILY_CHANGES, MOE_EXPERTS, PlanContext, SequenceParallelPlan
 from ...burst_gap.planner import ExpertSchedule
 from .. import cfg_rules
 
@@ -168,8 +168,7 @@ PLANS = {
         shard_outputs={"pos_embed": {0: 0}},
         gather_outputs={"proj_out": 1},
         text_first=False,
-        install=_install,
-        experts=_experts,
+        installs={FAMILY_CHANGES: _install, MOE_EXPERTS: _experts},
         num_experts=_num_experts,
     )
 }

@@ -21,7 +21,7 @@ from torch import nn
 from ...cfg.plan import PAIRS, CfgPlan
 from ...hooks.module_forward import ReboundName
 from ...sp.attention import routing
-from ...sp.plan import LocalOrWhole, PerToken, PlanContext, SequenceParallelPlan
+from ...sp.plan import FAMILY_CHANGES, LocalOrWhole, PerToken, PlanContext, SequenceParallelPlan
 from .. import cfg_rules
 
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
@@ -65,7 +65,7 @@ PLANS = {
                       "transformer_blocks.*": {"modulate_index": PerToken(1)}},
         shard_outputs={"pos_embed": {0: 0}},
         gather_outputs={"proj_out": 1},
-        install=_install,
+        installs={FAMILY_CHANGES: _install},
     ),
     QwenImageControlNetModel: SequenceParallelPlan(
         family="QwenImage ControlNet",
@@ -76,6 +76,6 @@ PLANS = {
         # tokens, which the enabled transformer adds to its own
         shard_inputs={"": {"hidden_states": 1}},
         shard_outputs={"pos_embed": {0: 0}, "controlnet_x_embedder": {0: 1}},
-        install=_install_controlnet,
+        installs={FAMILY_CHANGES: _install_controlnet},
     ),
 }

@@ -22,7 +22,7 @@ from torch import nn
 from ...cfg.plan import PAIRS, CfgPlan
 from ...hooks.module_forward import forward_signature
 from ...sp.attention import routing
-from ...sp.plan import TextAndImage, PlanContext, SequenceParallelPlan
+from ...sp.plan import FAMILY_CHANGES, PlanContext, SequenceParallelPlan, TextAndImage
 from ...sp.sharding import SequenceShard
 from .. import cfg_rules
 
@@ -84,6 +84,6 @@ PLANS = {
                       "norm_out": {"target_token_mask": TextAndImage(0)}},
         gather_outputs={"proj_out": TextAndImage(1)},
         check_model=_check_model,
-        install=_install,
+        installs={FAMILY_CHANGES: _install},
     )
 }

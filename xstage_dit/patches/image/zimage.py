@@ -28,7 +28,7 @@ from ...cfg.plan import BATCH, CfgPlan
 from ...hooks.module_forward import ReplacedForward, forward_signature
 from ...sizes import ceil_div
 from ...sp.attention import routing
-from ...sp.plan import PlanContext, SequenceParallelPlan
+from ...sp.plan import FAMILY_CHANGES, PlanContext, SequenceParallelPlan
 from ...sp.sharding import SequenceShard
 
 _CONTROLNET = "diffusers.models.controlnets.controlnet_z_image"
@@ -246,7 +246,7 @@ PLANS = {
         cfg=CfgPlan(BATCH, batch_inputs={"x": 0, "t": 0, "cap_feats": 0, _HINTS: 0}),
         text_first=False,
         check_inputs=_check_inputs,
-        install=_install,
+        installs={FAMILY_CHANGES: _install},
     ),
     ZImageControlNetModel: SequenceParallelPlan(
         family="Z-Image ControlNet",
@@ -259,6 +259,6 @@ PLANS = {
         text_first=False,
         check_model=_check_controlnet,
         check_inputs=_check_controlnet_inputs,
-        install=_install_controlnet,
+        installs={FAMILY_CHANGES: _install_controlnet},
     ),
 }

@@ -17,7 +17,7 @@ from torch import nn
 
 from ...cfg.plan import PAIRS, CfgPlan
 from ...sp.attention import routing
-from ...sp.plan import PlanContext, PrefixCount, SequenceParallelPlan, split_inputs
+from ...sp.plan import FAMILY_CHANGES, PlanContext, PrefixCount, SequenceParallelPlan, split_inputs
 from .. import cfg_rules
 from ..image.flux import attention_of_both_streams
 
@@ -45,6 +45,6 @@ PLANS = {
         shard_outputs={"x_embedder": {0: 1}, "rope": {0: 0, 1: 0}},
         gather_outputs={"proj_out": 1},
         text_first=False,
-        install=_install,
+        installs={FAMILY_CHANGES: _install},
     )
 }

@@ -22,7 +22,7 @@ from torch import nn
 from ...cfg.plan import PAIRS, CfgPlan
 from ...sp.attention import routing
 from ...sp.attention.masks import QueryKeyMasks
-from ...sp.plan import SequenceParallelPlan
+from ...sp.plan import PROCESSORS, SequenceParallelPlan, model_only
 from .. import cfg_rules
 from ..processors import ReplacedProcessors, StandInProcessor
 
@@ -88,6 +88,6 @@ PLANS = {
         gather_outputs={"proj_out": 1},
         text_first=False,
         query_key_masks=QueryKeyMasks.FIRST_ROW,
-        processors=_processors,
+        installs={PROCESSORS: model_only(_processors)},
     )
 }

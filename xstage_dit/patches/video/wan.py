@@ -25,7 +25,7 @@ from ...cfg.plan import PAIRS, CfgPlan
 from ...fusions.plain import reads_plain
 from ...kernels.rotary_args import JointTokens, NormRope
 from ...sp.attention import routing
-from ...sp.plan import PerToken, SequenceParallelPlan
+from ...sp.plan import FUSED_ROPE, PerToken, SequenceParallelPlan, model_only
 from .. import cfg_rules
 from ..processors import ReplacedProcessors, StandInProcessor, rms_norm_eps
 
@@ -85,7 +85,7 @@ PLANS = {
         shard_inputs={"": {"timestep": PerToken(1)}, "blocks.0": {"hidden_states": 1}},
         shard_outputs={"rope": {0: 1, 1: 1}},
         gather_outputs={"proj_out": 1},
-        norm_rope_processors=norm_rope_processors,
+        installs={FUSED_ROPE: model_only(norm_rope_processors)},
     ),
     WanVACETransformer3DModel: SequenceParallelPlan(
         family="Wan VACE",
@@ -96,6 +96,6 @@ PLANS = {
                       "blocks.0": {"hidden_states": 1}},
         shard_outputs={"rope": {0: 1, 1: 1}},
         gather_outputs={"proj_out": 1},
-        norm_rope_processors=norm_rope_processors,
+        installs={FUSED_ROPE: model_only(norm_rope_processors)},
     ),
 }
