@@ -572,7 +572,7 @@ def test_the_input_image_is_checked_before_it_reaches_the_ranks() -> None:
     assert {name for name, kind in kinds.items() if kind == "optional"} == {
         "FluxKontextPipeline", "LTXConditionPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline",
         "QwenImage21Pipeline"}
-    assert loading.uncarried_inputs(diffusers.FluxFillPipeline) == ["mask_image"]
+    assert loading.uncarried_inputs(diffusers.FluxFillPipeline) == []
     assert loading.uncarried_inputs(diffusers.FluxControlNetPipeline) == ["control_image"]
     assert loading.uncarried_inputs(diffusers.FluxKontextPipeline) == []
 
