@@ -121,7 +121,9 @@ def _media_type(request: Request) -> str:
 async def _limited(request: Request, limit: int) -> AsyncIterator[bytes]:
     """The body's chunks as they arrive; RequestError 413 once its Content-Length or the bytes so far pass
     `limit`."""
-    too_large = RequestError(None, f"the body is over this service's limit of {limit} bytes", 413)
+    # the connection is closed after the answer: the rest of the body is not read
+    too_large = RequestError(None, f"the body is over this service's limit of {limit} bytes", 413,
+                             headers={"Connection": "close"})
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise too_large
