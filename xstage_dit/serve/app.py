@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .admission import Answer, Job, QueueFull
-from .errors import error_response, install_error_handlers
+from .errors import error_body, error_response, install_error_handlers
 from .intake import read_form, read_json
 from .keys import key_matches
 from .schema import ImageBody, Uploads, VideoBody, check
@@ -201,7 +201,7 @@ def create_app(service: Service) -> FastAPI:
                 encoded = await _encode(answer)
                 yield _event("completed", _result(encoded, answer, body, request, _timing(job, answer, encoded)))
             else:
-                yield _event("error", {"error": {"message": answer.error, "code": answer.status}})
+                yield _event("error", error_body(answer.status, answer.error))
         finally:
             if not job.answer.done():
                 job.gone = True

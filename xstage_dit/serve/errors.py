@@ -5,7 +5,6 @@ fault, or is null."""
 from __future__ import annotations
 
 import json
-import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -15,8 +14,6 @@ from starlette.exceptions import HTTPException
 
 from .schema import RequestError
 
-logger = logging.getLogger(__name__)
-
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
                422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -24,6 +21,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error body as a dict: `type` from the status, `code` the status itself."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": status}}
 
 
@@ -41,7 +39,7 @@ def install_error_handlers(app: FastAPI, on_invalid: Callable[[], None]) -> None
         on_invalid()
         return error_response(error.status, error.message, error.param, error.headers)
 
-    @app.exception_handler(RequestValidationError)
+    @app.exception_handler(RequestValidationError)  # a typed route parameter that does not validate
     async def malformed(request: Request, error: RequestValidationError) -> JSONResponse:
         on_invalid()
         first = error.errors()[0]
@@ -57,9 +55,8 @@ def install_error_handlers(app: FastAPI, on_invalid: Callable[[], None]) -> None
             message = f"{request.url.path} does not take {request.method}"
         return error_response(error.status_code, message, headers=error.headers)
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # Starlette raises the error on after this answer: uvicorn logs it
     async def crashed(request: Request, error: Exception) -> JSONResponse:
-        logger.exception("%s %s raised", request.method, request.url.path)
         return error_response(500, f"the service failed to answer: {type(error).__name__}: {error}")
 
 
