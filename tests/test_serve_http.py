@@ -321,3 +321,22 @@ def test_a_video_answered_as_a_url() -> None:
     assert video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
     _refused(image, 400, "num_frames")
     assert box == [0]
+
+
+def test_the_keys_options(tmp_path, monkeypatch, capsys) -> None:
+    """Keys from --api-key and the keys file together; a file that cannot be read, or a key a header cannot
+    carry, is refused at launch in argparse's words."""
+    from xstage_dit.serve.__main__ import parse_args
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"{FILED_KEY}\n# a comment\n\n")
+    monkeypatch.setenv(KEYS_FILE_ENV, str(keys))
+    args = parse_args(["--api-key", KEY, "--open-metrics", "--max-body-mb", "0.5"])
+    assert args.api_key == [KEY, FILED_KEY] and args.open_metrics and args.max_body_mb == 0.5
+    for argv, environment, words in ((["--api-key", "two words"], None, "printable ASCII without spaces"),
+                                     ([], str(tmp_path / "missing"), KEYS_FILE_ENV),
+                                     (["--max-body-mb", "0"], None, "--max-body-mb must be positive")):
+        monkeypatch.setenv(KEYS_FILE_ENV, environment or str(keys))
+        with pytest.raises(SystemExit) as exit:
+            parse_args(argv)
+        assert exit.value.code == 2 and words in capsys.readouterr().err
