@@ -14,7 +14,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from .schema import ImageBody, RequestError, Uploads
+from .schema import RequestError, Uploads
 
 MAX_FORM_FILES = 16  # an edit's images and its mask
 MAX_FORM_FIELDS = 32

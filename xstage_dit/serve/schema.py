@@ -136,8 +136,9 @@ def check(body: ImageBody, card: ModelCard, limits: Limits, request_id: str, upl
         raise RequestError("model", f"{card.id} makes {'videos' if card.video else 'images'}: use {endpoint}")
     if body.model is not None and body.model != card.id:
         raise RequestError("model", f"this service serves {card.id!r}, not {body.model!r}", status=404)
-    for name in sorted(name for name in body.model_fields_set & card.ignored if getattr(body, name) is not None):
-        raise RequestError(name, f"{card.id}'s pipeline has no argument for {name}: it would be ignored")
+    ignored = sorted(name for name in body.model_fields_set & card.ignored if getattr(body, name) is not None)
+    if ignored:
+        raise RequestError(ignored[0], f"{card.id}'s pipeline has no argument for it: it would be ignored")
     if not 1 <= body.n <= (1 if video else limits.max_n):
         raise RequestError("n", f"must be between 1 and {1 if video else limits.max_n}, got {body.n}")
     height, width = _size(body.size, card, limits)
