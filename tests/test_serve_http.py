@@ -245,7 +245,8 @@ def test_bad_edits(service: ServiceJob, files, data: dict, status: int, param: s
 
 def test_an_edit_needs_a_pipeline_that_takes_an_image() -> None:
     """A text-only pipeline answers 400 naming `image` (no pipeline runs: the check comes first); anything
-    raised in a handler answers 500 in the one shape; with --open-metrics, /metrics needs no key."""
+    raised in a handler answers 500 in the one shape; with --open-metrics, /metrics needs no key; /openapi.json
+    describes the bodies the handlers read themselves."""
     service = _pipeline_free_service(_card("none"))
     service.options = ServeOptions(timeout_s=TIMEOUT_S, api_keys=(KEY,), open_metrics=True)
 
@@ -258,11 +259,14 @@ def test_an_edit_needs_a_pipeline_that_takes_an_image() -> None:
                                      headers={"authorization": f"Bearer {KEY}"}) as client:
             refused = await client.post("/v1/images/edits", files={"image": ("in.png", _png())}, data={"prompt": "a"})
             metrics = await client.get("/metrics", headers={"authorization": ""})
+            described = await client.get("/openapi.json")
             service.admit = broken
-            return [refused, metrics, await client.post("/v1/images/generations", json={"prompt": "a"})]
+            return [refused, metrics, described, await client.post("/v1/images/generations", json={"prompt": "a"})]
 
-    refused, metrics, crashed = asyncio.run(asyncio.wait_for(ask(), 30))
+    refused, metrics, described, crashed = asyncio.run(asyncio.wait_for(ask(), 30))
     service.liveness.stop()
+    form = described.json()["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert {"image", "mask", "prompt", "seed"} <= set(form["schema"]["properties"])
     _refused(refused, 400, "image")
     assert metrics.status_code == 200 and "xstage_requests_total" in metrics.text
     assert "RuntimeError: a bug" in _refused(crashed, 500, None)["message"]

@@ -100,16 +100,16 @@ def create_app(service: Service) -> FastAPI:
         app.add_middleware(KeyCheck, keys=options.api_keys,
                            open_paths=frozenset({"/health", *(["/metrics"] if options.open_metrics else [])}))
 
-    @app.post("/v1/images/generations")
+    @app.post("/v1/images/generations", openapi_extra=_documented(ImageBody, "application/json"))
     async def images(request: Request) -> Response:
         return await _generate(await read_json(request, options.max_body_bytes, ImageBody), request)
 
-    @app.post("/v1/images/edits")
+    @app.post("/v1/images/edits", openapi_extra=_documented(ImageBody, "multipart/form-data"))
     async def edits(request: Request) -> Response:
         body, uploads = await read_form(request, options.max_body_bytes, ImageBody)
         return await _generate(body, request, uploads)
 
-    @app.post("/v1/videos/generations")
+    @app.post("/v1/videos/generations", openapi_extra=_documented(VideoBody, "application/json"))
     async def videos(request: Request) -> Response:
         return await _generate(await read_json(request, options.max_body_bytes, VideoBody), request)
 
@@ -215,6 +215,17 @@ def create_app(service: Service) -> FastAPI:
         return answer_json(items, extra or {})
 
     return app
+
+
+def _documented(model: type[ImageBody], media_type: str) -> dict[str, Any]:
+    """An endpoint's body in its OpenAPI description (/docs): the handlers read their bodies themselves (intake.py),
+    so FastAPI does not see them."""
+    schema = model.model_json_schema()
+    if media_type == "multipart/form-data":  # the input image and mask as files
+        files = {"type": "string", "format": "binary"}
+        schema["properties"] |= {"image": {"anyOf": [files, {"type": "array", "items": files}]}, "mask": files}
+        schema["required"] = [*schema.get("required", []), "image"]
+    return {"requestBody": {"required": True, "content": {media_type: {"schema": schema}}}}
 
 
 def _timing(job: Job, answer: Answer, encoded: Encoded) -> dict[str, str]:
