@@ -237,6 +237,7 @@ def test_openais_client_generates_and_edits(service: ServiceJob) -> None:
     ({"other": ("in.png", _png())}, {"prompt": "a"}, 400, "other"),
     ({}, {"prompt": "a"}, 415, None),  # no file: a urlencoded form
     ({"mask": ("mask.png", _png())}, {"prompt": "a"}, 400, "image"),
+    ([("image[]", (f"{i}.png", b"")) for i in range(17)], {"prompt": "a"}, 400, None),  # past the form's files
 ])
 def test_bad_edits(service: ServiceJob, files, data: dict, status: int, param: str | None) -> None:
     _refused(HTTP.post(f"{service.url}/v1/images/edits", files=files, data=data), status, param)
