@@ -20,6 +20,7 @@ from ..api import enable, is_main_process
 from ..runtime.distributed import local_device
 from . import loading, media
 from .metrics import ServiceMetrics
+from .keys import KEYS_FILE_ENV, key_problem, read_keys
 from .ranks import CallStatus, SideChannel
 from .schema import Limits, ModelCard
 from .service import Service, ServeOptions, follow
@@ -47,24 +48,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=limits.max_steps)
     parser.add_argument("--max-pixels", type=int, default=limits.max_pixels, help="width x height at most")
     parser.add_argument("--max-frames", type=int, default=limits.max_frames)
+    parser.add_argument("--max-body-mb", type=float, default=defaults.max_body_bytes / 2**20,
+                        help="a request's body at most, its images included, in MiB; more answers 413")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="every endpoint but /health needs `Authorization: Bearer KEY` with one of these keys "
+                             f"(repeatable; or ${KEYS_FILE_ENV} names a file of keys, one a line)")
+    parser.add_argument("--open-metrics", action="store_true",
+                        help="with keys, /metrics needs none (for a Prometheus scraper)")
     args = parser.parse_args(argv)
     for name in ("queue_bound", "max_batch", "max_n", "max_steps", "max_pixels", "max_frames"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.timeout_s <= 0:
         parser.error("--timeout-s must be positive")
+    if not args.max_body_mb > 0:
+        parser.error("--max-body-mb must be positive")
+    if os.environ.get(KEYS_FILE_ENV):
+        try:
+            args.api_key += read_keys(os.environ[KEYS_FILE_ENV])
+        except OSError as error:
+            parser.error(f"${KEYS_FILE_ENV}: {error}")
+    for key in args.api_key:
+        if (problem := key_problem(key)) is not None:
+            parser.error(f"--api-key: {problem}")
     return args
 
 
 def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
-    """What the served pipeline takes: sizes in multiples of its VAE's downsampling times its 2 x 2 patches."""
+    """What the served pipeline takes: sizes in multiples of its VAE's downsampling times its 2 x 2 patches, its
+    input images, and the request fields it has no argument for."""
     pipe = loaded.pipe
     scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
     entry = loading.zoo().ZOO[loaded.config] if loaded.config is not None else None
+    arguments = {"negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
+                 "num_frames": "num_frames",
+                 "guidance_scale": loaded.family.guidance_kwarg if loaded.family else "guidance_scale"}
     return ModelCard(id=model_id, video=loaded.is_video, image=loading.image_input(type(pipe)),
                      text_encoder=loaded.config is None, size_multiple=2 * scale,
                      default_height=entry.height if entry else None, default_width=entry.width if entry else None,
-                     fps=loaded.fps)
+                     fps=loaded.fps, max_images=loading.max_input_images(type(pipe)),
+                     mask=loading.inpaints(type(pipe)),
+                     ignored=frozenset(field for field, kwarg in arguments.items() if not loaded.takes(kwarg)))
 
 
 def exit_now(code: int) -> None:
@@ -108,7 +132,7 @@ def _check_inputs(model: str) -> None:
     uncarried = loading.uncarried_inputs(pipeline_cls) if pipeline_cls is not None else []
     if uncarried:
         raise SystemExit(f"xstage_dit.serve: {pipeline_cls.__name__} needs {', '.join(uncarried)}, which the "
-                         f"service's requests do not carry (their one input is `image`)")
+                         f"service's requests do not carry (their inputs are `image` and `mask`)")
 
 
 def _check_address(host: str, port: int) -> None:
@@ -125,14 +149,17 @@ def _serve(loaded: loading.LoadedPipeline, args: argparse.Namespace, channel: Si
     import uvicorn
 
     from .app import create_app
+    from .errors import uvicorn_protocol
 
     options = ServeOptions(host=args.host, port=args.port, queue_bound=args.queue_bound, max_batch=args.max_batch,
                            timeout_s=args.timeout_s,
                            limits=Limits(args.max_n, args.max_steps, args.max_pixels, args.max_frames),
-                           enable={**loading.enable_knobs(args), "dtype": str(loaded.dtype)})
+                           enable={**loading.enable_knobs(args), "dtype": str(loaded.dtype)},
+                           max_body_bytes=int(args.max_body_mb * 2**20), api_keys=tuple(args.api_key),
+                           open_metrics=args.open_metrics)
     service = Service(loaded, model_card(loaded, args.model or args.config), options, channel, ServiceMetrics())
     server = uvicorn.Server(uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=5))
+                                           lifespan="off", timeout_graceful_shutdown=5, http=uvicorn_protocol()))
     http = threading.Thread(target=server.run, name="xstage-serve-http", daemon=True)
     http.start()
     deadline = time.monotonic() + STARTUP_S

@@ -1,7 +1,8 @@
 """Rank 0's HTTP API (FastAPI), OpenAI-compatible where OpenAI has the endpoint: POST /v1/images/generations,
-POST /v1/videos/generations (an MP4), GET /v1/models, GET /v1/files/{name} (the outputs asked for as `url`),
-GET /health, GET /metrics. `stream: true` answers as Server-Sent Events: `progress` (step i of n), then
-`completed` (the answer's JSON) or `error`."""
+POST /v1/images/edits (a multipart form), POST /v1/videos/generations (an MP4), GET /v1/models, GET /v1/files/{name}
+(the outputs asked for as `url`), GET /health, GET /metrics. `stream: true` answers as Server-Sent Events:
+`progress` (step i of n), then `completed` (the answer's JSON) or `error`. Every other answer than a 200 is
+OpenAI's error body (errors.py); with API keys, every path but /health needs one (and /metrics, unless open)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,29 +12,20 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .admission import Answer, Job, QueueFull
-from .schema import ImageBody, RequestError, VideoBody, check
+from .errors import error_body, error_response, install_error_handlers
+from .intake import read_form, read_json
+from .keys import key_matches
+from .schema import ImageBody, Uploads, VideoBody, check
 from .service import Service, State, Unavailable
 
 POLL_S = 0.1  # how often a waiting handler looks whether its client went away
 KEPT_FILES = 256  # outputs answered as URLs stay fetchable until this many newer ones were made
-
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
-                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    """OpenAI's error body."""
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param,
-                      "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -80,31 +72,53 @@ class FileStore:
         return self._files.get(name)
 
 
+class KeyCheck:
+    """ASGI middleware: a request to a path not in `open_paths` needs one of `keys` as its bearer token (401
+    otherwise, before any handler sees it)."""
+
+    def __init__(self, app: Callable, keys: tuple[str, ...], open_paths: frozenset[str]) -> None:
+        self.app, self.keys, self.open_paths = app, tuple(key.encode() for key in keys), open_paths
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        authorization = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        if key_matches(authorization, self.keys):
+            return await self.app(scope, receive, send)
+        message = ("give an API key as `Authorization: Bearer KEY`" if authorization is None
+                   else "the API key is not one of this service's")
+        response = error_response(401, message, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="xstage_dit", version="1")
     files = FileStore()
-    card, metrics = service.card, service.metrics
+    card, metrics, options = service.card, service.metrics, service.options
+    install_error_handlers(app, on_invalid=lambda: metrics.count("invalid"))
+    if options.api_keys:
+        app.add_middleware(KeyCheck, keys=options.api_keys,
+                           open_paths=frozenset({"/health", *(["/metrics"] if options.open_metrics else [])}))
 
-    @app.exception_handler(RequestValidationError)
-    async def malformed(request: Request, error: RequestValidationError) -> JSONResponse:
-        metrics.count("invalid")
-        first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"][1:]) or "body"
-        return error_response(422, f"{param}: {first['msg']}", param)
+    @app.post("/v1/images/generations", openapi_extra=_documented(ImageBody, "application/json"))
+    async def images(request: Request) -> Response:
+        return await _generate(await read_json(request, options.max_body_bytes, ImageBody), request)
 
-    @app.post("/v1/images/generations")
-    async def images(body: ImageBody, request: Request) -> Response:
-        return await _generate(body, request)
+    @app.post("/v1/images/edits", openapi_extra=_documented(ImageBody, "multipart/form-data"))
+    async def edits(request: Request) -> Response:
+        body, uploads = await read_form(request, options.max_body_bytes, ImageBody)
+        return await _generate(body, request, uploads)
 
-    @app.post("/v1/videos/generations")
-    async def videos(body: VideoBody, request: Request) -> Response:
-        return await _generate(body, request)
+    @app.post("/v1/videos/generations", openapi_extra=_documented(VideoBody, "application/json"))
+    async def videos(request: Request) -> Response:
+        return await _generate(await read_json(request, options.max_body_bytes, VideoBody), request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": card.id, "object": "model", "owned_by": "xstage_dit", "video": card.video,
-            "image": card.image, "service": service.options.describe(service.channel.world)}]}
+            "image": card.image, "max_images": card.max_images, "mask": card.mask,
+            "service": options.describe(service.channel.world)}]}
 
     @app.get("/v1/files/{name}")
     async def file(name: str) -> Response:
@@ -127,12 +141,8 @@ def create_app(service: Service) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    async def _generate(body: ImageBody, request: Request) -> Response:
-        try:
-            checked = check(body, card, service.options.limits, uuid.uuid4().hex)
-        except RequestError as error:
-            metrics.count("invalid")
-            return error_response(error.status, error.message, error.param)
+    async def _generate(body: ImageBody, request: Request, uploads: Uploads | None = None) -> Response:
+        checked = check(body, card, options.limits, uuid.uuid4().hex, uploads)
         job = Job(checked, asyncio.get_running_loop())
         try:
             service.admit(job)
@@ -152,7 +162,7 @@ def create_app(service: Service) -> FastAPI:
             return error_response(answer.status, answer.error)
         encoded = await _encode(answer)
         headers = {"x-request-id": checked.id, **_timing(job, answer, encoded)}
-        if checked.video:
+        if checked.video and body.response_format != "url":  # a video's default answer: the MP4 itself
             headers["x-seed"] = str(answer.outputs.seeds[0])
             return Response(encoded.payloads[0], media_type="video/mp4", headers=headers)
         return Response(_result(encoded, answer, body, request), media_type="application/json", headers=headers)
@@ -191,7 +201,7 @@ def create_app(service: Service) -> FastAPI:
                 encoded = await _encode(answer)
                 yield _event("completed", _result(encoded, answer, body, request, _timing(job, answer, encoded)))
             else:
-                yield _event("error", {"error": {"message": answer.error, "code": answer.status}})
+                yield _event("error", error_body(answer.status, answer.error))
         finally:
             if not job.answer.done():
                 job.gone = True
@@ -205,6 +215,17 @@ def create_app(service: Service) -> FastAPI:
         return answer_json(items, extra or {})
 
     return app
+
+
+def _documented(model: type[ImageBody], media_type: str) -> dict[str, Any]:
+    """An endpoint's body in its OpenAPI description (/docs): the handlers read their bodies themselves (intake.py),
+    so FastAPI does not see them."""
+    schema = model.model_json_schema()
+    if media_type == "multipart/form-data":  # the input image and mask as files
+        files = {"type": "string", "format": "binary"}
+        schema["properties"] |= {"image": {"anyOf": [files, {"type": "array", "items": files}]}, "mask": files}
+        schema["required"] = [*schema.get("required", []), "image"]
+    return {"requestBody": {"required": True, "content": {media_type: {"schema": schema}}}}
 
 
 def _timing(job: Job, answer: Answer, encoded: Encoded) -> dict[str, str]:

@@ -28,7 +28,10 @@ _ZOO_FILE = Path(__file__).resolve().parents[2] / "examples" / "zoo.py"
 ImageInput = Literal["none", "optional", "required"]
 # diffusers' names of the pipelines that make their output from an input image, whatever `image` defaults to
 _IMAGE_PIPELINES = ("ImageToVideo", "Img2Img", "Edit", "Inpaint", "Fill")
-UNCARRIED_INPUTS = ("mask_image", "control_image")  # call inputs a service request has no field for
+# ... and of those that take several reference images in one call (a list as `image`), up to REFERENCE_IMAGES
+_REFERENCE_PIPELINES = ("EditPlus", "Flux2")
+REFERENCE_IMAGES = 3
+UNCARRIED_INPUTS = ("control_image",)  # call inputs a service request has no field for
 
 
 def zoo() -> ModuleType:
@@ -111,7 +114,14 @@ class CallOptions:
     num_frames: int | None = None
     steps: int | None = None
     guidance: float | None = None
-    image: PIL.Image.Image | None = None
+    image: PIL.Image.Image | tuple[PIL.Image.Image, ...] | None = None  # a tuple: several reference images
+    mask: PIL.Image.Image | None = None  # an inpainting pipeline's `mask_image`
+
+    def input_images(self) -> dict[str, Any]:
+        """The call's keyword arguments for the request's input image(s) and mask."""
+        images = {"image": list(self.image) if isinstance(self.image, tuple) else self.image,
+                  "mask_image": self.mask}
+        return {kwarg: value for kwarg, value in images.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -169,8 +179,7 @@ class LoadedPipeline:
                 negative = ""  # true CFG runs only with a negative prompt
         if negative is not None:
             call["negative_prompt"] = [negative] * batch
-        if options.image is not None:
-            call["image"] = options.image
+        call.update(options.input_images())
         return call
 
     def _config_call(self, generation: Generation) -> dict[str, Any]:
@@ -181,8 +190,7 @@ class LoadedPipeline:
             num_frames=options.num_frames or entry.num_frames, steps=options.steps or ZOO_STEPS,
             guidance=1.0 if options.guidance is None else options.guidance)
         call.update(self._config_text(generation.prompts))
-        if options.image is not None:
-            call["image"] = options.image
+        call.update(options.input_images())
         return call
 
     def _config_text(self, prompts: tuple[str, ...]) -> dict[str, Any]:
@@ -223,9 +231,19 @@ def image_input(pipeline_cls: type) -> ImageInput:
     return "optional"
 
 
+def max_input_images(pipeline_cls: type) -> int:
+    """How many input images one call of `pipeline_cls` takes: several for those that take reference images."""
+    return REFERENCE_IMAGES if any(m in pipeline_cls.__name__ for m in _REFERENCE_PIPELINES) else 1
+
+
+def inpaints(pipeline_cls: type) -> bool:
+    """Whether `pipeline_cls` takes a mask (white where it paints) with its input image."""
+    return "mask_image" in inspect.signature(pipeline_cls.__call__).parameters
+
+
 def uncarried_inputs(pipeline_cls: type) -> list[str]:
-    """The input images `pipeline_cls` takes that no request carries (masks, control images): a random-weight
-    config draws them; a checkpoint cannot be served without them."""
+    """The input images `pipeline_cls` takes that no request carries (control images): a random-weight config
+    draws them; a checkpoint cannot be served without them."""
     parameters = inspect.signature(pipeline_cls.__call__).parameters
     return [name for name in UNCARRIED_INPUTS if name in parameters]
 

@@ -11,16 +11,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 import PIL.Image
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from .loading import CallOptions, Generation, ImageInput
 
-_SIZE = re.compile(r"^(\d+)x(\d+)$")
+_SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")  # ASCII digits only: \d and int() take other scripts' digits
+_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what an input image may be: no other decoder of PIL sees a request
 SEED_RANGE = 2**31  # a seed the service draws when none is given: below it, so clients can send it back as an int
 
 
 class ImageBody(BaseModel):
-    """POST /v1/images/generations. Fields OpenAI's API has and this service does not use are ignored."""
+    """POST /v1/images/generations (and the form fields of /v1/images/edits). Types are strict: a number in a
+    string, a boolean for a number or a string for a boolean is refused, not converted. A field the body does not
+    have is refused; `user` (OpenAI's id of the end user) is taken and ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     prompt: str = Field(min_length=1)
     model: str | None = None
@@ -33,6 +38,9 @@ class ImageBody(BaseModel):
     seed: int | None = Field(None, description="image i of the request is drawn with seed + i")
     image: str | None = Field(None, description="input image, base64 (or a data URL): edit, Kontext, "
                                                 "image-to-video pipelines")
+    mask: str | None = Field(None, description="inpainting mask, base64 (or a data URL): white where the "
+                                               "pipeline paints")
+    user: str | None = Field(None, description="OpenAI's end-user id: taken and ignored")
     stream: bool = Field(False, description="answer as Server-Sent Events: progress, then the result")
 
 
@@ -64,14 +72,32 @@ class ModelCard:
     default_height: int | None
     default_width: int | None
     fps: int
+    max_images: int = 1  # input images one request may give (several: reference images)
+    mask: bool = False  # whether the pipeline inpaints: an input image comes with a mask
+    ignored: frozenset[str] = frozenset()  # request fields the pipeline has no argument for
 
 
 class RequestError(ValueError):
-    """A request the service refuses before it runs: the HTTP status, the field at fault and why."""
+    """A request the service refuses before it runs: the HTTP status, the field at fault (None: no one field)
+    and why."""
 
-    def __init__(self, param: str, message: str, status: int = 400) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param, self.message, self.status = param, message, status
+    def __init__(self, param: str | None, message: str, status: int = 400,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param, self.message, self.status, self.headers = param, message, status, headers
+
+
+@dataclass(frozen=True)
+class Uploads:
+    """A request's input images, encoded (PNG, JPEG or WebP): a JSON body's base64 or a multipart form's files."""
+
+    images: tuple[bytes, ...] = ()
+    mask: bytes | None = None
+
+    @classmethod
+    def of_json(cls, body: ImageBody) -> Uploads:
+        return cls(() if body.image is None else (_base64(body.image, "image"),),
+                   None if body.mask is None else _base64(body.mask, "mask"))
 
 
 @dataclass(frozen=True)
@@ -100,14 +126,19 @@ def generation_of(batch: list[GenerationRequest]) -> Generation:
     return Generation(tuple(r.prompt for r in batch for _ in range(r.n)), batch[0].options)
 
 
-def check(body: ImageBody, card: ModelCard, limits: Limits, request_id: str) -> GenerationRequest:
-    """The request `body` asks for, or RequestError naming the first field the model cannot take."""
+def check(body: ImageBody, card: ModelCard, limits: Limits, request_id: str, uploads: Uploads | None = None
+          ) -> GenerationRequest:
+    """The request `body` asks for, with its input images (`uploads`; by default the body's base64 ones), or
+    RequestError naming the first field the model cannot take."""
     video = isinstance(body, VideoBody)
     if video != card.video:
         endpoint = "/v1/videos/generations" if card.video else "/v1/images/generations"
         raise RequestError("model", f"{card.id} makes {'videos' if card.video else 'images'}: use {endpoint}")
     if body.model is not None and body.model != card.id:
         raise RequestError("model", f"this service serves {card.id!r}, not {body.model!r}", status=404)
+    ignored = sorted(name for name in body.model_fields_set & card.ignored if getattr(body, name) is not None)
+    if ignored:
+        raise RequestError(ignored[0], f"{card.id}'s pipeline has no argument for it: it would be ignored")
     if not 1 <= body.n <= (1 if video else limits.max_n):
         raise RequestError("n", f"must be between 1 and {1 if video else limits.max_n}, got {body.n}")
     height, width = _size(body.size, card, limits)
@@ -124,18 +155,19 @@ def check(body: ImageBody, card: ModelCard, limits: Limits, request_id: str) -> 
     num_frames = getattr(body, "num_frames", None)
     if num_frames is not None and not 1 <= num_frames <= limits.max_frames:
         raise RequestError("num_frames", f"must be between 1 and {limits.max_frames}, got {num_frames}")
-    image = _image(body.image, card)
+    image, mask = _inputs(uploads if uploads is not None else Uploads.of_json(body), card, limits)
     return GenerationRequest(
         id=request_id, prompt=body.prompt, n=body.n, video=video,
         seed=body.seed if body.seed is not None else secrets.randbelow(SEED_RANGE),
         options=CallOptions(negative_prompt=body.negative_prompt, height=height, width=width, num_frames=num_frames,
-                            steps=body.num_inference_steps, guidance=body.guidance_scale, image=image))
+                            steps=body.num_inference_steps, guidance=body.guidance_scale, image=image,
+                            mask=mask))
 
 
 def _size(size: str | None, card: ModelCard, limits: Limits) -> tuple[int | None, int | None]:
     if size is None:
         return card.default_height, card.default_width
-    match = _SIZE.match(size)
+    match = _SIZE.fullmatch(size)
     if match is None:
         raise RequestError("size", f"must be WIDTHxHEIGHT, e.g. 1024x1024, got {size!r}")
     width, height = int(match[1]), int(match[2])
@@ -147,17 +179,45 @@ def _size(size: str | None, card: ModelCard, limits: Limits) -> tuple[int | None
     return height, width
 
 
-def _image(encoded: str | None, card: ModelCard) -> PIL.Image.Image | None:
-    if encoded is None:
+def _inputs(uploads: Uploads, card: ModelCard, limits: Limits
+            ) -> tuple[PIL.Image.Image | tuple[PIL.Image.Image, ...] | None, PIL.Image.Image | None]:
+    """The pipeline's input image (a tuple of them where it takes several) and mask, decoded."""
+    if not uploads.images:
         if card.image == "required":
-            raise RequestError("image", f"{card.id} makes its output from an input image: give one (base64 or a "
-                                        f"data URL)")
-        return None
+            raise RequestError("image", f"{card.id} makes its output from an input image: give one")
+        if uploads.mask is not None:
+            raise RequestError("mask", "a mask goes with an input image: give one")
+        return None, None
     if card.image == "none":
         raise RequestError("image", f"{card.id} takes no input image")
+    if len(uploads.images) > card.max_images:
+        raise RequestError("image", f"{card.id} takes at most {card.max_images} input image(s), got "
+                                    f"{len(uploads.images)}")
+    if card.mask != (uploads.mask is not None):
+        raise RequestError("mask", f"{card.id} inpaints: give the mask (white where it paints) with the image"
+                           if card.mask else f"{card.id} takes no mask")
+    images = tuple(_decoded(data, "image", "RGB", limits) for data in uploads.images)
+    mask = _decoded(uploads.mask, "mask", "L", limits) if uploads.mask is not None else None
+    return images[0] if len(images) == 1 else images, mask
+
+
+def _base64(encoded: str, param: str) -> bytes:
     data = encoded.split(",", 1)[1] if encoded.startswith("data:") else encoded
     try:
-        image = PIL.Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
-        return image.convert("RGB")
-    except (binascii.Error, ValueError, OSError) as error:
-        raise RequestError("image", f"not a base64 PNG, JPEG or WebP image ({error})") from error
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise RequestError(param, f"not base64 ({error})") from error
+
+
+def _decoded(data: bytes, param: str, mode: str, limits: Limits) -> PIL.Image.Image:
+    """`data` as an image of `mode`, its size checked before its pixels are decoded."""
+    try:
+        image = PIL.Image.open(io.BytesIO(data), formats=_IMAGE_FORMATS)
+    except (OSError, PIL.Image.DecompressionBombError) as error:
+        raise RequestError(param, f"not a PNG, JPEG or WebP image ({error})") from error
+    if image.width * image.height > limits.max_pixels:
+        raise RequestError(param, f"at most {limits.max_pixels} pixels, got {image.width}x{image.height}")
+    try:
+        return image.convert(mode)
+    except (OSError, ValueError) as error:
+        raise RequestError(param, f"does not decode ({error})") from error

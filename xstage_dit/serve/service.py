@@ -38,10 +38,14 @@ class ServeOptions:
     timeout_s: float = 600.0
     limits: Limits = Limits()
     enable: dict[str, Any] = field(default_factory=dict)  # what `enable` was given, for /v1/models to report
+    max_body_bytes: int = 8 * 2**20  # a request's body, its images included
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key needed
+    open_metrics: bool = False  # /metrics needs no key (for a Prometheus scraper)
 
     def describe(self, ranks: int) -> dict[str, Any]:
         return {"ranks": ranks, "queue_bound": self.queue_bound, "max_batch": self.max_batch,
-                "timeout_s": self.timeout_s, "enable": self.enable}
+                "timeout_s": self.timeout_s, "max_body_bytes": self.max_body_bytes, "keys": bool(self.api_keys),
+                "enable": self.enable}
 
 
 class State(Enum):
