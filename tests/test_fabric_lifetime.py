@@ -263,3 +263,24 @@ def test_thirty_sizes_through_the_service_hold_the_largest_requests_need(tmp_pat
     assert held[0] > 0 and all(a <= b for a, b in zip(held, held[1:])), held
     assert set(held[sizes.index(largest):]) == {held[-1]}, held
     assert serve(tmp_path / "largest.log", [largest]) == [held[-1]]
+
+
+@pytest.mark.gpu
+def test_a_graph_captured_before_a_growth_is_dropped_and_captured_again():
+    """A CUDA graph is replayed only at the memory epoch of its capture: after a workspace growth its signature
+    warms up and is captured again instead of replaying addresses given back."""
+    from xstage_dit.runtime.cuda_graphs import EAGER_CALLS, CrossRankWork, SignatureGraphs
+
+    epoch = [0]
+    graphs = SignatureGraphs("double", lambda x: x * 2, torch.device("cuda"),
+                             CrossRankWork(0, "no peers", 60, memory_epoch=lambda: epoch[0]))
+    x = torch.ones(4, device="cuda")
+    with torch.no_grad():
+        for _ in range(EAGER_CALLS + 2):  # warm-ups, the capture, a replay
+            graphs(x)
+        assert graphs.captured == 1 and graphs.use.replays == 1
+        epoch[0] += 1
+        assert torch.equal(graphs(x), x * 2) and graphs.captured == 0 and graphs.use.replays == 1
+        for _ in range(EAGER_CALLS):
+            graphs(x)
+        assert graphs.captured == 1 and torch.equal(graphs(x), x * 2) and graphs.use.replays == 2
