@@ -287,11 +287,13 @@ class SymmetricFabric:
 
     def close(self) -> None:
         """Give every byte back: the workspace and the barrier's pads (the fabric is unusable after)."""
+        torch.cuda.synchronize(self.heap.device)  # a barrier kernel in flight still signals the pads
         self.workspace.give_back()
         self._pads_memory = self._pads = None
 
 
 _FABRICS: dict[str, SymmetricFabric] = {}
+_UNTIL_CLOSED = "until close_fabrics"  # the holder of a fabric opened without holders (benchmarks, tests)
 
 
 def _group_alive(group: dist.ProcessGroup) -> bool:
@@ -315,7 +317,7 @@ def open_fabric(group: dist.ProcessGroup, device: torch.device, timeout_s: float
         fabric = None
     if fabric is None:
         fabric = _FABRICS[group.group_name] = SymmetricFabric(group, device, timeout_s)
-    fabric.holders.update(holders)
+    fabric.holders.update(holders or (_UNTIL_CLOSED,))
     return fabric
 
 
