@@ -106,6 +106,24 @@ def test_a_growth_during_a_capture_is_refused_in_words(monkeypatch):
     assert fabric.rank(0).carve(big)["scores"].tensor.shape == (4096, 8)
 
 
+def test_a_call_warmed_up_before_a_growth_is_carved_in_a_capture_without_copies_from_the_host(monkeypatch):
+    """A signature warmed up, then another call grew the workspace, then the first is captured: its carve inside
+    the capture finds its destination tables (made at the growth), copying nothing from the host."""
+    fabric = LoopbackFabric(2, "cpu")
+    warmed = [View("rows", (64, 8), torch.float32)]
+    fabric.rank(0).carve(warmed)
+    fabric.rank(0).carve([View("rows", (4096, 8), torch.float32), View("half", (64, 8), torch.bfloat16)])
+
+    def no_host_copy(*args):
+        raise AssertionError("a destination table made inside a capture")
+
+    monkeypatch.setattr(fabrics, "capturing", lambda: True)
+    monkeypatch.setattr(fabrics, "offset_table", no_host_copy)
+    for rank in range(2):
+        buffer = fabric.rank(rank).carve(warmed)["rows"]
+        assert buffer.tensor.data_ptr() == fabric.workspace.allocation.tensors[rank].data_ptr()
+
+
 def test_a_growth_hands_out_new_buffers_and_moves_the_memory_epoch():
     """Buffers carved before a growth are not handed out after it: the same call is carved anew in the new
     allocation, and the epoch a CUDA graph is replayed at moves on (runtime/cuda_graphs.py drops older graphs)."""

@@ -160,7 +160,8 @@ class Workspace:
         self.generation = 0  # growths so far
         self.allocation: Allocation | None = None
         self._carves: OrderedDict[tuple, dict[str, FabricBuffer]] = OrderedDict()
-        self._destinations: dict[tuple[int, int], torch.Tensor] = {}  # by (rank, element size)
+        self._destinations: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # by (rank, dtype)
+        self._dtypes: set[torch.dtype] = set()  # of every view carved so far
 
     @property
     def nbytes(self) -> int:
@@ -182,25 +183,28 @@ class Workspace:
             self._carves.move_to_end(key)
             return carved
         self.reserve(views)
+        dtypes = {view.dtype for view in views}
+        if not dtypes <= self._dtypes:
+            self._tabulate(dtypes)
         base = self.allocation.tensors[rank]
         carved = {}
         for view, offset in Carve.of(views, self.capacity).offsets:
             tensor = base[offset:offset + view.nbytes].view(view.dtype).view(view.shape)
-            carved[view.name] = FabricBuffer(tensor, self._destinations_of(rank, tensor),
+            carved[view.name] = FabricBuffer(tensor, self._destinations[rank, view.dtype],
                                              tuple(address + offset for address in self.allocation.addresses))
         self._carves[key] = carved
         if len(self._carves) > _CARVES_HELD:
             self._carves.popitem(last=False)
         return carved
 
-    def _destinations_of(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
-        # every view of a dtype lies at the same offset in every rank's allocation: one table per element size,
-        # kept for as long as the allocation (a captured graph reads it)
-        key = (rank, tensor.element_size())
-        if key not in self._destinations:
-            base = self.allocation.tensors[rank]
-            self._destinations[key] = offset_table(self.allocation.addresses, base.view(tensor.dtype))
-        return self._destinations[key]
+    def _tabulate(self, dtypes: set[torch.dtype]) -> None:
+        """The destination tables of `dtypes` for every rank this process holds. A view lies at the same offset in
+        every rank's allocation, so one table per dtype serves every view; each is kept as long as the allocation
+        (a captured graph reads it), and made outside any capture (it is copied from the host)."""
+        for rank, base in self.allocation.tensors.items():
+            for dtype in dtypes - {key[1] for key in self._destinations if key[0] == rank}:
+                self._destinations[rank, dtype] = offset_table(self.allocation.addresses, base.view(dtype))
+        self._dtypes |= dtypes
 
     def _grow(self, capacity: Need, views: Sequence[View]) -> None:
         if capturing():
@@ -215,6 +219,9 @@ class Workspace:
         self.give_back()
         self.allocation = self._allocate(capacity.total)
         self.capacity = capacity
+        # every dtype carved so far, now: a call carved first inside a capture (a signature warmed up before this
+        # growth) finds its tables
+        self._tabulate(self._dtypes)
         self.generation += 1
         _epoch += 1
 
