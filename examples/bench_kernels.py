@@ -46,7 +46,7 @@ from xstage_dit.kernels.rotary import norm_rotate, rotary_interleaved
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens
 from xstage_dit.sp.attention import ops
 from xstage_dit.sp.attention.exchange import InFlight
-from xstage_dit.sp.fabric import LoopbackFabric
+from xstage_dit.sp.fabric import LoopbackFabric, View
 from xstage_dit.sp.attention.fused import TILE_ROWS, flash_attention_bshd, fused_exchange, fused_steps
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.sp.attention.overlap import MAX_CHUNKS, chunked_exchange
@@ -276,7 +276,7 @@ def bench_stores() -> list[dict]:
                               torch.randn(d, device="cuda", dtype=torch.bfloat16), 1e-6) for n in (text_len, local)]
         cos, sin = (torch.randn(text_len + local, d, device="cuda") for _ in range(2))
         fabric = LoopbackFabric(n_ranks, "cuda")  # holds the other ranks' buffers, which the stores reach
-        buffer = fabric.rank(0).buffer("q", (b, layout.gathered_len, h // n_ranks, d), torch.bfloat16)
+        buffer = fabric.rank(0).carve([View("q", (b, layout.gathered_len, h // n_ranks, d), torch.bfloat16)])["q"]
         rows = layout.store_rows(text_len)
 
         def store(tokens: JointTokens) -> None:

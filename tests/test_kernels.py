@@ -15,7 +15,7 @@ from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E4
 from xstage_dit.kernels.attention_args import KeyForward, Running  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens, NormRope  # noqa: E402
-from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep  # noqa: E402
+from xstage_dit.sp.fabric import LoopbackFabric, View, run_in_lockstep  # noqa: E402
 from xstage_dit.sp.attention.fused import fused_steps  # noqa: E402
 from xstage_dit.sp.attention.layout import UlyssesLayout  # noqa: E402
 from xstage_dit.burst_gap.planner import TileOrder  # noqa: E402
@@ -489,16 +489,16 @@ def test_triton_and_gluon_scatter_epilogues_store_the_same_bytes(n_ranks, text_f
     q, k, v = _one_key_per_query(batch, first.query_gathered_len, first.gathered_len, first.key_len, heads,
                                  head_dim, "cuda")
     share = heads // n_ranks
-    out_shape = (batch, first.query_text_len + local, heads, head_dim)
+    out_views = [View("out", (batch, first.query_text_len + local, heads, head_dim), torch.bfloat16)]
     outs = {}
     for config in (TileConfig(tma=True), HopperConfig()):
         fabric = LoopbackFabric(n_ranks, "cuda", initialise=lambda t: t.fill_(float("nan")))
         for rank, layout in enumerate(layouts):
             mine = slice(rank * share, (rank + 1) * share)
-            out = fabric.rank(rank).buffer("out", out_shape, torch.bfloat16)
+            out = fabric.rank(rank).carve(out_views)["out"]
             flash_attention(*(t[:, :, mine].contiguous() for t in (q, k, v)), kv_len=layout.key_len, out=out.tensor,
                             scatter=layout.output_scatter(out.destinations, share, order), config=config)
-        outs[type(config)] = fabric.tensors("out", out_shape, torch.bfloat16)
+        outs[type(config)] = fabric.tensors(out_views, "out")
     for rank, (triton_out, gluon_out) in enumerate(zip(outs[TileConfig], outs[HopperConfig])):
         assert not triton_out.isnan().any(), f"rank {rank}: unwritten output"
         assert torch.equal(triton_out.view(torch.int16), gluon_out.view(torch.int16)), f"rank {rank}"

@@ -208,16 +208,17 @@ def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.dev
         target.to(device)
 
 
-def _open_ring_fabric(groups: ParallelGroups, may_store: bool, timeout_s: float) -> None:
+def _open_ring_fabric(groups: ParallelGroups, may_store: bool, timeout_s: float, holders: list[int]) -> None:
     """The ring group's symmetric memory, over which the ring's key/value blocks travel by remote stores
     (sp/attention/ring.py finds it by the group's name), where its ranks share a node and the backend choice may
-    store into a fabric (`may_store`); elsewhere they travel by point-to-point sends."""
+    store into a fabric (`may_store`); elsewhere they travel by point-to-point sends. `holders`: the models that
+    hold it until `disable`."""
     from .sp.fabric import open_fabric
 
     if not groups.ring_within_node:
         logger.info("xstage_dit: the ring spans nodes: its key/value blocks travel by NCCL point-to-point")
     elif may_store:
-        open_fabric(groups.ring_group, groups.device, timeout_s)
+        open_fabric(groups.ring_group, groups.device, timeout_s, holders)
         logger.info("xstage_dit: the ring's key/value blocks travel by remote stores (its ranks share a node)")
 
 
@@ -265,17 +266,18 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
         _move_to_rank_device(pipe, models, groups.device)
         choice = resolve_backend(config.backend, groups.device)
         fabric = None
+        holders = [id(model) for model in models]  # the models hold the fabrics until `disable`
         if needs_fabric(choice, groups.device) and groups.ulysses_group is not None and groups.ring_degree == 1:
             if groups.ulysses_within_node:
                 # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
                 from .sp.fabric import open_fabric
 
-                fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s)
+                fabric = open_fabric(groups.ulysses_group, groups.device, config.timeout_s, holders)
             else:
                 warn_once("xstage_dit: the Ulysses group spans nodes and symmetric memory spans one: its exchanges "
                           "run over NCCL (the reference and overlap backends), not the fused backend's stores")
         if groups.ring_degree > 1:
-            _open_ring_fabric(groups, needs_fabric(choice, groups.device), config.timeout_s)
+            _open_ring_fabric(groups, needs_fabric(choice, groups.device), config.timeout_s, holders)
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)
@@ -351,11 +353,15 @@ def _attach(pipe: Any, models: list[nn.Module], enabled: list[Enabled | None], c
 
 def disable(pipe: Any) -> Any:
     """Undo `enable`: every layer is removed, last first, and the model is restored exactly (also for other
-    pipelines that share the transformers). The process group stays."""
+    pipelines that share the transformers). The symmetric memory the models held is given back (where no other
+    enabled model holds it); the process group stays."""
+    from .sp.fabric import release_fabrics
+
     for model in _transformers_of(pipe):
         if getattr(model, _STATE_ATTR, None) is not None:
-            detach_stack(model)
+            detach_stack(model)  # the CUDA graphs that address the fabrics go first
             delattr(model, _STATE_ATTR)
+            release_fabrics(id(model))
     if not isinstance(pipe, ModelMixin):
         detach_stack(pipe)
     return pipe

@@ -29,7 +29,7 @@ from .runtime.model_changes import ChangesSinceEnable
 from .sp.attention import routing
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_hooks import CfgBranches, SharedCacheDecisions, stateful_hooks
-from .sp.fabric import fabric_of
+from .sp.fabric import fabric_of, memory_epoch
 from .sp.moe.modes import ExpertModes
 from .sp.plan import (FAMILY_CHANGES, FUSED_ROPE, MOE_EXPERTS, PROCESSORS, SPLIT_PROJECTION, PlanContext,
                       SequenceParallelPlan, attention_routes, check_inputs_hooks, split_blocks, token_split_hooks)
@@ -162,7 +162,7 @@ def _cross_rank_work(job: ModelJob) -> CrossRankWork | None:
         for fabric in fabrics:
             fabric.raise_if_timed_out("a CUDA-graph replay")
 
-    return CrossRankWork(groups.rank, peers, job.config.timeout_s, check if fabrics else None)
+    return CrossRankWork(groups.rank, peers, job.config.timeout_s, check if fabrics else None, memory_epoch)
 
 
 def _cuda_graphs(job: ModelJob) -> list[Change]:

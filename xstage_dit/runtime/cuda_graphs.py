@@ -26,7 +26,8 @@ replaced), the forward's graphs and its blocks' are dropped and captured again a
 
 Work that crosses ranks inside a replay (collectives, symmetric-memory barriers) is not watched by the host: a
 replay with cross-rank work waits, after launching the next replay, for the previous one within the timeout,
-and raises naming the rank and what it waited for."""
+and raises naming the rank and what it waited for. A graph whose kernels address symmetric memory that was given
+back since its capture (a fabric's workspace grew, sp/fabric.py) is dropped and its signature captured again."""
 from __future__ import annotations
 
 import contextlib
@@ -68,6 +69,9 @@ class CrossRankWork:
     peers: str  # e.g. "the other ranks of its Ulysses group (ranks 0-3)"
     timeout_s: float
     check: Callable[[], None] | None = None  # raises for a wait that timed out inside a kernel of the replay
+    # changes when memory that a graph's kernels address across ranks was given back (a symmetric-memory workspace
+    # grew): a graph captured at another value is dropped, not replayed
+    memory_epoch: Callable[[], int] | None = None
 
 
 @dataclass
@@ -88,6 +92,7 @@ class _Graph:
     inputs: list[torch.Tensor]  # the static tensor arguments, in argument order
     outputs: list[Any]  # the output's leaves (tensors in the graph's memory)
     output_spec: TreeSpec
+    memory_epoch: int | None  # CrossRankWork.memory_epoch at the capture
 
 
 @dataclass
@@ -201,6 +206,10 @@ class SignatureGraphs:
             warn_once(f"xstage_dit: {self.name} gets {key}; those calls run eagerly, without CUDA graphs")
             return self.inner(*args, **kwargs)
         graph = self._graphs.get(key)
+        if graph is not None and graph.memory_epoch != self._memory_epoch():
+            # its kernels address cross-rank memory given back since its capture
+            self._graphs.pop(key).graph.reset()
+            graph = None
         if graph is None and self._seen.get(key, 0) < EAGER_CALLS:
             return self._eager(key, leaves, args, kwargs)
         if graph is None:  # this call captures, then replays what it captured
@@ -209,6 +218,10 @@ class SignatureGraphs:
         self._graphs.move_to_end(key)
         self.use.replays += 1
         return self._replay(graph, leaves)
+
+    def _memory_epoch(self) -> int | None:
+        work = self.cross_rank
+        return work.memory_epoch() if work is not None and work.memory_epoch is not None else None
 
     @property
     def captured(self) -> int:
@@ -279,7 +292,8 @@ class SignatureGraphs:
             cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             self._give_up(f"cannot be captured in a CUDA graph ({cause})")
             return None
-        captured = _Graph(graph=graph, inputs=inputs, outputs=outputs, output_spec=output_spec)
+        captured = _Graph(graph=graph, inputs=inputs, outputs=outputs, output_spec=output_spec,
+                          memory_epoch=self._memory_epoch())
         self._seen.pop(key, None)
         self._graphs[key] = captured
         logger.info("xstage_dit: captured %s's forward in a CUDA graph (%d held)", self.name, len(self._graphs))

@@ -1,9 +1,11 @@
 """The service's Prometheus metrics, in a registry of its own: queue depth, requests by outcome, latency, queue
-time, step time, encoding time and batch size."""
+time, step time, encoding time, batch size and the symmetric memory this rank holds."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..sp.fabric import symmetric_bytes_held
 
 OUTCOMES = ("ok", "invalid", "rejected", "unavailable", "failed", "dropped")
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
@@ -34,6 +36,10 @@ class ServiceMetrics:
                                      buckets=_STEP_SECONDS, registry=self.registry)
         self.batch_size = Histogram("xstage_batch_outputs", "outputs made by one pipeline call",
                                     buckets=(1, 2, 4, 8, 16, 32), registry=self.registry)
+        self.symmetric_memory = Gauge("xstage_symmetric_memory_bytes", "symmetric memory rank 0's fabrics hold "
+                                      "(their workspaces, grown to the largest call's need; 0 without a fabric)",
+                                      registry=self.registry)
+        self.symmetric_memory.set_function(symmetric_bytes_held)
 
     def count(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()

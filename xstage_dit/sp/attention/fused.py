@@ -14,9 +14,9 @@
 
 `fused_steps` is that algorithm, paused before each barrier; `fused_exchange` runs one rank of it over a fabric.
 Over the group's symmetric memory that is the backend; over a loopback fabric, tests and benchmarks run the same
-steps for N simulated ranks (fabric.run_in_lockstep). The output buffer is valid until this rank's next fused
-call, which cannot start overwriting it before this rank has passed that call's first barrier, i.e. after the
-caller consumed it (stream order)."""
+steps for N simulated ranks (fabric.run_in_lockstep). The output buffer is a view kept past the call: valid until
+this rank's next call on the fabric, which cannot start overwriting it before this rank has passed that call's
+first barrier, i.e. after the caller consumed it (stream order)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -30,7 +30,7 @@ from ...kernels.attention_hopper import HopperConfig
 from ...kernels.rotary_args import JointTokens
 from ...burst_gap.planner import AttentionShape, Planner, TileOrder
 from .backends import Backend, LocalAttention
-from ..fabric import Fabric, Steps, fabric_of, run_in_lockstep
+from ..fabric import Fabric, Steps, View, fabric_of, run_in_lockstep
 from .layout import UlyssesLayout
 from .masks import keep_keys
 from ..planner import attention_shape, planner_for
@@ -68,13 +68,15 @@ def fused_steps(query: JointTokens, key: JointTokens, value: JointTokens, layout
     # per tensor: (its text rows, its rows once gathered)
     rows = {"q": (layout.query_text_len, layout.query_gathered_len), "k": (layout.text_len, layout.gathered_len),
             "v": (layout.text_len, layout.gathered_len)}
-    buffers = {name: fabric.buffer(name, (batch, gathered, share, head_dim), dtype)
-               for name, (_, gathered) in rows.items()}
-    for (name, buffer), tokens in zip(buffers.items(), (query, key, value)):
-        store_heads(tokens, layout.store_rows(rows[name][0]), offsets=buffer.destinations, base=buffer.tensor,
-                    rank=layout.rank)
-    q, k, v = (buffer.tensor for buffer in buffers.values())
-    out = fabric.buffer("out", (batch, query_rows, heads, head_dim), dtype)
+    # the output is kept past the call (the caller reads it after the last barrier)
+    buffers = fabric.carve([*(View(name, (batch, gathered, share, head_dim), dtype)
+                              for name, (_, gathered) in rows.items()),
+                            View("out", (batch, query_rows, heads, head_dim), dtype, kept=True)])
+    for name, tokens in zip(rows, (query, key, value)):
+        store_heads(tokens, layout.store_rows(rows[name][0]), offsets=buffers[name].destinations,
+                    base=buffers[name].tensor, rank=layout.rank)
+    q, k, v = (buffers[name].tensor for name in rows)
+    out = buffers["out"]
     yield "fused attention (pre-all-to-all)"
     flash_attention(q, k, v, scale=scale, kv_len=layout.key_len, key_mask=keep_keys(text_mask), out=out.tensor,
                     scatter=layout.output_scatter(out.destinations, share, order))

@@ -31,7 +31,7 @@ from ...kernels.attention_args import KeyForward, Running
 from ...logging_utils import warn_once
 from ...runtime.distributed import waiting_for
 from ...sizes import ceil_div
-from ..fabric import Fabric, Steps, fabric_of, run_in_lockstep
+from ..fabric import Fabric, Steps, View, fabric_of, run_in_lockstep
 from ..planner import planner_for, ring_shape
 from .exchange import all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
 from .layout import UlyssesLayout
@@ -215,7 +215,8 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     degree, rank = layout.ring_degree, layout.ring_rank
     batch, _, heads, head_dim = key.shape
-    slots = fabric.buffer("ring_kv", (2, 2 * batch * layout.padded_len * heads * head_dim), key.dtype)
+    slots_view = View("ring_kv", (2, 2 * batch * layout.padded_len * heads * head_dim), key.dtype)
+    slots = fabric.carve([slots_view])["ring_kv"]
     block = _own_block(key, value, layout)
     merged = Merged(query)
     masks = ring_masks(text_mask, layout, query.shape[1], text_factor)

@@ -24,7 +24,7 @@ import torch
 
 from ...burst_gap.planner import ExpertSchedule
 from .grouped import slot_table
-from ..fabric import Fabric, Steps, run_in_lockstep
+from ..fabric import Fabric, Steps, View, run_in_lockstep
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,10 @@ def expert_steps(tokens: torch.Tensor, shared: torch.Tensor, routes: SlotRoutes,
     dim, width = tokens.shape[1], down.shape[1]
     slots = routes.owner.numel()
     per_rank = slots // fabric.world_size
-    received = fabric.buffer("experts-received", (per_rank, dim), tokens.dtype)
-    combine = fabric.buffer("experts-combine", (slots, dim), tokens.dtype)
+    # the combine's rows are summed after the last barrier: kept past the call
+    buffers = fabric.carve([View("experts-received", (per_rank, dim), tokens.dtype),
+                            View("experts-combine", (slots, dim), tokens.dtype, kept=True)])
+    received, combine = buffers["experts-received"], buffers["experts-combine"]
     store_rows(tokens, routes.src_rows, received.destinations, received.tensor)
     yield "the expert dispatch"
     mine = slice(fabric.rank * per_rank, (fabric.rank + 1) * per_rank)
