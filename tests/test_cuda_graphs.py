@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
 from xstage_dit import logging_utils
 from xstage_dit.hooks.layers import stack_of

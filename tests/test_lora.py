@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, xstage_warnings
 from xstage_dit.fusions.plain import why_not_plain
 from xstage_dit.patches.image import flux_mlp

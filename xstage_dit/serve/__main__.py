@@ -18,6 +18,7 @@ import time
 
 from ..api import enable, is_main_process
 from ..runtime.distributed import local_device
+from ..testing import zoo
 from . import loading, media
 from .metrics import ServiceMetrics
 from .ranks import CallStatus, SideChannel
@@ -60,7 +61,7 @@ def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
     """What the served pipeline takes: sizes in multiples of its VAE's downsampling times its 2 x 2 patches."""
     pipe = loaded.pipe
     scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
-    entry = loading.zoo().ZOO[loaded.config] if loaded.config is not None else None
+    entry = zoo.ZOO[loaded.config] if loaded.config is not None else None
     return ModelCard(id=model_id, video=loaded.is_video, image=loading.image_input(type(pipe)),
                      text_encoder=loaded.config is None, size_multiple=2 * scale,
                      default_height=entry.height if entry else None, default_width=entry.width if entry else None,
