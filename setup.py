@@ -56,7 +56,7 @@ setup(
         # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
         # cache-dit: its caches are tested with xstage_dit, its parallelism (einops) refused
         # the video extra's packages: the MP4 outputs of the example and the service are tested too
-        "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "fastapi", "uvicorn",
+        "test": ["pytest", "setuptools>=70.1", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "fastapi", "uvicorn",
                  "httptools", "prometheus-client", "httpx", "cache-dit[parallelism]>=1.5,<1.6",
                  "imageio", "imageio-ffmpeg", "av"],
     },
