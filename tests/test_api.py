@@ -68,12 +68,11 @@ def test_unsupported_transformer_names_supported_families():
 def test_a_one_process_accelerate_launch_is_said_once(flux_pipe, monkeypatch, caplog):
     """accelerate's one-process launcher (`accelerate launch --num_processes 2` without --multi_gpu) sets
     ACCELERATE_USE_CPU and no WORLD_SIZE: the unsplit run is said, with the flag that splits it."""
-    from xstage_dit import logging_utils
+    from xstage_dit.logging_utils import fresh_warnings
 
-    monkeypatch.setattr(logging_utils, "_already_warned", set())
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
-    with caplog.at_level(logging.WARNING, logger="xstage_dit"):
+    with fresh_warnings(), caplog.at_level(logging.WARNING, logger="xstage_dit"):
         for _ in range(2):
             xstage_dit.enable(flux_pipe)
             xstage_dit.disable(flux_pipe)
