@@ -83,6 +83,22 @@ def test_disable_empties_the_caches_and_enable_fills_them_again():
     run_on_ranks(2, _disable_empties_the_caches)
 
 
+def _a_new_default_group_finds_none_of_the_old_ones(store_path: str) -> None:
+    ensure_process_group(60.0)
+    rank = dist.get_rank()
+    before = distributed.world_group(7.0), distributed.timed_mesh((1, 1, 2), 7.0)
+    assert distributed.world_group(7.0) is before[0] and distributed.timed_mesh((1, 1, 2), 7.0) is before[1]
+    dist.destroy_process_group()  # the user's teardown, without disable
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    after = distributed.world_group(7.0), distributed.timed_mesh((1, 1, 2), 7.0)
+    assert after[0] is not before[0] and after[1] is not before[1]
+    assert dist.get_world_size(after[0]) == 2 and after[1].mesh.size() == 2
+
+
+def test_groups_are_kept_per_default_group(tmp_path):
+    run_on_ranks(2, _a_new_default_group_finds_none_of_the_old_ones, str(tmp_path / "store"))
+
+
 def test_warn_once_says_a_message_once_and_fresh_warnings_says_it_again(caplog):
     said_before = "xstage_dit: a warning said before the block"
     inside = "xstage_dit: a warning said inside the block"
