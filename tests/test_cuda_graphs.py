@@ -75,7 +75,8 @@ def test_one_gpu_replays_equal_eager(name, backend):
 
 
 def _two_rank_worker(name: str, backend: str, cfg_degree: int, expert_parallel: bool | None = None) -> None:
-    two_gpus = torch.cuda.device_count() >= 2  # else both ranks on one GPU: gloo, which graphs cannot hold
+    # else both ranks on one GPU (the job's placement): gloo, which graphs cannot hold
+    two_gpus = torch.cuda.device_count() >= 2
     # with cfg_degree=2 each rank is a Ulysses group of one: its forward holds no collective (the CFG exchange
     # runs outside the graph), so it is captured over gloo too
     _graphs_equal_eager(name, two_gpus or cfg_degree == 2, backend=backend, cfg_degree=cfg_degree,
@@ -97,7 +98,8 @@ def test_two_ranks_replays_equal_eager(name, backend, cfg_degree, expert_paralle
 
 
 def _ring_worker(name: str, backend: str) -> None:
-    two_gpus = torch.cuda.device_count() >= 2  # else both ranks on one GPU: gloo, whose sends graphs cannot hold
+    # else both ranks on one GPU (the job's placement): gloo, whose sends and output gather graphs cannot hold
+    two_gpus = torch.cuda.device_count() >= 2
     _graphs_equal_eager(name, two_gpus, backend=backend, ring_degree=2)
 
 

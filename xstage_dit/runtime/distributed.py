@@ -131,6 +131,7 @@ def job_placement() -> Placement:
 
 
 def ranks_share_gpus() -> bool:
+    """Whether this job's ranks share GPUs (its placement's word)."""
     return job_placement().ranks_share_gpus
 
 
