@@ -61,8 +61,9 @@ def test_an_installed_wheel_serves_its_default_model(tmp_path: Path) -> None:
     # only the installed copy: not the checkout (the editable install's finder comes after the path), not examples/
     environment = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": str(target),
                    "OMP_NUM_THREADS": "1"}
-    where = subprocess.run([sys.executable, "-c", "import xstage_dit.serve.loading as m; print(m.__file__)"],
-                           env=environment, cwd=away, capture_output=True, text=True, timeout=START_S)
+    where = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec("
+                            "'xstage_dit').origin)"], env=environment, cwd=away, capture_output=True, text=True,
+                           timeout=START_S)
     assert where.returncode == 0, where.stderr[-2000:]
     assert Path(where.stdout.strip()).is_relative_to(target), where.stdout
 
