@@ -57,9 +57,9 @@ setup(
         # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
         # cache-dit: its caches are tested with xstage_dit, its parallelism (einops) refused
         # the video extra's packages: the MP4 outputs of the example and the service are tested too
-        # openai: the service is checked with OpenAI's own client
-        "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "fastapi", "uvicorn",
-                 "httptools", "prometheus-client", "python-multipart", "openai", "httpx",
+        # openai: the service is checked with OpenAI's own client; setuptools: a test builds the wheel
+        "test": ["pytest", "setuptools>=70.1", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "fastapi",
+                 "uvicorn", "httptools", "prometheus-client", "python-multipart", "openai", "httpx",
                  "cache-dit[parallelism]>=1.5,<1.6", "imageio", "imageio-ffmpeg", "av"],
     },
     license="MIT",

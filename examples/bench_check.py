@@ -4,8 +4,8 @@ checksum of the weights and its collective, as enable's time with the check agai
 
     torchrun --nproc_per_node 2 examples/bench_check.py --config flux-dev --out docs/benchmarks/check-h200x2
 
-Random weights, real configs (examples/zoo.py). Times are rank 0's; each per-call sample starts on an idle GPU
-(what the check waits for is its own work, not the previous call's). Writes OUT.json and OUT.md on the main rank."""
+Random weights, real configs (xstage_dit/testing/zoo.py). Times are rank 0's; each per-call sample starts on an idle
+GPU (what the check waits for is its own work, not the previous call's). Writes OUT.json and OUT.md on the main rank."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from provenance import OUTPUT_DIR, provenance, write_records
 from xstage_dit import layers
 from xstage_dit.runtime import ensure_process_group

@@ -34,7 +34,7 @@ import xstage_dit
 from xstage_dit import patches
 from xstage_dit.runtime import world_from_env
 
-import zoo
+from xstage_dit.testing import zoo
 from kernel_profile import kernel_times, write_profiles
 from provenance import OUTPUT_DIR, provenance
 from step_timer import StepTimer, reporting_steps

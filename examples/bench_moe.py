@@ -26,7 +26,7 @@ import torch.distributed as dist
 from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from provenance import OUTPUT_DIR, provenance, write_records
 from xstage_dit.patches.image.nucleusmoe import ExactExpertChoice
 from xstage_dit.runtime import ensure_process_group

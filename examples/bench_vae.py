@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from provenance import OUTPUT_DIR, provenance, write_records
 from xstage_dit.patches.vaes import vae_rule_for
 from xstage_dit.vae.decode import ParallelDecode

@@ -24,7 +24,7 @@ import xstage_dit
 from xstage_dit.runtime import world_from_env
 from xstage_dit.sp.fabric import symmetric_backends_in_use
 
-import zoo
+from xstage_dit.testing import zoo
 from generate import EXPERT_PARALLEL
 from provenance import OUTPUT_DIR, provenance
 

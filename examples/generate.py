@@ -7,8 +7,8 @@ r"""Generate an image or a video with xstage_dit's Ulysses sequence parallelism.
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     torchrun --nproc_per_node 8 examples/generate.py --model black-forest-labs/FLUX.1-dev --prompt "a cat"
 
-Without --model the pipeline is built from a config in examples/zoo.py with random weights (no download) and
-the prompt seeds random text embeddings, since such configs have no text encoder; configs whose pipeline takes
+Without --model the pipeline is built from a config in xstage_dit/testing/zoo.py with random weights (no download)
+and the prompt seeds random text embeddings, since such configs have no text encoder; configs whose pipeline takes
 images (Kontext, Fill, Control, image-to-video) draw random ones unless --image is given. With --model, steps
 and guidance are the pipeline's own defaults unless given, and VAEs that diffusers keeps in float32 (Wan's) stay
 in float32. Only the main rank shows progress and writes the output (--output, by default into out/ of the current

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from xstage_dit.runtime.distributed import free_port
 
-PRELOADED = ["torch", "torch.distributed", "xstage_dit", "zoo"]
+PRELOADED = ["torch", "torch.distributed", "xstage_dit", "xstage_dit.testing.zoo"]
 START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
 mp.set_forkserver_preload(PRELOADED)
 
@@ -42,6 +42,7 @@ def _worker(rank: int, world_size: int, port: int, deadline: float, environment:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))  # one node, unless the test pretends several
     torch.set_num_threads(1)
     # how far each rank got shows in the test's captured stderr when it fails or runs out of time
     try:
@@ -81,7 +82,8 @@ def xstage_warnings() -> Iterator[list[str]]:
 
 
 def share_one_gpu() -> None:
-    """This process's ranks share GPU 0 (also on a host with more GPUs): call in a worker before CUDA starts."""
+    """This process's ranks share GPU 0 (also on a host with more GPUs): call in a worker before CUDA starts. The
+    job's placement then has more ranks than GPUs; torch's flag lets symmetric memory map one device twice."""
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
 

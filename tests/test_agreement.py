@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
 from test_lora import ADAPTERS, lora_state_dict
 

@@ -10,7 +10,7 @@ import torch
 from diffusers.models.transformers import transformer_flux
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
 from xstage_dit import api
 from xstage_dit.hooks.module_forward import ReplacedForward
@@ -68,12 +68,11 @@ def test_unsupported_transformer_names_supported_families():
 def test_a_one_process_accelerate_launch_is_said_once(flux_pipe, monkeypatch, caplog):
     """accelerate's one-process launcher (`accelerate launch --num_processes 2` without --multi_gpu) sets
     ACCELERATE_USE_CPU and no WORLD_SIZE: the unsplit run is said, with the flag that splits it."""
-    from xstage_dit import logging_utils
+    from xstage_dit.logging_utils import fresh_warnings
 
-    monkeypatch.setattr(logging_utils, "_already_warned", set())
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
-    with caplog.at_level(logging.WARNING, logger="xstage_dit"):
+    with fresh_warnings(), caplog.at_level(logging.WARNING, logger="xstage_dit"):
         for _ in range(2):
             xstage_dit.enable(flux_pipe)
             xstage_dit.disable(flux_pipe)
@@ -509,13 +508,11 @@ def test_the_package_works_without_triton():
     """Triton is optional (the fused backend's kernels): without it the package imports and `auto` runs."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    examples = Path(__file__).resolve().parent.parent / "examples"  # zoo.py, as pytest.ini's pythonpath has it
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        f"sys.path.insert(0, {str(examples)!r})\n"
-        "import torch, xstage_dit, zoo\n"
+        "import torch, xstage_dit\n"
+        "from xstage_dit.testing import zoo\n"
         "from xstage_dit.sp.attention.backends import available_backends\n"
         "assert 'fused' not in available_backends(), available_backends()\n"
         "pipe = zoo.build_pipeline('tiny-flux')\n"

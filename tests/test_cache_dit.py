@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
 from test_compile import CACHE_FIRST, CACHE_LAST, check_cache_under_compile, order_id
 from test_parallel_pipelines import TOLERANCE, _relative_error, seeded_latents

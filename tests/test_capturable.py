@@ -7,7 +7,7 @@ import torch
 from diffusers.models.transformers import transformer_chroma, transformer_qwenimage
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from xstage_dit.patches.image.chroma import DeviceGuidanceEmbeddings
 from xstage_dit.patches.image.qwenimage import text_lengths_without_copy
 

@@ -18,7 +18,7 @@ import torch
 import diffusers
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, share_one_gpu
 from torch._dynamo.utils import counters
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
 from test_parallel_pipelines import SIZES, TOLERANCE, _pipelines_worker, _relative_error
 

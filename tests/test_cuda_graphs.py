@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import pytest
 import torch
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
-from xstage_dit import logging_utils
 from xstage_dit.hooks.layers import stack_of
+from xstage_dit.logging_utils import fresh_warnings
 from xstage_dit.runtime.cuda_graphs import _BLOCK_GRAPHS, EAGER_CALLS, GraphedForward, repeated_blocks
 
 pytestmark = pytest.mark.gpu
@@ -76,9 +75,8 @@ def test_one_gpu_replays_equal_eager(name, backend):
 
 
 def _two_rank_worker(name: str, backend: str, cfg_degree: int, expert_parallel: bool | None = None) -> None:
+    # else both ranks on one GPU (the job's placement): gloo, which graphs cannot hold
     two_gpus = torch.cuda.device_count() >= 2
-    if not two_gpus:  # both ranks on one GPU: gloo, which graphs cannot hold
-        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     # with cfg_degree=2 each rank is a Ulysses group of one: its forward holds no collective (the CFG exchange
     # runs outside the graph), so it is captured over gloo too
     _graphs_equal_eager(name, two_gpus or cfg_degree == 2, backend=backend, cfg_degree=cfg_degree,
@@ -100,9 +98,8 @@ def test_two_ranks_replays_equal_eager(name, backend, cfg_degree, expert_paralle
 
 
 def _ring_worker(name: str, backend: str) -> None:
+    # else both ranks on one GPU (the job's placement): gloo, whose sends and output gather graphs cannot hold
     two_gpus = torch.cuda.device_count() >= 2
-    if not two_gpus:  # both ranks on one GPU: gloo, whose sends and output gather graphs cannot hold
-        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     _graphs_equal_eager(name, two_gpus, backend=backend, ring_degree=2)
 
 
@@ -243,24 +240,24 @@ EAGER_CONTROLNETS = {
 
 
 @pytest.mark.parametrize("name", sorted(n for n in zoo.ZOO if n.startswith("tiny-")))
-def test_every_config_replays_or_says_why(name, caplog, monkeypatch):
+def test_every_config_replays_or_says_why(name, caplog):
     """Every tiny config's forward either replays (equal to eager bit for bit) or, for the few listed above, runs
     eagerly after a warning, its blocks replaying where they can; a family whose forward starts or stops
     replaying fails here."""
-    monkeypatch.setattr(logging_utils, "_already_warned", set())  # earlier tests may have said it
     entry = zoo.ZOO[name]
     size = {"height": entry.height, "width": entry.width, "num_frames": entry.num_frames}
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
-    xstage_dit.enable(pipe, cuda_graphs=False)
-    steps = 2 * STEPS  # image-to-image pipelines run only their `strength` share of the steps
-    eager = _generate(pipe, name, size, 1, steps)
-    xstage_dit.disable(pipe)
-    xstage_dit.enable(pipe, cuda_graphs=True)
-    with caplog.at_level(logging.WARNING, logger="xstage_dit"):
-        out = _generate(pipe, name, size, 1, steps)
-    use = xstage_dit.cuda_graph_use(pipe)
-    xstage_dit.disable(pipe)
+    with fresh_warnings():  # earlier tests may have said them
+        xstage_dit.enable(pipe, cuda_graphs=False)
+        steps = 2 * STEPS  # image-to-image pipelines run only their `strength` share of the steps
+        eager = _generate(pipe, name, size, 1, steps)
+        xstage_dit.disable(pipe)
+        xstage_dit.enable(pipe, cuda_graphs=True)
+        with caplog.at_level(logging.WARNING, logger="xstage_dit"):
+            out = _generate(pipe, name, size, 1, steps)
+        use = xstage_dit.cuda_graph_use(pipe)
+        xstage_dit.disable(pipe)
     assert torch.equal(out, eager), f"{name}: graphs differ from eager"
     warnings = [r.getMessage() for r in caplog.records if "xstage_dit:" in r.getMessage()]
     if name in EAGER_FORWARDS:

@@ -163,7 +163,7 @@ class _StandInFabric:
 
 def _enabled_models_hold_the_fabric_and_disable_gives_it_back() -> None:
     import diffusers
-    import zoo
+    from xstage_dit.testing import zoo
 
     dist.init_process_group("gloo")
     fabrics.SymmetricFabric = _StandInFabric  # this worker's process only

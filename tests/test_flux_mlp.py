@@ -8,7 +8,7 @@ import torch
 from diffusers.models.transformers import transformer_chroma, transformer_flux
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from xstage_dit.fusions.gelu import EpilogueGELU, epilogue_gelus
 from xstage_dit.patches.image.flux_mlp import SPLIT_BLOCKS, split_projection_blocks
 

@@ -14,7 +14,7 @@ import pytest
 from transformers.utils import logging as transformers_logging
 
 import generate
-import zoo
+from xstage_dit.testing import zoo
 from xstage_dit.serve import loading, media
 
 GENERATE = Path(__file__).parent.parent / "examples" / "generate.py"

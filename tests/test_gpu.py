@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, share_one_gpu
 from xstage_dit.sp.attention.local import sdpa_bshd
 

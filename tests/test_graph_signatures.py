@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
-import zoo
+from xstage_dit.testing import zoo
 from xstage_dit.runtime.cuda_graphs import _signature, repeated_blocks
 
 CPU = torch.device("cpu")

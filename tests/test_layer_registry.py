@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
 from test_parallel_pipelines import seeded_latents
 from xstage_dit import api, patches

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, xstage_warnings
 from xstage_dit.fusions.plain import why_not_plain
 from xstage_dit.patches.image import flux_mlp
@@ -341,8 +341,8 @@ def test_gelu_epilogue_calls_adapter_layers_on_gpu(monkeypatch) -> None:
     from diffusers.models.activations import GELU
     from peft import LoraConfig, inject_adapter_in_model
 
-    from xstage_dit import logging_utils
     from xstage_dit.fusions.gelu import epilogue_gelus
+    from xstage_dit.logging_utils import fresh_warnings
 
     torch.manual_seed(0)
     holder = nn.Sequential(GELU(64, 256, approximate="tanh"))
@@ -353,8 +353,7 @@ def test_gelu_epilogue_calls_adapter_layers_on_gpu(monkeypatch) -> None:
     addmm_activation = torch._addmm_activation
     monkeypatch.setattr(torch, "_addmm_activation",
                         lambda *args, **kwargs: epilogues.append(1) or addmm_activation(*args, **kwargs))
-    monkeypatch.setattr(logging_utils, "_already_warned", set())
-    with torch.no_grad():
+    with fresh_warnings(), torch.no_grad():
         stock = holder(x)
         swap = epilogue_gelus(holder)
         with xstage_warnings() as warnings:

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-import zoo
+from xstage_dit.testing import zoo
 from test_lora import ADAPTERS, lora_state_dict
 from xstage_dit.runtime.cuda_graphs import GraphedForward
 from xstage_dit.runtime.agreement import Fingerprint

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, xstage_warnings
 from xstage_dit import patches
 from xstage_dit.hooks.layers import stack_of

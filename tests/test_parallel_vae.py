@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, share_one_gpu, xstage_warnings
 from xstage_dit.patches.vaes import vae_rule_for
 from xstage_dit.vae.decode import ParallelDecode

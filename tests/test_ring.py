@@ -14,7 +14,7 @@ import torch.distributed as dist
 from diffusers import FluxTransformer2DModel
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
 from test_compile import _ranks_worker
 from test_gpu import _same_gpu_worker

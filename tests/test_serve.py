@@ -40,6 +40,7 @@ from xstage_dit.serve.metrics import ServiceMetrics  # noqa: E402
 from xstage_dit.serve.ranks import Liveness, SideChannel, silence_bound  # noqa: E402
 from xstage_dit.serve.schema import GenerationRequest, ModelCard  # noqa: E402
 from xstage_dit.serve.service import ServeOptions, Service, State  # noqa: E402
+from xstage_dit.testing import zoo  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SERVE_JOB = Path(__file__).with_name("serve_job.py")
@@ -450,7 +451,7 @@ def test_an_input_image_reaches_a_kontext_pipeline() -> None:
     another output); an image that does not decode is refused naming the field."""
     def png(seed: int) -> str:
         buffer = io.BytesIO()
-        loading.zoo().random_image(40, 56, seed).save(buffer, format="PNG")
+        zoo.random_image(40, 56, seed).save(buffer, format="PNG")
         return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
     async def ask(client: httpx.AsyncClient) -> list:
@@ -562,8 +563,7 @@ def test_the_input_image_is_checked_before_it_reaches_the_ranks() -> None:
                        (_card("none", video=True), {"image": image})):
         response = asyncio.run(asyncio.wait_for(ask(card, body), 30))
         assert response.status_code == 400 and response.json()["error"]["param"] == "image", response.text
-    models = loading.zoo()
-    classes = {(entry.pipeline or models.FAMILIES[entry.family].pipeline) for entry in models.ZOO.values()}
+    classes = {(entry.pipeline or zoo.FAMILIES[entry.family].pipeline) for entry in zoo.ZOO.values()}
     kinds = {name: loading.image_input(getattr(diffusers, name)) for name in classes}
     assert {name for name, kind in kinds.items() if kind == "required"} == {
         "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "LTXImageToVideoPipeline", "LTX2ImageToVideoPipeline",

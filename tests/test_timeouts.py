@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
 
 TIMEOUT_S = 3.0

@@ -1,16 +1,11 @@
 """A job of tests/test_ring.py's two pretend nodes (two torchrun agents on this machine, c10d rendezvous): the tiny
 Flux pipeline, enabled with no degrees given, splits each sequence as Ulysses inside a node and a ring across the
 nodes, and equals one process."""
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-
-import xstage_dit  # noqa: E402
-from xstage_dit.runtime.distributed import build_groups  # noqa: E402
-import zoo  # noqa: E402
+import xstage_dit
+from xstage_dit.runtime.distributed import build_groups
+from xstage_dit.testing import zoo
 
 
 def main() -> None:

@@ -22,11 +22,12 @@ from .patches.vaes import supported_vaes, vae_rule_for
 from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
 from .runtime.cuda_graphs import GraphUse
-from .runtime.distributed import ParallelGroups, every_rank_joining, local_device, world_group
+from .runtime.distributed import ParallelGroups, every_rank_joining, forget_groups, local_device, world_group
 from .sp.attention.backends import needs_fabric, resolve_backend
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_dit_hooks import refuse_other_sequence_parallelism
 from .sp.moe.modes import ExpertModes
+from .sp.planner import forget_planners
 from .sp.sharding import SequenceShard
 
 _STATE_ATTR = "_xstage_dit_applied"
@@ -354,7 +355,8 @@ def _attach(pipe: Any, models: list[nn.Module], enabled: list[Enabled | None], c
 def disable(pipe: Any) -> Any:
     """Undo `enable`: every layer is removed, last first, and the model is restored exactly (also for other
     pipelines that share the transformers). The symmetric memory the models held is given back (where no other
-    enabled model holds it); the process group stays."""
+    enabled model holds it); the process group stays; the library's caches of groups, placement and planners are
+    emptied (the next `enable` fills them from the job as it is then)."""
     from .sp.fabric import release_fabrics
 
     for model in _transformers_of(pipe):
@@ -364,6 +366,8 @@ def disable(pipe: Any) -> Any:
             release_fabrics(id(model))
     if not isinstance(pipe, ModelMixin):
         detach_stack(pipe)
+    forget_groups()
+    forget_planners()
     return pipe
 
 

@@ -102,12 +102,42 @@ def within_node(group: dist.ProcessGroup | None) -> bool:
     return group is None or len({node_of(rank) for rank in dist.get_process_group_ranks(group)}) == 1
 
 
-_started_world_timeout_s: float | None = None  # the default group's timeout where this library started it
+@dataclass(frozen=True)
+class Placement:
+    """Where this node's ranks run, from the launcher's facts: the job's ranks on this node (torchrun's
+    LOCAL_WORLD_SIZE; 1 without it) and the GPUs this process sees."""
+
+    local_ranks: int
+    gpus: int
+
+    @property
+    def ranks_share_gpus(self) -> bool:
+        """More ranks on this node than GPUs: NCCL refuses two ranks on one GPU, so the job runs over gloo,
+        symmetric memory through its CUDA backend, and the planner reads the same-GPU calibration."""
+        return 0 < self.gpus < self.local_ranks
+
+
+_placement: Placement | None = None
+# the default group this library started, with its timeout (its collectives are bounded by that, not another)
+_started_world: tuple[dist.ProcessGroup, float] | None = None
+
+
+def job_placement() -> Placement:
+    """This job's placement, decided once per process (until `forget_groups`)."""
+    global _placement
+    if _placement is None:
+        _placement = Placement(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    return _placement
+
+
+def ranks_share_gpus() -> bool:
+    """Whether this job's ranks share GPUs (its placement's word)."""
+    return job_placement().ranks_share_gpus
 
 
 def ensure_process_group(timeout_s: float) -> None:
     """Start the default process group from the launcher's environment unless one is running or the job has one
-    process. NCCL on GPUs, gloo on CPU; every collective is bounded by `timeout_s`."""
+    process. NCCL on GPUs, gloo on CPU and where ranks share GPUs; every collective is bounded by `timeout_s`."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         if not dist.is_initialized() and "WORLD_SIZE" not in os.environ and "ACCELERATE_USE_CPU" in os.environ:
             # accelerate's one-process launcher sets this; its multi-process one (torchrun's) sets WORLD_SIZE
@@ -117,17 +147,18 @@ def ensure_process_group(timeout_s: float) -> None:
     device = local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" and not ranks_share_gpus() else "gloo"
+    placement = job_placement()
+    backend = "nccl" if device.type == "cuda" and not placement.ranks_share_gpus else "gloo"
     if device.type == "cuda" and backend == "gloo":
         # NCCL refuses two ranks on one GPU; gloo stages through the host and symmetric memory's CUDA backend
-        # maps the ranks' buffers into each other: correct, and useful for testing, but no measure of speed
+        # maps the ranks' buffers into each other (torch's flag allows its devices to overlap): correct, and
+        # useful for testing, but no measure of speed
         os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
-        logger.warning("xstage_dit: %s ranks on this node share %d GPU(s): gloo process group (for testing: its "
-                       "timings say nothing about multi-GPU speed)", os.environ.get("LOCAL_WORLD_SIZE"),
-                       torch.cuda.device_count())
+        logger.warning("xstage_dit: %d ranks on this node share %d GPU(s): gloo process group (for testing: its "
+                       "timings say nothing about multi-GPU speed)", placement.local_ranks, placement.gpus)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    global _started_world_timeout_s
-    _started_world_timeout_s = timeout_s
+    global _started_world
+    _started_world = (dist.group.WORLD, timeout_s)
     logger.info("started process group: %s, world size %d", backend, dist.get_world_size())
 
 
@@ -199,14 +230,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ranks_share_gpus() -> bool:
-    """This job's ranks share GPUs: the job says so (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES, as tests and the
-    calibration set it), or there are more ranks on this node (torchrun's LOCAL_WORLD_SIZE) than GPUs."""
-    return (bool(os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"))
-            or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count())
-
-
-_world_groups: dict[float, dist.ProcessGroup] = {}
+# groups this module created, keyed by the default group they were made from: one started anew (after
+# destroy_process_group) never finds the groups of the one before
+_world_groups: dict[tuple[dist.ProcessGroup, float], dist.ProcessGroup] = {}
 
 
 def world_group(timeout_s: float) -> dist.ProcessGroup | None:
@@ -215,11 +241,13 @@ def world_group(timeout_s: float) -> dist.ProcessGroup | None:
     started carries the caller's timeout, so it gets a group of its own."""
     if not dist.is_initialized():
         return None
-    if timeout_s == _started_world_timeout_s:
-        return dist.group.WORLD
-    if timeout_s not in _world_groups:
-        _world_groups[timeout_s] = dist.new_group(timeout=timedelta(seconds=timeout_s))
-    return _world_groups[timeout_s]
+    world = dist.group.WORLD
+    if _started_world == (world, timeout_s):
+        return world
+    key = (world, timeout_s)
+    if key not in _world_groups:
+        _world_groups[key] = dist.new_group(timeout=timedelta(seconds=timeout_s))
+    return _world_groups[key]
 
 
 # the mesh's dimensions, outermost first: CFG groups, then ring steps, Ulysses innermost (consecutive ranks)
@@ -235,7 +263,7 @@ class JobMesh:
     sequence: DeviceMesh | None
 
 
-_mesh_cache: dict[tuple, JobMesh] = {}
+_mesh_cache: dict[tuple, JobMesh] = {}  # keyed as _world_groups, then by shape, timeout and backend
 
 
 def timed_mesh(shape: tuple[int, int, int], timeout_s: float) -> JobMesh:
@@ -246,7 +274,7 @@ def timed_mesh(shape: tuple[int, int, int], timeout_s: float) -> JobMesh:
     backend with options carrying `timeout_s`. NCCL where the default group runs NCCL, else gloo (a CPU job, or
     ranks sharing a GPU), whose mesh is a CPU mesh."""
     backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
-    key = (shape, timeout_s, backend)
+    key = (dist.group.WORLD, shape, timeout_s, backend)
     if key not in _mesh_cache:
         options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout_s)
@@ -257,6 +285,16 @@ def timed_mesh(shape: tuple[int, int, int], timeout_s: float) -> JobMesh:
             if ring > 1 and ulysses > 1 else None
         _mesh_cache[key] = JobMesh(mesh, sequence)
     return _mesh_cache[key]
+
+
+def forget_groups() -> None:
+    """Let go of the meshes and groups made for earlier jobs and of the placement (`disable` calls it): the next
+    `enable` builds them anew from the process group and the environment then. Groups an enabled model still uses
+    stay registered with torch.distributed, so that model keeps working."""
+    global _placement
+    _mesh_cache.clear()
+    _world_groups.clear()
+    _placement = None
 
 
 def build_groups(cfg_degree: int, ulysses_degree: int, timeout_s: float, ring_degree: int = 1) -> ParallelGroups:

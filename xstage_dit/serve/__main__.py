@@ -18,6 +18,7 @@ import time
 
 from ..api import enable, is_main_process
 from ..runtime.distributed import local_device
+from ..testing import zoo
 from . import loading, media
 from .metrics import ServiceMetrics
 from .keys import KEYS_FILE_ENV, key_problem, read_keys
@@ -79,7 +80,7 @@ def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
     input images, and the request fields it has no argument for."""
     pipe = loaded.pipe
     scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
-    entry = loading.zoo().ZOO[loaded.config] if loaded.config is not None else None
+    entry = zoo.ZOO[loaded.config] if loaded.config is not None else None
     arguments = {"negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
                  "num_frames": "num_frames",
                  "guidance_scale": loaded.family.guidance_kwarg if loaded.family else "guidance_scale"}

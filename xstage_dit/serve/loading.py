@@ -1,17 +1,13 @@
 """The pipeline a job generates with, loaded the same way by the generation example and the service: a diffusers
-checkpoint (`--model`) or a random-weight config of the repository's examples/zoo.py (`--config`: no download, the
-prompt seeds random text embeddings since such configs have no text encoder), and the command-line arguments of
-both: what to load and `enable`'s knobs."""
+checkpoint (`--model`) or a random-weight config of the package's zoo (`xstage_dit.testing.zoo`, `--config`: no
+download, the prompt seeds random text embeddings since such configs have no text encoder), and the command-line
+arguments of both: what to load and `enable`'s knobs."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import logging
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal
 
 import PIL.Image
@@ -19,12 +15,12 @@ import torch
 
 from ..api import is_main_process
 from ..sp.attention.backends import available_backends
+from ..testing import zoo
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EXPERT_PARALLEL = {"auto": None, "on": True, "off": False}  # --expert-parallel -> enable(expert_parallel=...)
 ZOO_STEPS = 4  # random weights: a few steps show the run; more add nothing
 DEFAULT_CONFIG = "tiny-flux"
-_ZOO_FILE = Path(__file__).resolve().parents[2] / "examples" / "zoo.py"
 ImageInput = Literal["none", "optional", "required"]
 # diffusers' names of the pipelines that make their output from an input image, whatever `image` defaults to
 _IMAGE_PIPELINES = ("ImageToVideo", "Img2Img", "Edit", "Inpaint", "Fill")
@@ -32,29 +28,6 @@ _IMAGE_PIPELINES = ("ImageToVideo", "Img2Img", "Edit", "Inpaint", "Fill")
 _REFERENCE_PIPELINES = ("EditPlus", "Flux2")
 REFERENCE_IMAGES = 3
 UNCARRIED_INPUTS = ("control_image",)  # call inputs a service request has no field for
-
-
-def zoo() -> ModuleType:
-    """examples/zoo.py of this source checkout, imported once as `zoo` (the module the examples and tests import):
-    the random-weight configs are not part of the installed library."""
-    module = _zoo_if_present()
-    if module is None:
-        raise SystemExit(f"--config needs the repository's examples/zoo.py (not found at {_ZOO_FILE}); run from a "
-                         f"source checkout, or pass --model")
-    return module
-
-
-def _zoo_if_present() -> ModuleType | None:
-    """The checkout's examples/zoo.py; for an installed copy, a `zoo` on the path (examples/ put there)."""
-    if "zoo" in sys.modules:
-        return sys.modules["zoo"]
-    if not _ZOO_FILE.is_file():
-        return importlib.import_module("zoo") if importlib.util.find_spec("zoo") is not None else None
-    spec = importlib.util.spec_from_file_location("zoo", _ZOO_FILE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["zoo"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def quiet_libraries() -> None:
@@ -74,11 +47,9 @@ def quiet_libraries() -> None:
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """--model, --config, --dtype and `enable`'s knobs."""
     parser.add_argument("--model", help="hub id or local path of a diffusers pipeline with real weights")
-    models = _zoo_if_present()  # an installed copy without the examples serves --model only
-    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(models.ZOO) if models else None,
-                        metavar="NAME",
-                        help="random-weight config of examples/zoo.py used when --model is not given (default: "
-                             f"{DEFAULT_CONFIG})")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(zoo.ZOO), metavar="NAME",
+                        help="random-weight config of xstage_dit.testing.zoo used when --model is not given "
+                             f"(default: {DEFAULT_CONFIG})")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--backend", default="auto", choices=available_backends())
     parser.add_argument("--ulysses-degree", type=int,
@@ -183,9 +154,9 @@ class LoadedPipeline:
         return call
 
     def _config_call(self, generation: Generation) -> dict[str, Any]:
-        models, options = zoo(), generation.options
-        entry = models.ZOO[self.config]
-        call = models.call_kwargs(
+        options = generation.options
+        entry = zoo.ZOO[self.config]
+        call = zoo.call_kwargs(
             self.config, height=options.height or entry.height, width=options.width or entry.width,
             num_frames=options.num_frames or entry.num_frames, steps=options.steps or ZOO_STEPS,
             guidance=1.0 if options.guidance is None else options.guidance)
@@ -196,9 +167,8 @@ class LoadedPipeline:
     def _config_text(self, prompts: tuple[str, ...]) -> dict[str, Any]:
         """Each prompt's random embeddings (seeded by the prompt alone, so an image does not depend on the batch it
         ran in), joined along each input's batch dimension."""
-        models = zoo()
-        drawn = [models.text_embeddings(self.config, 1, models.prompt_seed(p), device=self.device,
-                                        dtype=self.dtype) for p in prompts]
+        drawn = [zoo.text_embeddings(self.config, 1, zoo.prompt_seed(p), device=self.device, dtype=self.dtype)
+                 for p in prompts]
         if len(drawn) == 1:
             return drawn[0]
         joined = {}
@@ -212,8 +182,7 @@ class LoadedPipeline:
     def batch_dims(self) -> dict[str, int]:
         """Which dimension of each text input is the batch (HiDream's Llama states lead with the layer)."""
         if self._batch_dims is None:
-            models = zoo()
-            one, two = (models.text_embeddings(self.config, b, 0) for b in (1, 2))
+            one, two = (zoo.text_embeddings(self.config, b, 0) for b in (1, 2))
             self._batch_dims = {name: next(d for d, (a, b) in enumerate(zip(t.shape, two[name].shape)) if a != b)
                                 for name, t in one.items() if not isinstance(t, list)}
         return self._batch_dims
@@ -249,16 +218,11 @@ def uncarried_inputs(pipeline_cls: type) -> list[str]:
 
 
 def family_of(model: str | None, config: str) -> Any:
-    """The zoo family of the pipeline asked for (None for a pipeline class the zoo does not know, or without the
-    zoo)."""
+    """The zoo family of the pipeline asked for (None for a pipeline class the zoo does not know)."""
     if not model:
-        models = zoo()
-        return models.FAMILIES[models.ZOO[config].family]
-    models = _zoo_if_present()
-    if models is None:
-        return None
+        return zoo.FAMILIES[zoo.ZOO[config].family]
     class_name = _class_name(model)
-    return next((f for f in models.FAMILIES.values()
+    return next((f for f in zoo.FAMILIES.values()
                  if class_name.startswith(f.pipeline.removesuffix("Pipeline"))), None)
 
 
@@ -285,4 +249,4 @@ def load_pipeline(model: str | None, config: str, family: Any, device: torch.dev
         dtypes = {"default": dtype, "vae": torch.float32} if family and family.vae_float32 else dtype
         pipe = DiffusionPipeline.from_pretrained(model, dtype=dtypes).to(device)
         return LoadedPipeline(pipe, family, None, device, dtype)
-    return LoadedPipeline(zoo().build_pipeline(config, device=device, dtype=dtype), family, config, device, dtype)
+    return LoadedPipeline(zoo.build_pipeline(config, device=device, dtype=dtype), family, config, device, dtype)

@@ -5,29 +5,41 @@ sees the same shape, so every rank of a group makes the same decisions (they mus
 and the fused kernel's destinations, differ)."""
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from ..logging_utils import logger
-from ..runtime.distributed import ranks_share_gpus
+from ..runtime.distributed import job_placement
 from ..burst_gap.calibration import find_calibration
 from ..burst_gap.planner import AttentionShape, Planner
 from .attention.layout import UlyssesLayout
 
 
-@lru_cache(maxsize=None)
+# each planner by what it is read from: the GPU, the ranks, whether they share GPUs; emptied by `disable`
+_planners: dict[tuple[torch.device, int, bool], Planner | None] = {}
+
+
 def planner_for(device: torch.device, world_size: int) -> Planner | None:
     """The planner from this GPU's calibration for `world_size` ranks; None without one (or on CPU)."""
     if device.type != "cuda":
         return None
-    gpu = torch.cuda.get_device_name(device)
-    calibration = find_calibration(gpu, world_size, "same-gpu" if ranks_share_gpus() else None)
+    shared = job_placement().ranks_share_gpus
+    key = (device, world_size, shared)
+    if key not in _planners:
+        _planners[key] = _read_planner(device, world_size, shared)
+    return _planners[key]
+
+
+def _read_planner(device: torch.device, world_size: int, shared: bool) -> Planner | None:
+    calibration = find_calibration(torch.cuda.get_device_name(device), world_size, "same-gpu" if shared else None)
     if calibration is None:
         return None
     logger.info("xstage_dit: planning with %s (%s, %d ranks)", calibration.filename, calibration.topology,
                 calibration.world_size)
     return Planner.from_calibration(calibration)
+
+
+def forget_planners() -> None:
+    _planners.clear()
 
 
 def attention_shape(query: torch.Tensor, layout: UlyssesLayout | None) -> AttentionShape:

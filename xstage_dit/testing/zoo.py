@@ -2,8 +2,8 @@
 
 No weights or tokenizers are downloaded: text encoders are left out and text embeddings (and prompt masks) are
 drawn at random with the real shapes. "tiny-*" configs run in well under a second per call on a CPU; the
-others are the released models' configs. Not part of the library: the examples, run as scripts from this
-directory, import it as `zoo`, and so do the tests (pytest.ini puts examples/ on the path)."""
+others are the released models' configs. The examples, the tests and the benchmarks import it
+(`from xstage_dit.testing import zoo`), and the service builds its default model from it."""
 from __future__ import annotations
 
 import dataclasses
