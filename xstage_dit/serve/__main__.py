@@ -18,7 +18,7 @@ import time
 
 from ..api import enable, is_main_process
 from ..runtime.distributed import local_device
-from . import loading, media
+from . import cost, loading, media
 from .metrics import ServiceMetrics
 from .ranks import CallStatus, SideChannel
 from .schema import Limits, ModelCard
@@ -42,17 +42,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=defaults.max_batch,
                         help="outputs of compatible requests (same size, steps, guidance) run in one pipeline call")
     parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s,
-                        help="bound on one pipeline call and on every wait between ranks (enable's timeout_s)")
+                        help="bound on one denoising step (on a whole call, for a pipeline without step callbacks) "
+                             "and on every wait between ranks (enable's timeout_s): past it the job ends")
     parser.add_argument("--max-n", type=int, default=limits.max_n, help="outputs one request may ask for")
     parser.add_argument("--max-steps", type=int, default=limits.max_steps)
     parser.add_argument("--max-pixels", type=int, default=limits.max_pixels, help="width x height at most")
     parser.add_argument("--max-frames", type=int, default=limits.max_frames)
+    parser.add_argument("--max-timeout-s", type=float, default=limits.max_timeout_s,
+                        help="the longest deadline (`timeout_s`) a request may ask for, and the deadline of one "
+                             "that asks for none: past it the request answers 504 and its call stops")
     args = parser.parse_args(argv)
     for name in ("queue_bound", "max_batch", "max_n", "max_steps", "max_pixels", "max_frames"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.timeout_s <= 0:
-        parser.error("--timeout-s must be positive")
+    if args.timeout_s <= 0 or args.max_timeout_s <= 0:
+        parser.error("--timeout-s and --max-timeout-s must be positive")
     return args
 
 
@@ -61,10 +65,12 @@ def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
     pipe = loaded.pipe
     scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
     entry = loading.zoo().ZOO[loaded.config] if loaded.config is not None else None
+    height, width = (entry.height, entry.width) if entry else (None, None)
     return ModelCard(id=model_id, video=loaded.is_video, image=loading.image_input(type(pipe)),
                      text_encoder=loaded.config is None, size_multiple=2 * scale,
-                     default_height=entry.height if entry else None, default_width=entry.width if entry else None,
-                     fps=loaded.fps)
+                     default_height=height, default_width=width, fps=loaded.fps,
+                     scale=cost.model_scale(pipe, 2 * scale, height, width, entry.num_frames if entry else None,
+                                            loading.ZOO_STEPS if entry else None, loaded.is_video))
 
 
 def exit_now(code: int) -> None:
@@ -128,9 +134,11 @@ def _serve(loaded: loading.LoadedPipeline, args: argparse.Namespace, channel: Si
 
     options = ServeOptions(host=args.host, port=args.port, queue_bound=args.queue_bound, max_batch=args.max_batch,
                            timeout_s=args.timeout_s,
-                           limits=Limits(args.max_n, args.max_steps, args.max_pixels, args.max_frames),
+                           limits=Limits(args.max_n, args.max_steps, args.max_pixels, args.max_frames,
+                                         args.max_timeout_s),
                            enable={**loading.enable_knobs(args), "dtype": str(loaded.dtype)})
     service = Service(loaded, model_card(loaded, args.model or args.config), options, channel, ServiceMetrics())
+    service.warm_up()
     server = uvicorn.Server(uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
                                            lifespan="off", timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, name="xstage-serve-http", daemon=True)

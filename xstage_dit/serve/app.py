@@ -19,13 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .admission import Answer, Job, QueueFull
 from .schema import ImageBody, RequestError, VideoBody, check
-from .service import Service, State, Unavailable
+from .service import Service, State, Unavailable, past_deadline
 
 POLL_S = 0.1  # how often a waiting handler looks whether its client went away
 KEPT_FILES = 256  # outputs answered as URLs stay fetchable until this many newer ones were made
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
-                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -104,7 +104,7 @@ def create_app(service: Service) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": card.id, "object": "model", "owned_by": "xstage_dit", "video": card.video,
-            "image": card.image, "service": service.options.describe(service.channel.world)}]}
+            "image": card.image, "service": service.describe()}]}
 
     @app.get("/v1/files/{name}")
     async def file(name: str) -> Response:
@@ -130,6 +130,7 @@ def create_app(service: Service) -> FastAPI:
     async def _generate(body: ImageBody, request: Request) -> Response:
         try:
             checked = check(body, card, service.options.limits, uuid.uuid4().hex)
+            service.bound(checked)
         except RequestError as error:
             metrics.count("invalid")
             return error_response(error.status, error.message, error.param)
@@ -171,6 +172,8 @@ def create_app(service: Service) -> FastAPI:
             done, _ = await asyncio.wait({job.answer}, timeout=POLL_S)
             if done:
                 return job.answer.result()
+            if _expired_waiting(job):
+                return Answer(504, error=past_deadline(job))
             if await request.is_disconnected():
                 job.gone = True
                 return None
@@ -181,6 +184,9 @@ def create_app(service: Service) -> FastAPI:
                 try:
                     progress = await asyncio.wait_for(job.progress.get(), POLL_S)
                 except asyncio.TimeoutError:
+                    if _expired_waiting(job):
+                        yield _event("error", {"error": {"message": past_deadline(job), "code": 504}})
+                        return
                     if await request.is_disconnected():
                         job.gone = True
                         return
@@ -193,7 +199,7 @@ def create_app(service: Service) -> FastAPI:
             else:
                 yield _event("error", {"error": {"message": answer.error, "code": answer.status}})
         finally:
-            if not job.answer.done():
+            if not job.answer.done() and not _expired_waiting(job):
                 job.gone = True
 
     def _result(encoded: Encoded, answer: Answer, body: ImageBody, request: Request,
@@ -205,6 +211,12 @@ def create_app(service: Service) -> FastAPI:
         return answer_json(items, extra or {})
 
     return app
+
+
+def _expired_waiting(job: Job) -> bool:
+    """A request still waiting past its deadline: its handler answers 504 (the queue drops it when it comes to it,
+    counting it)."""
+    return job.started is None and time.monotonic() > job.deadline
 
 
 def _timing(job: Job, answer: Answer, encoded: Encoded) -> dict[str, str]:

@@ -1,0 +1,177 @@
+"""No request can stop the service: a torchrun job of 2 CPU ranks serving the tiny random Flux (tests/test_serve.py's
+launch), real HTTP clients. A request over the model's limits or its predicted cost answers 400 naming the limit;
+a call past its deadline answers 504 and a client that goes away cancels its call, both stopped between two steps
+on every rank; a load of 4x the service's capacity mixed with hostile clients leaves it healthy. After each, the
+next good request is answered."""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from test_serve import HTTP, ServiceJob, _end, _events, _generate, _images, _launch, _metric, _until, _wait_ready
+
+import bench_serve  # noqa: E402
+import httpx  # noqa: E402
+from serve_job import STALL_PROMPT  # noqa: E402
+
+MAX_TIMEOUT_S = 30  # the job's --max-timeout-s: the deadline of a request without timeout_s
+STALL_STEPS = 16  # with STALL_PROMPT, a call of 8 s or more
+LOAD_S = 60  # the load test's span of arrivals
+OUTCOMES = ("ok", "invalid", "rejected", "unavailable", "failed", "dropped", "cancelled", "deadline")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> ServiceJob:
+    job = _launch(tmp_path_factory.mktemp("serve-cancel") / "job.log", "--max-timeout-s", str(MAX_TIMEOUT_S))
+    try:
+        _wait_ready(job)
+        yield job
+    finally:
+        _end(job)
+
+
+def _service(url: str) -> dict:
+    [model] = HTTP.get(f"{url}/v1/models", timeout=10).json()["data"]
+    return model["service"]
+
+
+def _step_s(url: str) -> float:
+    """A step's price at the model's default size, measured at warm-up."""
+    return _service(url)["step_cost"]["seconds"]
+
+
+def _answered(url: str) -> float:
+    return sum(_metric(url, f'xstage_requests_total{{outcome="{outcome}"}}') for outcome in OUTCOMES)
+
+
+def _next_good_request_is_answered(url: str) -> None:
+    assert len(_images(_generate(url, seed=5, timeout=30))) == 1
+    assert HTTP.get(f"{url}/health", timeout=10).json()["status"] == "ready"
+
+
+def test_requests_over_the_models_limits_answer_400_naming_the_limit(server: ServiceJob) -> None:
+    """Over the pixels the model was released for (the issue's request: 2048² in one step would run for minutes and
+    end the job); a predicted call longer than the deadline, by its size, its steps or its outputs; a deadline
+    over the service's. None reaches the ranks."""
+    service, step = _service(server.url), _step_s(server.url)
+    side = math.isqrt(service["max_pixels"]) // 4 * 4  # the largest square the model takes: too slow on a CPU
+    steps_over = {"num_inference_steps": 100, "timeout_s": 50 * step}
+    outputs_over = {"n": 4, "num_inference_steps": 4, "timeout_s": 10 * step}
+    for body, param, words in (({"size": "2048x2048", "num_inference_steps": 1}, "size", "pixels"),
+                               ({"size": f"{side}x{side}", "num_inference_steps": 1}, "size", "predicted time"),
+                               (steps_over, "num_inference_steps", "100 step(s)"),
+                               (outputs_over, "n", "4 output(s)"),
+                               ({"timeout_s": MAX_TIMEOUT_S + 1}, "timeout_s", f"at most {MAX_TIMEOUT_S}")):
+        started = time.monotonic()
+        response = _generate(server.url, **body)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and words in error["message"], (body, error)
+        assert time.monotonic() - started < 5, "refused only after running"
+    _next_good_request_is_answered(server.url)
+
+
+def test_a_call_past_its_deadline_answers_504_and_the_service_goes_on(server: ServiceJob) -> None:
+    """A call slower than predicted (it pauses half a second a step) stops at the first step past its deadline;
+    a request waiting behind a call answers 504 once its deadline passes."""
+    deadlines = _metric(server.url, 'xstage_requests_total{outcome="deadline"}')
+    timeout_s = max(2.0, 1.1 * _step_s(server.url) * STALL_STEPS)  # admitted: its predicted call fits
+    assert timeout_s < 0.5 * STALL_STEPS, f"a step priced at {_step_s(server.url)} s: too busy a machine"
+    started = time.monotonic()
+    late = _generate(server.url, prompt=STALL_PROMPT, num_inference_steps=STALL_STEPS, timeout_s=timeout_s)
+    took = time.monotonic() - started
+    assert late.status_code == 504, late.text
+    assert late.json()["error"]["type"] == "timeout_error" and "deadline" in late.json()["error"]["message"]
+    assert timeout_s <= took < timeout_s + 3, f"answered after {took:.1f} s, deadline {timeout_s:.1f} s"
+    _next_good_request_is_answered(server.url)
+
+    long_call, box = _stream(server.url, STALL_STEPS)  # a call of 8 s or more in front
+    waiting_s = max(1.0, 2 * _step_s(server.url))  # one step's call fits
+    started = time.monotonic()
+    waiting = _generate(server.url, num_inference_steps=1, timeout_s=waiting_s)
+    assert waiting.status_code == 504 and time.monotonic() - started < waiting_s + 2, waiting.text
+    long_call.join(timeout=60)
+    assert box[-1][0] == "completed"
+    _until(lambda: _metric(server.url, 'xstage_requests_total{outcome="deadline"}') == deadlines + 2,
+           "both deadlines counted")
+    _next_good_request_is_answered(server.url)
+
+
+def _stream(url: str, steps: int, leave_after: int | None = None) -> tuple[threading.Thread, list]:
+    """A streamed STALL_PROMPT request in a thread, returned once its call runs; the box gets its events. With
+    `leave_after`, the client closes the connection after that many progress events."""
+    running, box = threading.Event(), []
+
+    def stream() -> None:
+        body = {"prompt": STALL_PROMPT, "num_inference_steps": steps, "stream": True}
+        with HTTP.stream("POST", f"{url}/v1/images/generations", json=body, timeout=60) as response:
+            for event in _events(response):
+                running.set()
+                box.append(event)
+                if leave_after is not None and len(box) >= leave_after:
+                    return
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    assert running.wait(timeout=60), "the call did not start"
+    return thread, box
+
+
+def test_a_client_that_goes_away_cancels_its_call(server: ServiceJob) -> None:
+    """A streaming client that closes its connection at its second step, then one that stops waiting for its
+    answer: each call stops within a step, every rank with it (the next request is answered at once, not after
+    the rest of the call), and the metrics and the log say so."""
+    cancelled = _metric(server.url, 'xstage_requests_total{outcome="cancelled"}')
+    steps_before = _metric(server.url, "xstage_step_seconds_count")
+    leaving, _ = _stream(server.url, 3 * STALL_STEPS, leave_after=2)
+    leaving.join(timeout=30)
+    started = time.monotonic()
+    _next_good_request_is_answered(server.url)
+    assert time.monotonic() - started < 10, "the call went on after its client left"
+    assert _metric(server.url, "xstage_step_seconds_count") - steps_before < 3 * STALL_STEPS
+
+    with pytest.raises(httpx.ReadTimeout):
+        _generate(server.url, prompt=STALL_PROMPT, num_inference_steps=3 * STALL_STEPS, timeout=2)
+    started = time.monotonic()
+    _next_good_request_is_answered(server.url)
+    assert time.monotonic() - started < 10, "the call went on after its client left"
+    _until(lambda: _metric(server.url, 'xstage_requests_total{outcome="cancelled"}') == cancelled + 2,
+           "both calls counted as cancelled")
+    assert server.output().count("the client went away; cancelled in its call") >= 2
+
+
+def test_four_times_capacity_with_hostile_clients_for_a_minute(server: ServiceJob, tmp_path: Path) -> None:
+    """bench_serve's hostile load on the real service: good requests at twice its capacity (back-to-back calls of
+    the model's default size) and as many hostile ones (bad, oversized, past their deadline, disconnecting, in
+    turn) for LOAD_S. Every good request is answered 200 or 429; every hostile one as its kind expects, in words;
+    every request the service saw is counted by one outcome; the service is healthy after."""
+    args = bench_serve.parse_args(["--url", server.url, "--out", str(tmp_path / "load"), "--capacity-factors", "2",
+                                   "--duration", str(LOAD_S), "--hostile", "1"])
+    before = _answered(server.url)
+    with httpx.Client(base_url=server.url, timeout=120,
+                      limits=httpx.Limits(max_connections=bench_serve.CLIENTS + 4)) as client:
+        alone = bench_serve.closed_loop(client, args, 1, 4)
+        capacity = 1 / statistics.median(s.call_s for s in alone)  # calls per second, back to back
+        samples = bench_serve.poisson(client, args, 2 * capacity, 0, 2 * capacity, _service(server.url))
+    expected = {"good": {200, 429}, "bad": {400, 422}, "oversized": {400}, "deadline": {200, 429, 504},
+                "disconnect": {200, 429, bench_serve.GONE}}
+    kinds = {kind: {s.status for s in samples if s.kind == kind} for kind in expected}
+    for kind, statuses in kinds.items():
+        assert statuses and statuses <= expected[kind], (kind, statuses)
+    for sample in samples:
+        assert sample.status in (200, bench_serve.GONE) or sample.message, sample
+    assert 504 in kinds["deadline"] and bench_serve.GONE in kinds["disconnect"], kinds
+    assert any(s.status == 200 for s in samples if s.kind == "good")
+    _until(lambda: _answered(server.url) == before + 4 + len(samples),
+           "every request counted by one outcome", timeout_s=60)
+    assert _metric(server.url, 'xstage_requests_total{outcome="failed"}') == 0
+    assert _metric(server.url, 'xstage_requests_total{outcome="unavailable"}') == 0
+    _next_good_request_is_answered(server.url)
+    run = bench_serve.summary(samples, {"load": "4x capacity, half hostile"})
+    print(f"\n{len(samples)} requests in {LOAD_S} s at {4 * capacity:.2f}/s (capacity {capacity:.2f}/s):"
+          f" good {run['answered']}, hostile {run['hostile']}, good latency {run['latency_s']}")
