@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from test_serve import HTTP, ServiceJob, _end, _events, _generate, _images, _launch, _metric, _until, _wait_ready
+# test_serve skips without the `serve` extra
+from test_serve import HTTP, ServiceJob, _end, _generate, _images, _launch, _long_call, _metric, _until, _wait_ready
 
-import bench_serve  # noqa: E402
-import httpx  # noqa: E402
-from serve_job import STALL_PROMPT  # noqa: E402
+import bench_serve
+import httpx
+from serve_job import STALL_PROMPT
+from xstage_dit.serve import cost, loading
+from xstage_dit.serve.__main__ import model_card
+from xstage_dit.serve.loading import CallOptions
+from xstage_dit.serve.schema import GenerationRequest, ModelCard, ModelScale, RequestError
 
 MAX_TIMEOUT_S = 30  # the job's --max-timeout-s: the deadline of a request without timeout_s
 STALL_STEPS = 16  # with STALL_PROMPT, a call of 8 s or more
@@ -90,7 +95,7 @@ def test_a_call_past_its_deadline_answers_504_and_the_service_goes_on(server: Se
     assert timeout_s <= took < timeout_s + 3, f"answered after {took:.1f} s, deadline {timeout_s:.1f} s"
     _next_good_request_is_answered(server.url)
 
-    long_call, box = _stream(server.url, STALL_STEPS)  # a call of 8 s or more in front
+    long_call, box = _long_call(server.url, STALL_PROMPT, STALL_STEPS)  # a call of 8 s or more in front
     waiting_s = max(1.0, 2 * _step_s(server.url))  # one step's call fits
     started = time.monotonic()
     waiting = _generate(server.url, num_inference_steps=1, timeout_s=waiting_s)
@@ -102,33 +107,13 @@ def test_a_call_past_its_deadline_answers_504_and_the_service_goes_on(server: Se
     _next_good_request_is_answered(server.url)
 
 
-def _stream(url: str, steps: int, leave_after: int | None = None) -> tuple[threading.Thread, list]:
-    """A streamed STALL_PROMPT request in a thread, returned once its call runs; the box gets its events. With
-    `leave_after`, the client closes the connection after that many progress events."""
-    running, box = threading.Event(), []
-
-    def stream() -> None:
-        body = {"prompt": STALL_PROMPT, "num_inference_steps": steps, "stream": True}
-        with HTTP.stream("POST", f"{url}/v1/images/generations", json=body, timeout=60) as response:
-            for event in _events(response):
-                running.set()
-                box.append(event)
-                if leave_after is not None and len(box) >= leave_after:
-                    return
-
-    thread = threading.Thread(target=stream, daemon=True)
-    thread.start()
-    assert running.wait(timeout=60), "the call did not start"
-    return thread, box
-
-
 def test_a_client_that_goes_away_cancels_its_call(server: ServiceJob) -> None:
     """A streaming client that closes its connection at its second step, then one that stops waiting for its
     answer: each call stops within a step, every rank with it (the next request is answered at once, not after
     the rest of the call), and the metrics and the log say so."""
     cancelled = _metric(server.url, 'xstage_requests_total{outcome="cancelled"}')
     steps_before = _metric(server.url, "xstage_step_seconds_count")
-    leaving, _ = _stream(server.url, 3 * STALL_STEPS, leave_after=2)
+    leaving, _ = _long_call(server.url, STALL_PROMPT, 3 * STALL_STEPS, leave_after=2)
     leaving.join(timeout=30)
     started = time.monotonic()
     _next_good_request_is_answered(server.url)
@@ -175,3 +160,43 @@ def test_four_times_capacity_with_hostile_clients_for_a_minute(server: ServiceJo
     run = bench_serve.summary(samples, {"load": "4x capacity, half hostile"})
     print(f"\n{len(samples)} requests in {LOAD_S} s at {4 * capacity:.2f}/s (capacity {capacity:.2f}/s):"
           f" good {run['answered']}, hostile {run['hostile']}, good latency {run['latency_s']}")
+
+
+def test_a_requests_price_names_the_first_field_over_its_deadline() -> None:
+    """cost.bound alone: a step of 96 tokens priced 0.1 s; twice each side is 4x the tokens, 16x the price."""
+    card = ModelCard(id="a-model", video=False, image="none", text_encoder=False, size_multiple=4, default_height=32,
+                     default_width=48, fps=16, scale=ModelScale(height=32, width=48, frames=1, steps=4, size_multiple=4,
+                                                                frames_per_latent=1, max_pixels=512 * 512))
+    price = cost.StepCost(tokens=96, seconds=0.1)
+
+    def refused(n: int = 1, deadline_s: float = 1.0, **options) -> str | None:
+        request = GenerationRequest(id="r", prompt="p", n=n, seed=0, video=False, options=CallOptions(**options),
+                                    deadline_s=deadline_s)
+        try:
+            cost.bound(request, card, price)
+        except RequestError as error:
+            return error.param
+        return None
+
+    assert refused(height=64, width=96) == "size"  # 1.6 s for one step
+    assert refused(height=64, width=96, deadline_s=7) is None  # 4 steps: 6.4 s
+    assert refused(height=16, width=16, steps=10) is None  # no cheaper than the step measured: 1 s
+    assert refused(steps=20) == "num_inference_steps"
+    assert refused(n=4, steps=4) == "n" and refused(n=2, steps=4) is None
+
+
+def test_the_zoos_models_are_priced_from_their_configs() -> None:
+    """The tiny random Flux: released at 128 latents x its VAE's 2 (so up to 512²), requests of the config's size
+    and the zoo's steps; the tiny random Wan: its call's 480 x 832 (so up to 960 x 1664), 9 frames in 3 latent
+    frames."""
+    for config, max_pixels, tokens in (("tiny-flux", 512 * 512, 8 * 12), ("tiny-wan", 4 * 480 * 832, None)):
+        loaded = loading.load_pipeline(None, config, loading.family_of(None, config), torch.device("cpu"),
+                                       torch.float32)
+        scale = model_card(loaded, config).scale
+        assert scale.max_pixels == max_pixels and (scale.height, scale.width) == (32, 48), (config, scale)
+        assert scale.steps == loading.ZOO_STEPS
+        if tokens is not None:
+            assert scale.tokens(CallOptions()) == tokens
+        else:
+            side = scale.tokens(CallOptions(num_frames=1))
+            assert scale.frames == 9 and scale.tokens(CallOptions()) == 3 * side
