@@ -5,6 +5,7 @@ on every rank; a load of 4x the service's capacity mixed with hostile clients le
 next good request is answered."""
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -160,6 +161,19 @@ def test_four_times_capacity_with_hostile_clients_for_a_minute(server: ServiceJo
     run = bench_serve.summary(samples, {"load": "4x capacity, half hostile"})
     print(f"\n{len(samples)} requests in {LOAD_S} s at {4 * capacity:.2f}/s (capacity {capacity:.2f}/s):"
           f" good {run['answered']}, hostile {run['hostile']}, good latency {run['latency_s']}")
+
+
+def test_the_benchmarks_hostile_load(server: ServiceJob, tmp_path: Path) -> None:
+    """bench_serve --hostile, briefly: the good load alone, then with hostile clients besides, and the good
+    requests' latency as ratios to the first."""
+    prefix = tmp_path / "hostile"
+    bench_serve.main(["--url", server.url, "--rate", "1", "--duration", "8", "--hostile", "2", "--warmup", "0",
+                      "--out", str(prefix)])
+    clean, hostile = json.loads(prefix.with_suffix(".json").read_text())
+    assert clean["lost"] == 0 and hostile["lost"] == 0 and "hostile" not in clean
+    assert hostile["clean_load"] == clean["load"] == "Poisson 1/s"
+    assert set(hostile["hostile"]) == set(bench_serve.HOSTILE) and set(hostile["hostile"]["oversized"]) == {"400"}
+    assert "latency p99 ratio" in prefix.with_suffix(".md").read_text()
 
 
 def test_a_requests_price_names_the_first_field_over_its_deadline() -> None:
