@@ -26,6 +26,7 @@ from xstage_dit.serve.loading import CallOptions
 from xstage_dit.serve.schema import GenerationRequest, ModelCard, ModelScale, RequestError
 
 MAX_TIMEOUT_S = 30  # the job's --max-timeout-s: the deadline of a request without timeout_s
+STEP_TIMEOUT_S = 12  # the job's --timeout-s: a step's bound, shorter than a whole long call
 STALL_STEPS = 16  # with STALL_PROMPT, a call of 8 s or more
 LOAD_S = 60  # the load test's span of arrivals
 OUTCOMES = ("ok", "invalid", "rejected", "unavailable", "failed", "dropped", "cancelled", "deadline")
@@ -33,7 +34,8 @@ OUTCOMES = ("ok", "invalid", "rejected", "unavailable", "failed", "dropped", "ca
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> ServiceJob:
-    job = _launch(tmp_path_factory.mktemp("serve-cancel") / "job.log", "--max-timeout-s", str(MAX_TIMEOUT_S))
+    job = _launch(tmp_path_factory.mktemp("serve-cancel") / "job.log", "--max-timeout-s", str(MAX_TIMEOUT_S),
+                  "--timeout-s", str(STEP_TIMEOUT_S))
     try:
         _wait_ready(job)
         yield job
@@ -84,7 +86,8 @@ def test_requests_over_the_models_limits_answer_400_naming_the_limit(server: Ser
 
 def test_a_call_past_its_deadline_answers_504_and_the_service_goes_on(server: ServiceJob) -> None:
     """A call slower than predicted (it pauses half a second a step) stops at the first step past its deadline;
-    a request waiting behind a call answers 504 once its deadline passes."""
+    a request waiting behind a call answers 504 once its deadline passes, while that call, longer than the job's
+    --timeout-s (which bounds each step), runs to its end."""
     deadlines = _metric(server.url, 'xstage_requests_total{outcome="deadline"}')
     timeout_s = max(2.0, 1.1 * _step_s(server.url) * STALL_STEPS)  # admitted: its predicted call fits
     assert timeout_s < 0.5 * STALL_STEPS, f"a step priced at {_step_s(server.url)} s: too busy a machine"
@@ -96,13 +99,14 @@ def test_a_call_past_its_deadline_answers_504_and_the_service_goes_on(server: Se
     assert timeout_s <= took < timeout_s + 3, f"answered after {took:.1f} s, deadline {timeout_s:.1f} s"
     _next_good_request_is_answered(server.url)
 
-    long_call, box = _long_call(server.url, STALL_PROMPT, STALL_STEPS)  # a call of 8 s or more in front
-    waiting_s = max(1.0, 2 * _step_s(server.url))  # one step's call fits
     started = time.monotonic()
+    long_call, box = _long_call(server.url, STALL_PROMPT, 2 * STALL_STEPS)  # a call of 16 s or more in front
+    waiting_s = max(1.0, 2 * _step_s(server.url))  # one step's call fits
+    asked = time.monotonic()
     waiting = _generate(server.url, num_inference_steps=1, timeout_s=waiting_s)
-    assert waiting.status_code == 504 and time.monotonic() - started < waiting_s + 2, waiting.text
+    assert waiting.status_code == 504 and time.monotonic() - asked < waiting_s + 2, waiting.text
     long_call.join(timeout=60)
-    assert box[-1][0] == "completed"
+    assert box[-1][0] == "completed" and time.monotonic() - started > STEP_TIMEOUT_S
     _until(lambda: _metric(server.url, 'xstage_requests_total{outcome="deadline"}') == deadlines + 2,
            "both deadlines counted")
     _next_good_request_is_answered(server.url)
