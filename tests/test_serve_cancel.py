@@ -5,6 +5,7 @@ on every rank; a load of 4x the service's capacity mixed with hostile clients le
 next good request is answered."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import statistics
@@ -15,12 +16,14 @@ import pytest
 import torch
 
 # test_serve skips without the `serve` extra
-from test_serve import HTTP, ServiceJob, _end, _generate, _images, _launch, _long_call, _metric, _until, _wait_ready
+from test_serve import (HTTP, ServiceJob, _card, _end, _generate, _images, _launch, _long_call, _metric,
+                        _pipeline_free_service, _until, _wait_ready)
 
 import bench_serve
 import httpx
 from serve_job import STALL_PROMPT
 from xstage_dit.serve import cost, loading
+from xstage_dit.serve.admission import Job
 from xstage_dit.serve.__main__ import model_card
 from xstage_dit.serve.loading import CallOptions
 from xstage_dit.serve.schema import GenerationRequest, ModelCard, ModelScale, RequestError
@@ -218,3 +221,24 @@ def test_the_zoos_models_are_priced_from_their_configs() -> None:
         else:
             side = scale.tokens(CallOptions(num_frames=1))
             assert scale.frames == 9 and scale.tokens(CallOptions()) == 3 * side
+
+
+def test_a_call_stops_once_none_of_its_requests_is_wanted() -> None:
+    """Service._abandoned alone, at a step's end of a batch of three: the request whose client left answers 499
+    and the one past its deadline 504 there, while the call goes on for the third; once its client leaves too,
+    the call stops."""
+    service, loop = _pipeline_free_service(_card("none")), asyncio.new_event_loop()
+    staying, leaving, late = (Job(GenerationRequest(id=name, prompt=name, n=1, seed=0, video=False,
+                                                    deadline_s=deadline_s), loop)
+                              for name, deadline_s in (("staying", 60), ("leaving", 60), ("late", 0)))
+    leaving.gone = True
+    assert not service._abandoned([staying, leaving, late])
+    loop.run_until_complete(asyncio.sleep(0))
+    assert (leaving.answer.result().status, late.answer.result().status) == (499, 504) and not staying.finished
+    staying.gone = True
+    assert service._abandoned([staying, leaving, late])
+    counted = {outcome: service.metrics.registry.get_sample_value("xstage_requests_total", {"outcome": outcome})
+               for outcome in ("cancelled", "deadline")}
+    assert counted == {"cancelled": 2, "deadline": 1}
+    service.liveness.stop()
+    loop.close()
