@@ -28,7 +28,8 @@ def model_scale(pipe: Any, size_multiple: int, height: int | None, width: int | 
     frames = frames or (defaults.get("num_frames") if isinstance(defaults.get("num_frames"), int) else None)
     return ModelScale(height=height, width=width, frames=(frames or 1) if video else 1,
                       steps=steps or defaults.get("num_inference_steps") or 50, size_multiple=size_multiple,
-                      frames_per_latent=getattr(pipe, "vae_scale_factor_temporal", None) or 1,
+                      frames_per_latent=getattr(pipe, "vae_scale_factor_temporal", None)
+                      or getattr(pipe, "vae_temporal_compression_ratio", None) or 1,  # LTX's name
                       max_pixels=RELEASED_SIDE_FACTOR ** 2 * released[0] * released[1])
 
 
