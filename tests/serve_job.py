@@ -1,6 +1,7 @@
 """The service as tests/test_serve.py runs it: `python -m xstage_dit.serve`'s main, with what a test can ask for
-by its prompt: FAIL_PROMPT raises inside the pipeline call on every rank; SLOW_PROMPT makes rank 0 (and so every
-rank, which waits for it at the next collective) pause after each step, so a call lasts as long on any CPU. Each
+by its prompt: FAIL_PROMPT raises inside the pipeline call on every rank; SLOW_PROMPT (and STALL_PROMPT, longer)
+makes rank 0 (and so every rank, which waits for it at the next collective) pause after each step, so a call lasts
+as long on any CPU, and longer than the service predicts. Each
 rank prints the code it exits with when main returns one (a test that stops torchrun itself cannot read them)."""
 import os
 import time
@@ -10,21 +11,23 @@ from xstage_dit.serve.__main__ import exit_now, main
 
 FAIL_PROMPT = "raise inside the call"
 SLOW_PROMPT = "take your time"
-STEP_PAUSE_S = 0.1
+STALL_PROMPT = "take all the time"
+PAUSES_S = {SLOW_PROMPT: 0.1, STALL_PROMPT: 0.5}  # after each step
 
 
 def _faulty(run_batch):
-    def run(loaded, batch, on_step=None):
+    def run(loaded, batch, on_step=None, stop=None):
         prompts = {request.prompt for request in batch}
         if FAIL_PROMPT in prompts:
             raise RuntimeError("a failure inside the pipeline call")
-        if SLOW_PROMPT in prompts and on_step is not None:
+        pause = max((PAUSES_S.get(prompt, 0.0) for prompt in prompts), default=0.0)
+        if pause and on_step is not None:
             def on_step_slowly(*report):
                 on_step(*report)
-                time.sleep(STEP_PAUSE_S)
+                time.sleep(pause)
 
-            return run_batch(loaded, batch, on_step_slowly)
-        return run_batch(loaded, batch, on_step)
+            return run_batch(loaded, batch, on_step_slowly, stop)
+        return run_batch(loaded, batch, on_step, stop)
 
     return run
 

@@ -268,16 +268,20 @@ def test_a_failure_inside_a_call_answers_500_and_the_service_goes_on(server: Ser
     assert HTTP.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
-def _long_call(url: str) -> tuple[threading.Thread, list]:
-    """A request of LONG_STEPS steps in a thread, returned once its call runs; the box gets its last event."""
+def _long_call(url: str, prompt: str = SLOW_PROMPT, steps: int = LONG_STEPS, leave_after: int | None = None
+               ) -> tuple[threading.Thread, list]:
+    """A streamed request of `steps` steps in a thread, returned once its call runs; the box gets its last event.
+    With `leave_after`, the client closes its connection after that many events."""
     running, box = threading.Event(), []
 
     def stream() -> None:
-        body = {"prompt": SLOW_PROMPT, "num_inference_steps": LONG_STEPS, "stream": True}
+        body = {"prompt": prompt, "num_inference_steps": steps, "stream": True}
         with HTTP.stream("POST", f"{url}/v1/images/generations", json=body, timeout=60) as response:
-            for event in _events(response):
+            for count, event in enumerate(_events(response), 1):
                 running.set()
                 box[:] = [event]
+                if count == leave_after:
+                    return
 
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()

@@ -19,7 +19,7 @@ import time
 from ..api import enable, is_main_process
 from ..runtime.distributed import local_device
 from ..testing import zoo
-from . import loading, media
+from . import cost, loading, media
 from .metrics import ServiceMetrics
 from .keys import KEYS_FILE_ENV, key_problem, read_keys
 from .ranks import CallStatus, SideChannel
@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=defaults.max_batch,
                         help="outputs of compatible requests (same size, steps, guidance) run in one pipeline call")
     parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s,
-                        help="bound on one pipeline call and on every wait between ranks (enable's timeout_s)")
+                        help="bound on one denoising step (on a whole call, for a pipeline without step callbacks) "
+                             "and on every wait between ranks (enable's timeout_s): past it the job ends")
     parser.add_argument("--max-n", type=int, default=limits.max_n, help="outputs one request may ask for")
     parser.add_argument("--max-steps", type=int, default=limits.max_steps)
     parser.add_argument("--max-pixels", type=int, default=limits.max_pixels, help="width x height at most")
@@ -56,12 +57,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"(repeatable; or ${KEYS_FILE_ENV} names a file of keys, one a line)")
     parser.add_argument("--open-metrics", action="store_true",
                         help="with keys, /metrics needs none (for a Prometheus scraper)")
+    parser.add_argument("--max-timeout-s", type=float, default=limits.max_timeout_s,
+                        help="the longest deadline (`timeout_s`) a request may ask for, and the deadline of one "
+                             "that asks for none: past it the request answers 504 and its call stops")
     args = parser.parse_args(argv)
     for name in ("queue_bound", "max_batch", "max_n", "max_steps", "max_pixels", "max_frames"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.timeout_s <= 0:
-        parser.error("--timeout-s must be positive")
+    if args.timeout_s <= 0 or args.max_timeout_s <= 0:
+        parser.error("--timeout-s and --max-timeout-s must be positive")
     if not args.max_body_mb > 0:
         parser.error("--max-body-mb must be positive")
     if os.environ.get(KEYS_FILE_ENV):
@@ -81,15 +85,17 @@ def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
     pipe = loaded.pipe
     scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
     entry = zoo.ZOO[loaded.config] if loaded.config is not None else None
+    height, width = (entry.height, entry.width) if entry else (None, None)
     arguments = {"negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
                  "num_frames": "num_frames",
                  "guidance_scale": loaded.family.guidance_kwarg if loaded.family else "guidance_scale"}
     return ModelCard(id=model_id, video=loaded.is_video, image=loading.image_input(type(pipe)),
                      text_encoder=loaded.config is None, size_multiple=2 * scale,
-                     default_height=entry.height if entry else None, default_width=entry.width if entry else None,
-                     fps=loaded.fps, max_images=loading.max_input_images(type(pipe)),
-                     mask=loading.inpaints(type(pipe)),
-                     ignored=frozenset(field for field, kwarg in arguments.items() if not loaded.takes(kwarg)))
+                     default_height=height, default_width=width, fps=loaded.fps,
+                     max_images=loading.max_input_images(type(pipe)), mask=loading.inpaints(type(pipe)),
+                     ignored=frozenset(field for field, kwarg in arguments.items() if not loaded.takes(kwarg)),
+                     scale=cost.model_scale(pipe, 2 * scale, height, width, entry.num_frames if entry else None,
+                                            loading.ZOO_STEPS if entry else None, loaded.is_video))
 
 
 def exit_now(code: int) -> None:
@@ -154,11 +160,13 @@ def _serve(loaded: loading.LoadedPipeline, args: argparse.Namespace, channel: Si
 
     options = ServeOptions(host=args.host, port=args.port, queue_bound=args.queue_bound, max_batch=args.max_batch,
                            timeout_s=args.timeout_s,
-                           limits=Limits(args.max_n, args.max_steps, args.max_pixels, args.max_frames),
+                           limits=Limits(args.max_n, args.max_steps, args.max_pixels, args.max_frames,
+                                         args.max_timeout_s),
                            enable={**loading.enable_knobs(args), "dtype": str(loaded.dtype)},
                            max_body_bytes=int(args.max_body_mb * 2**20), api_keys=tuple(args.api_key),
                            open_metrics=args.open_metrics)
     service = Service(loaded, model_card(loaded, args.model or args.config), options, channel, ServiceMetrics())
+    service.warm_up()
     server = uvicorn.Server(uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
                                            lifespan="off", timeout_graceful_shutdown=5, http=uvicorn_protocol()))
     http = threading.Thread(target=server.run, name="xstage-serve-http", daemon=True)

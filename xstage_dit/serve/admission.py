@@ -37,16 +37,23 @@ class Job:
     progress: asyncio.Queue = field(init=False)
     enqueued: float = field(default_factory=time.monotonic)
     started: float | None = None
-    gone: bool = False  # the client went away: drop it if it has not started
+    gone: bool = False  # the client went away: drop it if it has not started, else cancel its call
+    finished: bool = False  # answered (the rank loop's side; the handler may have answered a waiting one itself)
 
     def __post_init__(self) -> None:
         self.answer = self.loop.create_future()
         self.progress = asyncio.Queue()
 
+    @property
+    def deadline(self) -> float:
+        return self.enqueued + self.request.deadline_s
+
     def report(self, step: int, steps: int) -> None:
         self.loop.call_soon_threadsafe(self.progress.put_nowait, Progress(step, steps))
 
     def finish(self, answer: Answer) -> None:
+        self.finished = True
+
         def settle() -> None:
             if not self.answer.done():
                 self.answer.set_result(answer)
@@ -66,8 +73,9 @@ class QueueFull(Exception):
 class JobQueue:
     """FIFO of requests, at most `bound` of them admitted and not answered (waiting, or in the batch taken last),
     so that an admitted request waits behind at most `bound` - 1 others. `take` returns the oldest live request
-    with the later ones that share its batch key, up to `max_batch` outputs; requests whose client went away are
-    handed to `on_drop` instead. The loop that takes a batch answers it before it takes the next."""
+    with the later ones that share its batch key, up to `max_batch` outputs; requests whose client went away or
+    whose deadline has passed are handed to `on_drop` instead. The loop that takes a batch answers it before it
+    takes the next."""
 
     def __init__(self, bound: int, max_batch: int, on_drop: Callable[[Job], None]) -> None:
         self.bound, self.max_batch, self.on_drop = bound, max_batch, on_drop
@@ -92,7 +100,8 @@ class JobQueue:
         with self._ready:
             self._taken = 0
             self._ready.wait_for(lambda: self._jobs, timeout=timeout_s)
-            for job in [j for j in self._jobs if j.gone]:
+            now = time.monotonic()
+            for job in [j for j in self._jobs if j.gone or j.deadline < now]:
                 self._jobs.remove(job)
                 self.on_drop(job)
             if not self._jobs:

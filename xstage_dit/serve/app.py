@@ -22,7 +22,7 @@ from .errors import error_body, error_response, install_error_handlers
 from .intake import read_form, read_json
 from .keys import key_matches
 from .schema import ImageBody, Uploads, VideoBody, check
-from .service import Service, State, Unavailable
+from .service import Service, State, Unavailable, past_deadline
 
 POLL_S = 0.1  # how often a waiting handler looks whether its client went away
 KEPT_FILES = 256  # outputs answered as URLs stay fetchable until this many newer ones were made
@@ -117,8 +117,7 @@ def create_app(service: Service) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": card.id, "object": "model", "owned_by": "xstage_dit", "video": card.video,
-            "image": card.image, "max_images": card.max_images, "mask": card.mask,
-            "service": options.describe(service.channel.world)}]}
+            "image": card.image, "max_images": card.max_images, "mask": card.mask, "service": service.describe()}]}
 
     @app.get("/v1/files/{name}")
     async def file(name: str) -> Response:
@@ -143,6 +142,7 @@ def create_app(service: Service) -> FastAPI:
 
     async def _generate(body: ImageBody, request: Request, uploads: Uploads | None = None) -> Response:
         checked = check(body, card, options.limits, uuid.uuid4().hex, uploads)
+        service.bound(checked)
         job = Job(checked, asyncio.get_running_loop())
         try:
             service.admit(job)
@@ -181,6 +181,8 @@ def create_app(service: Service) -> FastAPI:
             done, _ = await asyncio.wait({job.answer}, timeout=POLL_S)
             if done:
                 return job.answer.result()
+            if _expired_waiting(job):
+                return Answer(504, error=past_deadline(job))
             if await request.is_disconnected():
                 job.gone = True
                 return None
@@ -191,6 +193,9 @@ def create_app(service: Service) -> FastAPI:
                 try:
                     progress = await asyncio.wait_for(job.progress.get(), POLL_S)
                 except asyncio.TimeoutError:
+                    if _expired_waiting(job):
+                        yield _event("error", {"error": {"message": past_deadline(job), "code": 504}})
+                        return
                     if await request.is_disconnected():
                         job.gone = True
                         return
@@ -203,7 +208,7 @@ def create_app(service: Service) -> FastAPI:
             else:
                 yield _event("error", error_body(answer.status, answer.error))
         finally:
-            if not job.answer.done():
+            if not job.answer.done() and not _expired_waiting(job):
                 job.gone = True
 
     def _result(encoded: Encoded, answer: Answer, body: ImageBody, request: Request,
@@ -226,6 +231,12 @@ def _documented(model: type[ImageBody], media_type: str) -> dict[str, Any]:
         schema["properties"] |= {"image": {"anyOf": [files, {"type": "array", "items": files}]}, "mask": files}
         schema["required"] = [*schema.get("required", []), "image"]
     return {"requestBody": {"required": True, "content": {media_type: {"schema": schema}}}}
+
+
+def _expired_waiting(job: Job) -> bool:
+    """A request still waiting past its deadline: its handler answers 504 (the queue drops it when it comes to it,
+    counting it)."""
+    return job.started is None and time.monotonic() > job.deadline
 
 
 def _timing(job: Job, answer: Answer, encoded: Encoded) -> dict[str, str]:

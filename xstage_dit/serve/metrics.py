@@ -7,7 +7,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..sp.fabric import symmetric_bytes_held
 
-OUTCOMES = ("ok", "invalid", "rejected", "unavailable", "failed", "dropped")
+OUTCOMES = ("ok", "invalid", "rejected", "unavailable", "failed", "dropped", "cancelled", "deadline")
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 _STEP_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 
@@ -20,7 +20,9 @@ class ServiceMetrics:
         self.queue_depth = Gauge("xstage_queue_depth", "requests waiting", registry=self.registry)
         self.requests = Counter("xstage_requests", "requests answered, by outcome: ok (200), invalid (400/404/422), "
                                 "rejected (429: queue full), unavailable (503), failed (500), dropped (client gone "
-                                "before its request started)", ["outcome"], registry=self.registry)
+                                "before its request started), cancelled (client gone during its call, which stopped "
+                                "if no other request was in it), deadline (504: past its timeout_s, waiting or in "
+                                "its call)", ["outcome"], registry=self.registry)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         self.latency = Histogram("xstage_request_seconds", "admission to the end of the pipeline call, of requests "

@@ -1,4 +1,5 @@
-"""What crosses the service's ranks: rank 0's commands and each call's outcome over a gloo group of their own
+"""What crosses the service's ranks: rank 0's commands, its word at each step's end on whether the running call
+stops there, and each call's outcome over a gloo group of their own
 (bounded by its timeout, and no NCCL watchdog sees it while the service is idle), and each rank's heartbeat in the
 job's store, so that rank 0 sees a rank gone silent, every rank sees the store gone (its torchrun agent died) and
 its own call or drain run past its bound."""
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Literal
 
+import torch
 import torch.distributed as dist
 
 from ..runtime.distributed import waiting_for
@@ -72,6 +74,19 @@ class SideChannel:
         except RuntimeError as error:
             raise RanksOutOfStep(str(error)) from error
         return box[0]
+
+    def agree(self, stop: bool) -> bool:
+        """Rank 0's `stop` on every rank, at the end of a step of the running call (every rank asks after the same
+        step, so that they stop it after the same one)."""
+        if self.group is None:
+            return stop
+        word = torch.tensor([int(stop)], dtype=torch.uint8)
+        try:
+            with waiting_for("rank 0's word on whether the running call stops after this step"):
+                dist.broadcast(word, src=0, group=self.group)
+        except RuntimeError as error:
+            raise RanksOutOfStep(str(error)) from error
+        return bool(word.item())
 
     def statuses(self, status: CallStatus) -> list[CallStatus]:
         """Every rank's status of the call just made (all ranks wait here: afterwards they are in step)."""

@@ -42,6 +42,8 @@ class ImageBody(BaseModel):
                                                "pipeline paints")
     user: str | None = Field(None, description="OpenAI's end-user id: taken and ignored")
     stream: bool = Field(False, description="answer as Server-Sent Events: progress, then the result")
+    timeout_s: float | None = Field(None, gt=0, description="seconds from admission to the answer: past them the "
+                                                            "request answers 504 (its call stops at the next step)")
 
 
 class VideoBody(ImageBody):
@@ -58,6 +60,28 @@ class Limits:
     max_steps: int = 100
     max_pixels: int = 2048 * 2048
     max_frames: int = 257
+    max_timeout_s: float = 600.0  # the longest deadline a request may ask for, and the deadline of one without
+
+
+@dataclass(frozen=True)
+class ModelScale:
+    """How the served model prices a request: the size, frames and steps of a request that names none, how many
+    pixels per side and frames make one token, and the most pixels its released configuration takes."""
+
+    height: int
+    width: int
+    frames: int  # 1 for an image model
+    steps: int
+    size_multiple: int  # pixels per token along each side (the VAE's downsampling times the 2 x 2 patches)
+    frames_per_latent: int
+    max_pixels: int
+
+    def tokens(self, options: CallOptions) -> int:
+        """The transformer's tokens for one output of a call with `options`."""
+        height, width = options.height or self.height, options.width or self.width
+        frames = options.num_frames or self.frames
+        side = -(-height // self.size_multiple) * -(-width // self.size_multiple)
+        return side * ((frames - 1) // self.frames_per_latent + 1)
 
 
 @dataclass(frozen=True)
@@ -75,6 +99,7 @@ class ModelCard:
     max_images: int = 1  # input images one request may give (several: reference images)
     mask: bool = False  # whether the pipeline inpaints: an input image comes with a mask
     ignored: frozenset[str] = frozenset()  # request fields the pipeline has no argument for
+    scale: ModelScale | None = None  # how the model prices a request (None: no bound by size or cost)
 
 
 class RequestError(ValueError):
@@ -110,6 +135,7 @@ class GenerationRequest:
     seed: int
     video: bool
     options: CallOptions = CallOptions()
+    deadline_s: float = float("inf")  # from admission to the answer
 
     @property
     def batch_key(self) -> tuple | None:
@@ -155,13 +181,16 @@ def check(body: ImageBody, card: ModelCard, limits: Limits, request_id: str, upl
     num_frames = getattr(body, "num_frames", None)
     if num_frames is not None and not 1 <= num_frames <= limits.max_frames:
         raise RequestError("num_frames", f"must be between 1 and {limits.max_frames}, got {num_frames}")
+    if body.timeout_s is not None and body.timeout_s > limits.max_timeout_s:
+        raise RequestError("timeout_s", f"at most {limits.max_timeout_s:g} s, got {body.timeout_s:g}")
     image, mask = _inputs(uploads if uploads is not None else Uploads.of_json(body), card, limits)
     return GenerationRequest(
         id=request_id, prompt=body.prompt, n=body.n, video=video,
         seed=body.seed if body.seed is not None else secrets.randbelow(SEED_RANGE),
         options=CallOptions(negative_prompt=body.negative_prompt, height=height, width=width, num_frames=num_frames,
                             steps=body.num_inference_steps, guidance=body.guidance_scale, image=image,
-                            mask=mask))
+                            mask=mask),
+        deadline_s=body.timeout_s or limits.max_timeout_s)
 
 
 def _size(size: str | None, card: ModelCard, limits: Limits) -> tuple[int | None, int | None]:
@@ -175,7 +204,10 @@ def _size(size: str | None, card: ModelCard, limits: Limits) -> tuple[int | None
     if width < multiple or height < multiple or width % multiple or height % multiple:
         raise RequestError("size", f"{card.id} takes widths and heights that are multiples of {multiple}, got {size}")
     if width * height > limits.max_pixels:
-        raise RequestError("size", f"at most {limits.max_pixels} pixels, got {size}")
+        raise RequestError("size", f"at most {limits.max_pixels} pixels (the service's --max-pixels), got {size}")
+    if card.scale is not None and width * height > card.scale.max_pixels:
+        raise RequestError("size", f"{card.id} takes at most {card.scale.max_pixels} pixels (from the "
+                                   f"resolution it was released for), got {size}")
     return height, width
 
 

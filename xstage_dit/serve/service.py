@@ -1,9 +1,12 @@
-"""The ranks' loops. Rank 0 admits requests (its HTTP thread), takes batches from its queue, tells every rank to
-run each one and answers each request; every other rank follows its commands. A call that raises on every rank
-answers 500 and the service goes on; a rank that stops answering, or the job's store gone with its torchrun agent,
-fails the service: its requests answer 503 and the ranks exit 1, so that torchrun or an orchestrator restarts the
-job. SIGTERM (to the ranks, the agent, or both) drains: the running call finishes, waiting and new requests answer
-503, and the ranks exit 0, within DRAIN_S of the call's end (or exit 1 with every thread's stack)."""
+"""The ranks' loops. Rank 0 warms up (a call that prices a step), admits requests (its HTTP thread), takes batches
+from its queue, tells every rank to run each one and answers each request; every other rank follows its commands.
+A call that raises on every rank answers 500 and the service goes on; at each step's end the ranks agree whether
+the call stops there: once each of its requests is past its deadline (504) or its client went away, it stops, and
+the service goes on. A rank that stops answering, a step that runs past --timeout-s, or the job's store gone with
+its torchrun agent, fails the service: its requests answer 503 and the ranks exit 1, so that torchrun or an
+orchestrator restarts the job. SIGTERM (to the ranks, the agent, or both) drains: the running call finishes,
+waiting and new requests answer 503, and the ranks exit 0, within DRAIN_S of the call's end (or exit 1 with every
+thread's stack)."""
 from __future__ import annotations
 
 import logging
@@ -13,11 +16,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
+import PIL.Image
+
+from . import cost
 from .admission import Answer, Job, JobQueue
-from .calls import Outputs, StepReport, run_batch
-from .loading import LoadedPipeline
+from .calls import Cancelled, Outputs, StepReport, run_batch
+from .loading import CallOptions, LoadedPipeline
 from .metrics import ServiceMetrics
 from .ranks import IDLE_S, CallStatus, Command, Liveness, RanksOutOfStep, SideChannel, silence_bound
 from .schema import GenerationRequest, Limits, ModelCard
@@ -25,6 +31,9 @@ from .schema import GenerationRequest, Limits, ModelCard
 logger = logging.getLogger(__name__)
 
 FAIL_GRACE_S = 1.0  # a failed service's answers get this long to reach their clients before the process exits
+WARMUP_STEPS = 2  # steps of each warm-up call
+WARMUP_CALLS = 3  # the first one warms up (compilation, caches); the fastest of the others prices a step
+GONE = "the client went away"
 
 
 @dataclass(frozen=True)
@@ -44,8 +53,8 @@ class ServeOptions:
 
     def describe(self, ranks: int) -> dict[str, Any]:
         return {"ranks": ranks, "queue_bound": self.queue_bound, "max_batch": self.max_batch,
-                "timeout_s": self.timeout_s, "max_body_bytes": self.max_body_bytes, "keys": bool(self.api_keys),
-                "enable": self.enable}
+                "timeout_s": self.timeout_s, "max_timeout_s": self.limits.max_timeout_s,
+                "max_body_bytes": self.max_body_bytes, "keys": bool(self.api_keys), "enable": self.enable}
 
 
 class State(Enum):
@@ -67,11 +76,25 @@ class Service:
         self.queue = JobQueue(options.queue_bound, options.max_batch, on_drop=self._dropped)
         self.state, self.reason, self.signal = State.READY, "", 0
         self.running: list[Job] = []
+        self.step_cost: cost.StepCost | None = None  # measured by warm_up
         self._lock = threading.Lock()
         self.liveness = Liveness(channel.rank, channel.world, silence_bound(options.timeout_s),
                                  on_failure=self._fail)
 
+    def describe(self) -> dict[str, Any]:
+        """The service's options and the model's limits, for /v1/models."""
+        scale, step = self.card.scale, self.step_cost
+        limits = {} if scale is None else {
+            "max_pixels": min(scale.max_pixels, self.options.limits.max_pixels), "default_steps": scale.steps}
+        measured = {} if step is None else {"step_cost": {"tokens": step.tokens, "seconds": step.seconds}}
+        return {**self.options.describe(self.channel.world), **limits, **measured}
+
     # -- the HTTP thread's side
+    def bound(self, request: GenerationRequest) -> None:
+        """RequestError where the request's predicted call time is longer than its deadline (once warmed up)."""
+        if self.step_cost is not None and self.card.scale is not None:
+            cost.bound(request, self.card, self.step_cost)
+
     def admit(self, job: Job) -> None:
         """Queue `job`, or raise Unavailable / QueueFull."""
         with self._lock:
@@ -81,6 +104,34 @@ class Service:
         self.metrics.queue_depth.set(len(self.queue))
 
     # -- the main thread's side
+    def warm_up(self) -> None:
+        """Calls of the model's default size on every rank, the fastest warm one timed: the price of a step that
+        `bound` scales to each request. SystemExit (and the ranks stopped) where a call fails."""
+        scale = self.card.scale
+        if scale is None:
+            logger.warning("%s has no default size in its call or its config: requests are bounded by the "
+                           "service's limits and their deadlines, not by their predicted cost", self.card.id)
+            return
+        image = PIL.Image.new("RGB", (scale.width, scale.height), (127, 127, 127)) \
+            if self.card.image == "required" else None
+        options = CallOptions(height=scale.height, width=scale.width,
+                              num_frames=scale.frames if self.card.video else None, steps=WARMUP_STEPS, image=image)
+        request = GenerationRequest(id="warm-up", prompt="warm-up", n=1, seed=0, video=self.card.video,
+                                    options=options)
+        timed = []
+        for _ in range(WARMUP_CALLS):
+            outputs, statuses = self._call([request])
+            failed = [s for s in statuses if s.error is not None]
+            if failed:
+                self.channel.command(Command("stop"))
+                self.liveness.stop()
+                raise SystemExit("xstage_dit.serve: the warm-up call failed: " +
+                                 "; ".join(f"rank {s.rank}: {s.error}" for s in failed))
+            timed.append(outputs[0].call_s)
+        self.step_cost = cost.StepCost(scale.tokens(options), min(timed[1:]) / WARMUP_STEPS)
+        logger.info("warmed up: a step of %d tokens takes at most %.4f s; a request whose predicted call is longer "
+                    "than its deadline answers 400", self.step_cost.tokens, self.step_cost.seconds)
+
     def run(self) -> int:
         """Serve until drained (returns 0); a rank out of step ends the process with 1."""
         while True:
@@ -112,6 +163,14 @@ class Service:
             self.state = State.DRAINING
             self.liveness.drain()
 
+    def _call(self, requests: list[GenerationRequest], on_step: StepReport | None = None,
+              cancel: Callable[[], bool] = lambda: False) -> tuple[list[Outputs], list[CallStatus]]:
+        """`requests` run as one call on every rank: rank 0's outputs and every rank's status."""
+        self.channel.command(Command("run", tuple(requests)))
+        outputs, error = call_on_this_rank(self.loaded, requests, self.liveness, self.channel,
+                                           self.options.timeout_s, on_step, cancel)
+        return outputs, self.channel.statuses(CallStatus(0, error))
+
     def _run(self, jobs: list[Job]) -> None:
         started = time.monotonic()
         for job in jobs:
@@ -119,7 +178,6 @@ class Service:
             self.metrics.queue_time.observe(started - job.enqueued)
         self.running = jobs
         requests = [job.request for job in jobs]
-        self.channel.command(Command("run", tuple(requests)))
         self.metrics.batch_size.observe(sum(r.n for r in requests))
 
         def on_step(step: int, steps: int, seconds: float) -> None:
@@ -127,8 +185,7 @@ class Service:
             for job in jobs:
                 job.report(step, steps)
 
-        outputs, error = call_on_this_rank(self.loaded, requests, self.liveness, self.options.timeout_s, on_step)
-        statuses = self.channel.statuses(CallStatus(0, error))
+        outputs, statuses = self._call(requests, on_step, lambda: self._abandoned(jobs))
         self.running = []
         self.queue.service_s = time.monotonic() - started
         failed = [s for s in statuses if s.error is not None]
@@ -139,8 +196,27 @@ class Service:
         for job, output in zip(jobs, outputs):
             self._answer(job, Answer(200, outputs=output))
 
+    def _abandoned(self, jobs: list[Job]) -> bool:
+        """At a step's end of the running call: its requests whose client went away answered 499, those past their
+        deadline 504; True once none is left (the call stops after this step)."""
+        now = time.monotonic()
+        for job in jobs:
+            if job.finished:
+                continue
+            if job.gone:
+                logger.info("request %s: the client went away; cancelled in its call", job.request.id)
+                self._answer(job, Answer(499, error=GONE))
+            elif now > job.deadline:
+                logger.info("request %s: past its deadline of %g s; cancelled in its call", job.request.id,
+                            job.request.deadline_s)
+                self._answer(job, Answer(504, error=past_deadline(job)))
+        return all(job.finished for job in jobs)
+
     def _answer(self, job: Job, answer: Answer) -> None:
-        outcome = {200: "ok", 500: "failed", 503: "unavailable"}[answer.status]
+        """`answer` to a request not answered yet."""
+        if job.finished:
+            return
+        outcome = {200: "ok", 499: "cancelled", 500: "failed", 503: "unavailable", 504: "deadline"}[answer.status]
         self.metrics.count(outcome)
         if answer.status == 200:
             self.metrics.latency.observe(time.monotonic() - job.enqueued)
@@ -151,8 +227,12 @@ class Service:
             self._answer(job, answer)
 
     def _dropped(self, job: Job) -> None:
-        self.metrics.count("dropped")
-        job.finish(Answer(499, error="the client went away"))
+        """A waiting request whose client went away (dropped) or whose deadline passed (504)."""
+        if job.gone:
+            self.metrics.count("dropped")
+            job.finish(Answer(499, error=GONE))
+        else:
+            self._answer(job, Answer(504, error=past_deadline(job)))
 
     def _fail(self, reason: str) -> None:
         """Answer every request 503, report the failure on /health, exit 1 (from whichever thread saw it first;
@@ -169,12 +249,29 @@ class Service:
         os._exit(1)
 
 
+def past_deadline(job: Job) -> str:
+    return f"the request ran past its deadline of {job.request.deadline_s:g} s (`timeout_s`)"
+
+
 def call_on_this_rank(loaded: LoadedPipeline, requests: list[GenerationRequest], liveness: Liveness,
-                      timeout_s: float, on_step: StepReport | None = None) -> tuple[list[Outputs], str | None]:
-    """This rank's share of one batch, bounded by `timeout_s`: (outputs, None), or ([], what it raised)."""
-    liveness.arm(timeout_s, f"the pipeline call for requests {[r.id for r in requests]}")
+                      channel: SideChannel, timeout_s: float, on_step: StepReport | None = None,
+                      cancel: Callable[[], bool] = lambda: False) -> tuple[list[Outputs], str | None]:
+    """This rank's share of one batch, each step bounded by `timeout_s`, stopped after the step where rank 0's
+    `cancel` says so: (outputs, None), ([], None) where it stopped, or ([], what it raised)."""
+    what = f"the pipeline call for requests {[r.id for r in requests]}"
+    liveness.arm(timeout_s, what)
+
+    def stop() -> bool:
+        liveness.arm(timeout_s, f"a step of {what}")  # a step is bounded, not the whole call
+        return channel.agree(cancel() if channel.rank == 0 else False)
+
     try:
-        return run_batch(loaded, requests, on_step), None
+        return run_batch(loaded, requests, on_step, stop), None
+    except Cancelled as stopped:
+        logger.info("rank %d: %s %s", liveness.rank, what, stopped)
+        return [], None
+    except RanksOutOfStep:
+        raise
     except Exception as error:  # the call's error is the request's answer; the service goes on
         logger.exception("rank %d: the pipeline call failed", liveness.rank)
         return [], f"{type(error).__name__}: {error}"
@@ -199,7 +296,7 @@ def follow(loaded: LoadedPipeline, channel: SideChannel, timeout_s: float) -> in
                 liveness.stop()
                 return 0
             if command.kind == "run":
-                _, error = call_on_this_rank(loaded, list(command.batch), liveness, timeout_s)
+                _, error = call_on_this_rank(loaded, list(command.batch), liveness, channel, timeout_s)
                 channel.statuses(CallStatus(channel.rank, error))
     except RanksOutOfStep as error:
         logger.critical("rank %d: rank 0 stopped answering: %s; exiting", channel.rank, error)
