@@ -136,3 +136,88 @@ def _wan_worker(config: str) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_torchao_quantized_wan_equals_one_process(world_size: int) -> None:
     run_on_ranks(world_size, _wan_worker, "Float8WeightOnlyConfig")
+
+
+def test_writes_to_quantized_weights_move_the_key() -> None:
+    """Both readers of runtime/model_changes.py see a quantized weight written in place (torchao's tensors are
+    parameters by a flag, not `nn.Parameter`s: write_hooks.py wraps their class too, and only while watched),
+    loaded, swapped through `.data`, or quantized again; a forward moves neither."""
+    from torchao.quantization import Int8Tensor, quantize_
+
+    from xstage_dit.runtime.model_changes import ModelChanges
+
+    model = quantized("tiny-flux", "Int8WeightOnlyConfig").transformer
+    layer = model.transformer_blocks[0].attn.to_q
+    before = dict(vars(Int8Tensor))
+    check = ModelChanges(model, writes=True, storage=False)
+    graphs = ModelChanges(model, writes=False, storage=True)
+    other = quantized("tiny-flux", "Int8WeightOnlyConfig").transformer  # the same seeded weights
+    with torch.no_grad():
+        other.transformer_blocks[0].attn.to_q.weight.qdata.neg_()
+    sequence: list[tuple[str, Callable[[], object], bool, bool]] = [
+        ("nothing", lambda: None, False, False),
+        ("a forward", lambda: generate_transformer(model), False, False),
+        ("copy_ into a quantized weight", lambda: layer.weight.copy_(other.transformer_blocks[0].attn.to_q.weight),
+         True, False),
+        ("load_state_dict", lambda: model.load_state_dict(other.state_dict()), True, False),
+        ("load_state_dict(assign=True)", lambda: model.load_state_dict(other.state_dict(), assign=True), True, True),
+        # counted as a write; a torchao tensor keeps its inner tensors through it (its values too)
+        ("weight.data = another quantized tensor",
+         lambda: setattr(layer.weight, "data", other.transformer_blocks[0].attn.to_q.weight.detach().clone()),
+         True, False),
+        ("quantize_ again (a dequantized weight, quantized anew)", lambda: (
+            setattr(layer, "weight", nn.Parameter(layer.weight.dequantize(), requires_grad=False)),
+            quantize_(layer, torchao_quantization.Int8WeightOnlyConfig())), True, True),
+    ]
+    for what, change, check_moves, graphs_move in sequence:
+        with torch.no_grad():
+            change()
+        assert (check.moved(), graphs.moved()) == (check_moves, graphs_move), what
+    check.remove()
+    graphs.remove()
+    assert dict(vars(Int8Tensor)) == before
+
+
+def generate_transformer(model: nn.Module) -> torch.Tensor:
+    """One call of a FLUX.1 transformer on 4 image and 3 text tokens."""
+    return model(hidden_states=torch.randn(1, 4, model.config.in_channels),
+                 encoder_hidden_states=torch.randn(1, 3, model.config.joint_attention_dim),
+                 pooled_projections=torch.randn(1, model.config.pooled_projection_dim),
+                 timestep=torch.tensor([0.5]), img_ids=torch.zeros(4, 3), txt_ids=torch.zeros(3, 3),
+                 guidance=torch.tensor([3.0]) if model.config.guidance_embeds else None, return_dict=False)[0]
+
+
+def _one_rank_writes_worker() -> None:
+    """A quantized weight written on every rank runs as one process with the same write; written on one rank only,
+    the next call is refused on every rank, naming what differs."""
+    pipe = quantized("tiny-flux", "Int8WeightOnlyConfig")
+    weight = pipe.transformer.transformer_blocks[0].attn.to_q.weight
+    ref = generate(pipe, "tiny-flux")
+    with torch.no_grad():
+        weight.qdata.neg_()  # through the inner tensor: not seen, and the ranks agree on it anyway
+        written = generate(pipe, "tiny-flux")
+        weight.qdata.neg_()
+    xstage_dit.enable(pipe, timeout_s=120)
+    assert relative_error(generate(pipe, "tiny-flux"), ref) < TOLERANCE
+    negated = weight.detach().clone()
+    negated.qdata.neg_()
+    with torch.no_grad():
+        weight.copy_(negated)
+    assert relative_error(generate(pipe, "tiny-flux"), written) < TOLERANCE
+    if torch.distributed.get_rank() == 1:
+        with torch.no_grad():
+            weight.copy_(_scaled(negated))
+    with pytest.raises(ValueError, match="the ranks disagree on .*weights"):
+        generate(pipe, "tiny-flux")
+    xstage_dit.disable(pipe)
+
+
+def _scaled(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (an Int8Tensor) with its scales doubled."""
+    scaled = weight.detach().clone()
+    scaled.scale.mul_(2)
+    return scaled
+
+
+def test_a_quantized_weight_written_on_one_rank_is_refused() -> None:
+    run_on_ranks(2, _one_rank_writes_worker)

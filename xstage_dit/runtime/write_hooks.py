@@ -4,9 +4,10 @@ parameter (a pass over all of them per read) and miss writes through `.data`, an
 Python attributes of every tuner layer.
 
 While anything is watched, `nn.Parameter`'s in-place methods, in-place operators and item assignment, its `.data`
-(read, since the tensor it returns writes the parameter's memory unseen, or set), and PEFT tuner layers' methods
-that change which adapters run and how are wrapped: a call on a watched parameter or layer counts for each of its
-watchers. The wrappers are removed when the last watcher stops.
+(read, since the tensor it returns writes the parameter's memory unseen, or set), the same of each tensor subclass
+that a watched parameter is without being an `nn.Parameter` (torchao's quantized weights, which are parameters by a
+flag only), and PEFT tuner layers' methods that change which adapters run and how are wrapped: a call on a watched
+parameter or layer counts for each of its watchers. The wrappers are removed when the last watcher stops.
 
 Not counted: writes through other aliases of a parameter (`detach()`, `state_dict()`'s tensors, views, an
 alias taken from `.data` before the last read), `out=` and `torch._foreach_*_` writes, and parameters or layers
@@ -48,7 +49,7 @@ class WriteCounts:
             _PARAMETERS.setdefault(key, []).append(self)
         for key in self._tuners:
             _TUNERS.setdefault(key, []).append(self)
-        _HOOKS.install()
+        _HOOKS.install({type(p) for p in parameters if not issubclass(type(p), nn.Parameter)} - {torch.Tensor})
 
     def stop(self) -> None:
         """Counts nothing more (a second time does nothing)."""
@@ -88,7 +89,14 @@ def _counting(method: Callable[..., Any], count: Callable[[Any], None]) -> Calla
         count(self)  # after the call: a watcher that reads the model now sees what it wrote
         return result
 
+    counted._counts_calls_of = method  # type: ignore[attr-defined]
     return counted
+
+
+def _uncounted(cls: type, name: str) -> Any:
+    """`cls`'s attribute `name` as it is without our wrappers (which a class may inherit from one wrapped before)."""
+    value = getattr(cls, name)
+    return getattr(value, "_counts_calls_of", value)
 
 
 def _get_data(parameter: nn.Parameter) -> torch.Tensor:
@@ -120,21 +128,25 @@ class _ClassHooks:
 
     def __init__(self) -> None:
         self._replaced: list[tuple[type, str, Any]] = []
+        self._parameter_classes: set[type] = set()
         self._tuners_wrapped = False
 
-    def install(self) -> None:
-        if not self._replaced:
-            self._wrap_parameters()
+    def install(self, tensor_classes: set[type]) -> None:
+        """Wraps `nn.Parameter` and `tensor_classes` (the other classes watched parameters are), where not yet."""
+        for cls in (nn.Parameter, *tensor_classes):
+            if cls not in self._parameter_classes:
+                self._wrap_parameters(cls)
         if not self._tuners_wrapped:  # PEFT may come later, with the first adapter loaded
             self._wrap_tuners()
 
-    def _wrap_parameters(self) -> None:
+    def _wrap_parameters(self, cls: type) -> None:
         writes = [name for name in dir(torch.Tensor) if name.endswith("_") and not name.startswith("_")
                   and name not in _NOT_WRITES and callable(getattr(torch.Tensor, name))]
         writes += [name for name in _IN_PLACE_OPERATORS if hasattr(torch.Tensor, name)]
         for name in writes:
-            self._set(nn.Parameter, name, _counting(getattr(torch.Tensor, name), _count_parameter_write))
-        self._set(nn.Parameter, "data", property(_get_data, _set_data, doc=_DATA.__doc__))
+            self._set(cls, name, _counting(_uncounted(cls, name), _count_parameter_write))
+        self._set(cls, "data", property(_get_data, _set_data, doc=_DATA.__doc__))
+        self._parameter_classes.add(cls)
 
     def _wrap_tuners(self) -> None:
         classes = _tuner_classes()
@@ -154,7 +166,7 @@ class _ClassHooks:
                 delattr(cls, name)
             else:
                 setattr(cls, name, before)
-        self._replaced, self._tuners_wrapped = [], False
+        self._replaced, self._parameter_classes, self._tuners_wrapped = [], set(), False
 
 
 _HOOKS = _ClassHooks()
