@@ -15,7 +15,7 @@ from torch import nn
 
 import xstage_dit
 import zoo
-from dist_harness import run_on_ranks, xstage_warnings
+from dist_harness import run_on_ranks, share_one_gpu, xstage_warnings
 from xstage_dit.runtime.agreement import stored_tensors
 
 torchao_quantization = pytest.importorskip("torchao.quantization", reason="the quantized-model tests need torchao")
@@ -66,7 +66,7 @@ def quantized(name: str, config: str, device: str = "cpu", dtype: torch.dtype = 
 
 def generate(pipe, name: str) -> torch.Tensor:
     kwargs = zoo.call_kwargs(name, **SIZES[name], steps=2, guidance=3.0)
-    embeddings = zoo.text_embeddings(name, 1, seed=1, device=pipe.device, dtype=torch.float32)
+    embeddings = zoo.text_embeddings(name, 1, seed=1, device=pipe.device, dtype=pipe.transformer.dtype)
     return pipe(**kwargs, **embeddings, output_type="latent", generator=torch.Generator().manual_seed(7),
                 return_dict=False)[0]
 
@@ -221,3 +221,104 @@ def _scaled(weight: torch.Tensor) -> torch.Tensor:
 
 def test_a_quantized_weight_written_on_one_rank_is_refused() -> None:
     run_on_ranks(2, _one_rank_writes_worker)
+
+
+def _pipeline_quantization_worker(directory: str) -> None:
+    """diffusers' PipelineQuantizationConfig with a TorchAoConfig, at `from_pretrained` of a saved tiny FLUX.1."""
+    from diffusers import FluxPipeline, PipelineQuantizationConfig, TorchAoConfig
+
+    def load():
+        quantization = PipelineQuantizationConfig(
+            quant_mapping={"transformer": TorchAoConfig(torchao_quantization.Int8WeightOnlyConfig())})
+        pipe = FluxPipeline.from_pretrained(directory, text_encoder=None, text_encoder_2=None, tokenizer=None,
+                                            tokenizer_2=None, torch_dtype=torch.float32,
+                                            quantization_config=quantization)
+        pipe.set_progress_bar_config(disable=True)
+        assert type(pipe.transformer.transformer_blocks[0].attn.to_q.weight).__name__ == "Int8Tensor"
+        return pipe
+
+    _enabled_equals_stock(load, "tiny-flux", warning=SPLIT_PROJECTION_WARNING)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_torchao_config_at_from_pretrained_equals_one_process(world_size: int, tmp_path) -> None:
+    zoo.build_pipeline("tiny-flux").save_pretrained(tmp_path)
+    run_on_ranks(world_size, _pipeline_quantization_worker, str(tmp_path))
+
+
+HIDREAM_WARNING = "HiDream's grouped MoE: 2 of 2 MoE layers hold quantized experts"
+
+
+def _hidream_worker() -> None:
+    """Quantized routed experts cannot be stacked for the grouped matmuls: their layers run diffusers' code, and
+    sharding them is refused at enable, in words."""
+    SIZES.setdefault("tiny-hidream", {"height": 32, "width": 32, "num_frames": 1})
+    build = lambda: quantized("tiny-hidream", "Int8WeightOnlyConfig")  # noqa: E731
+    _enabled_equals_stock(build, "tiny-hidream", warning=HIDREAM_WARNING)
+    pipe = build()
+    before = weights_of(pipe.transformer)
+    with pytest.raises(ValueError, match="expert_parallel=True cannot shard HiDream's .*Int8Tensor"):
+        xstage_dit.enable(pipe, timeout_s=120, expert_parallel=True)
+    assert_same_weights(pipe.transformer, before)
+
+
+def test_torchao_quantized_hidream_experts_run_diffusers_code() -> None:
+    run_on_ranks(2, _hidream_worker)
+
+
+# the layers the adapter trains: FLUX.1's split single-stream projection, attention projections, a feed-forward
+LORA_TARGETS = ["single_transformer_blocks.0.proj_out", "single_transformer_blocks.0.attn.to_q",
+                "transformer_blocks.0.attn.to_k", "transformer_blocks.0.ff.net.0.proj"]
+# each step of the sequence on a quantized pipeline; PEFT cannot fuse an adapter into a weight that torchao
+# quantized after loading (it needs the config from a TorchAoConfig load to quantize it again), stock or not
+LORA_STEPS: list[tuple[str, Callable]] = [
+    ("load", lambda pipe, adapter: pipe.load_lora_weights(adapter, adapter_name="a")),
+    ("set_adapters 0.5", lambda pipe, adapter: pipe.set_adapters(["a"], [0.5])),
+    ("disable_lora", lambda pipe, adapter: pipe.disable_lora()),
+    ("enable_lora", lambda pipe, adapter: pipe.enable_lora()),
+    ("unload_lora_weights", lambda pipe, adapter: pipe.unload_lora_weights()),
+]
+
+
+def _lora_worker() -> None:
+    """A LoRA adapter loaded after enable on a quantized FLUX.1 (PEFT's torchao LoRA layers) equals the same
+    sequence stock, step by step."""
+    from test_lora import lora_state_dict
+
+    pipe = quantized("tiny-flux", "Int8WeightOnlyConfig")
+    adapter = lora_state_dict(pipe.transformer, LORA_TARGETS, seed=0)
+    stock = []
+    for _, step in LORA_STEPS:
+        step(pipe, adapter)
+        stock.append(generate(pipe, "tiny-flux"))
+    pipe = quantized("tiny-flux", "Int8WeightOnlyConfig")
+    before = weights_of(pipe.transformer)
+    xstage_dit.enable(pipe, timeout_s=120)
+    for (what, step), ref in zip(LORA_STEPS, stock):
+        step(pipe, adapter)
+        error = relative_error(generate(pipe, "tiny-flux"), ref)
+        assert error < TOLERANCE, f"after {what}: relative error {error:.2e}"
+    xstage_dit.disable(pipe)
+    assert_same_weights(pipe.transformer, before)
+
+
+def test_lora_after_enable_on_a_quantized_model_equals_one_process() -> None:
+    pytest.importorskip("peft", reason="LoRA adapters need peft")
+    run_on_ranks(2, _lora_worker)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(GPU_CONFIGS))
+def test_torchao_float8_dynamic_on_gpu_equals_one_process(config: str) -> None:
+    """torchao's float8 dynamic configs (compute capability 8.9 or above), bfloat16, CUDA graphs on, two ranks
+    sharing one GPU; the split projection and the GELU epilogue run diffusers' code for their quantized layers."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torchao's float8 dynamic quantization needs compute capability 8.9 or above")
+    run_on_ranks(2, _gpu_worker, config)
+
+
+def _gpu_worker(config: str) -> None:
+    share_one_gpu()
+    _enabled_equals_stock(lambda: quantized("tiny-flux", config, "cuda", torch.bfloat16), "tiny-flux",
+                          tolerance=DYNAMIC_TOLERANCE, warning=SPLIT_PROJECTION_WARNING, cuda_graphs=True)
+
