@@ -246,6 +246,50 @@ def test_torchao_config_at_from_pretrained_equals_one_process(world_size: int, t
     run_on_ranks(world_size, _pipeline_quantization_worker, str(tmp_path))
 
 
+def write_gguf(model: nn.Module, path: str) -> None:
+    """`model`'s weights as a GGUF file in diffusers' naming: Q8_0 for the matrices whose rows split into its
+    blocks of 32, float32 for the rest."""
+    gguf = pytest.importorskip("gguf", reason="the GGUF test writes its file with the gguf package")
+    writer = gguf.GGUFWriter(path, arch="flux")
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if array.ndim == 2 and array.shape[1] % 32 == 0:
+            packed = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_worker(directory: str) -> None:
+    """diffusers' GGUFQuantizationConfig at `from_single_file` (GGUFLinear layers, GGUFParameter weights)."""
+    from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
+
+    def load():
+        pipe = zoo.build_pipeline("tiny-flux")
+        pipe.set_progress_bar_config(disable=True)
+        pipe.transformer = FluxTransformer2DModel.from_single_file(
+            os.path.join(directory, "transformer.gguf"), config=directory, subfolder="transformer",
+            quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
+        assert type(pipe.transformer.transformer_blocks[0].attn.to_q).__name__ == "GGUFLinear"
+        return pipe
+
+    _enabled_equals_stock(load, "tiny-flux",
+                          warning="FluxSingleTransformerBlock.proj_out in the split projection is a "
+                                  "diffusers.quantizers.gguf.utils.GGUFLinear")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gguf_equals_one_process(world_size: int, tmp_path) -> None:
+    transformer = zoo.build_pipeline("tiny-flux").transformer
+    write_gguf(transformer, str(tmp_path / "transformer.gguf"))
+    transformer.save_pretrained(tmp_path / "transformer")  # its config
+    run_on_ranks(world_size, _gguf_worker, str(tmp_path))
+
+
 HIDREAM_WARNING = "HiDream's grouped MoE: 2 of 2 MoE layers hold quantized experts"
 
 
