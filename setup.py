@@ -56,9 +56,10 @@ setup(
         # triton runs the kernels in its CPU interpreter without a GPU; that interpreter breaks on numpy >= 2.4
         # cache-dit: its caches are tested with xstage_dit, its parallelism (einops) refused
         # the video extra's packages: the MP4 outputs of the example and the service are tested too
+        # torchao and gguf: quantized models under enable (tests/test_quantized.py), on the versions tested
         "test": ["pytest", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "fastapi", "uvicorn",
                  "httptools", "prometheus-client", "httpx", "cache-dit[parallelism]>=1.5,<1.6",
-                 "imageio", "imageio-ffmpeg", "av"],
+                 "imageio", "imageio-ffmpeg", "av", "torchao>=0.18,<0.19", "gguf>=0.19,<0.20"],
     },
     license="MIT",
     license_files=["LICENSE"],

@@ -366,3 +366,14 @@ def _gpu_worker(config: str) -> None:
     _enabled_equals_stock(lambda: quantized("tiny-flux", config, "cuda", torch.bfloat16), "tiny-flux",
                           tolerance=DYNAMIC_TOLERANCE, warning=SPLIT_PROJECTION_WARNING, cuda_graphs=True)
 
+
+
+def _quantized_otherwise_worker() -> None:
+    """A model quantized otherwise on one rank (float8 instead of int8 weight-only) is refused at enable."""
+    config = "Float8WeightOnlyConfig" if os.environ["RANK"] == "1" else "Int8WeightOnlyConfig"
+    with pytest.raises(ValueError, match="rank 1's FluxTransformer2DModel weights"):
+        xstage_dit.enable(quantized("tiny-flux", config), timeout_s=120)
+
+
+def test_a_model_quantized_otherwise_on_one_rank_is_refused() -> None:
+    run_on_ranks(2, _quantized_otherwise_worker)

@@ -10,7 +10,7 @@ flag only), and PEFT tuner layers' methods that change which adapters run and ho
 parameter or layer counts for each of its watchers. The wrappers are removed when the last watcher stops.
 
 Not counted: writes through other aliases of a parameter (`detach()`, `state_dict()`'s tensors, views, an
-alias taken from `.data` before the last read), `out=` and `torch._foreach_*_` writes, and parameters or layers
+alias taken from `.data` before the last read, a quantized weight's inner tensors), `out=` and `torch._foreach_*_` writes, and parameters or layers
 put in place without registration (`module._parameters[name] = ...`)."""
 from __future__ import annotations
 
