@@ -92,7 +92,7 @@ class ModelChanges:
         return self._key
 
     def _storage_pointers(self) -> int:
-        # a quantized weight's inner tensors, flattened at each read: `.data =` may have swapped them
+        # a quantized weight's inner tensors, flattened at each read: `module.to()` swaps them, the weight stays
         return sum(inner.data_ptr() for p in self._stored for inner in stored_tensors(p))
 
     def moved(self) -> bool:

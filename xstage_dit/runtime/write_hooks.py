@@ -6,12 +6,13 @@ Python attributes of every tuner layer.
 While anything is watched, `nn.Parameter`'s in-place methods, in-place operators and item assignment, its `.data`
 (read, since the tensor it returns writes the parameter's memory unseen, or set), the same of each tensor subclass
 that a watched parameter is without being an `nn.Parameter` (torchao's quantized weights, which are parameters by a
-flag only), and PEFT tuner layers' methods that change which adapters run and how are wrapped: a call on a watched
+flag only), `torch.utils.swap_tensors` (how `module.to()` moves such a weight: the object stays, its contents are
+swapped), and PEFT tuner layers' methods that change which adapters run and how are wrapped: a call on a watched
 parameter or layer counts for each of its watchers. The wrappers are removed when the last watcher stops.
 
 Not counted: writes through other aliases of a parameter (`detach()`, `state_dict()`'s tensors, views, an
-alias taken from `.data` before the last read, a quantized weight's inner tensors), `out=` and `torch._foreach_*_` writes, and parameters or layers
-put in place without registration (`module._parameters[name] = ...`)."""
+alias taken from `.data` before the last read, a quantized weight's inner tensors), `out=` and `torch._foreach_*_`
+writes, and parameters or layers put in place without registration (`module._parameters[name] = ...`)."""
 from __future__ import annotations
 
 import functools
@@ -99,6 +100,16 @@ def _uncounted(cls: type, name: str) -> Any:
     return getattr(value, "_counts_calls_of", value)
 
 
+def _counting_swaps(swap: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[..., None]:
+    @functools.wraps(swap)
+    def counted(first: torch.Tensor, second: torch.Tensor) -> None:
+        swap(first, second)
+        _count_parameter_write(first)
+        _count_parameter_write(second)
+
+    return counted
+
+
 def _get_data(parameter: nn.Parameter) -> torch.Tensor:
     _count_parameter_write(parameter)
     return _DATA.__get__(parameter)
@@ -124,7 +135,8 @@ def _tuner_classes() -> list[type]:
 
 
 class _ClassHooks:
-    """The wrappers set on the classes, and what they replaced there (`None`: the class inherited it)."""
+    """The wrappers set on the classes (and on `torch.utils`), and what they replaced there (`None`: the class
+    inherited it)."""
 
     def __init__(self) -> None:
         self._replaced: list[tuple[type, str, Any]] = []
@@ -133,6 +145,8 @@ class _ClassHooks:
 
     def install(self, tensor_classes: set[type]) -> None:
         """Wraps `nn.Parameter` and `tensor_classes` (the other classes watched parameters are), where not yet."""
+        if not self._replaced:
+            self._set(torch.utils, "swap_tensors", _counting_swaps(torch.utils.swap_tensors))
         for cls in (nn.Parameter, *tensor_classes):
             if cls not in self._parameter_classes:
                 self._wrap_parameters(cls)
@@ -156,7 +170,7 @@ class _ClassHooks:
                 if name in vars(cls):  # wrapped where defined: an override that calls super() counts twice
                     self._set(cls, name, _counting(vars(cls)[name], _count_adapter_call))
 
-    def _set(self, cls: type, name: str, value: Any) -> None:
+    def _set(self, cls: Any, name: str, value: Any) -> None:
         self._replaced.append((cls, name, vars(cls).get(name)))
         setattr(cls, name, value)
 
