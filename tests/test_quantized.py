@@ -108,14 +108,14 @@ def _enabled_equals_stock(build: Callable[[], Any], name: str, compiled: bool = 
     assert relative_error(generate(pipe, name), ref) < tolerance
 
 
-def tolerance(config: str) -> float:
+def tolerance_of(config: str) -> float:
     """The error allowed to `config` (DYNAMIC_TOLERANCE says why)."""
     return DYNAMIC_TOLERANCE if config in DYNAMIC else TOLERANCE
 
 
-def _torchao_worker(config: str, compiled: bool = False) -> None:
-    _enabled_equals_stock(lambda: quantized("tiny-flux", config), "tiny-flux", compiled, tolerance(config),
-                          warning=SPLIT_PROJECTION_WARNING)
+def _torchao_worker(config: str, compiled: bool = False, **knobs: Any) -> None:
+    _enabled_equals_stock(lambda: quantized("tiny-flux", config), "tiny-flux", compiled, tolerance_of(config),
+                          warning=SPLIT_PROJECTION_WARNING, **knobs)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -127,6 +127,14 @@ def test_torchao_quantized_flux_equals_one_process(config: str, world_size: int)
 
 def test_torchao_quantized_flux_compiled_equals_one_process() -> None:
     run_on_ranks(2, _torchao_worker, "Int8WeightOnlyConfig", True)
+
+
+def _ring_worker() -> None:
+    _torchao_worker("Float8WeightOnlyConfig", ring_degree=2)
+
+
+def test_torchao_quantized_flux_on_a_ring_equals_one_process() -> None:
+    run_on_ranks(2, _ring_worker)
 
 
 def _wan_worker(config: str) -> None:
