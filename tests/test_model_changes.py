@@ -16,7 +16,7 @@ from xstage_dit.runtime.agreement import Fingerprint
 from xstage_dit.runtime.model_changes import ChangesSinceEnable, ModelChanges
 
 
-def _inputs(model: nn.Module) -> dict[str, torch.Tensor | None]:
+def flux_inputs(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """A FLUX.1 transformer call on 4 image and 3 text tokens."""
     return {"hidden_states": torch.randn(1, 4, model.config.in_channels),
             "encoder_hidden_states": torch.randn(1, 3, model.config.joint_attention_dim),
@@ -35,12 +35,10 @@ def test_every_common_change_moves_the_key() -> None:
     model = pipe.transformer
     weight = model.transformer_blocks[0].attn.to_q.weight
     adapters = {name: lora_state_dict(model, ADAPTERS["tiny-flux"]["a"], seed) for name, seed in (("a", 0), ("b", 1))}
-    check = ModelChanges(model, writes=True, storage=False)
-    graphs = ModelChanges(model, writes=False, storage=True)
     # (what, the change, whether the check's key moves, whether the graphs' key moves)
     sequence: list[tuple[str, Callable[[], object], bool, bool]] = [
         ("nothing", lambda: None, False, False),
-        ("a forward", lambda: model(**_inputs(model)), False, False),
+        ("a forward", lambda: model(**flux_inputs(model)), False, False),
         ("in place under no_grad", lambda: weight.mul_(2.0), True, False),
         ("load_state_dict", lambda: model.load_state_dict(_scaled_state(model)), True, False),
         ("load_state_dict(assign=True)", lambda: model.load_state_dict(_scaled_state(model), assign=True), True,
@@ -65,6 +63,14 @@ def test_every_common_change_moves_the_key() -> None:
         ("load again", lambda: pipe.load_lora_weights(adapters["a"], adapter_name="a"), True, True),
         ("unload_lora_weights", pipe.unload_lora_weights, True, True),
     ]
+    assert_moves(model, sequence)
+
+
+def assert_moves(model: nn.Module, sequence: list[tuple[str, Callable[[], object], bool, bool]]) -> None:
+    """Each change of `sequence` (what, the change, whether the check's key moves, whether the graphs' key moves),
+    made under no_grad, moves the keys of both readers of `model` as it says."""
+    check = ModelChanges(model, writes=True, storage=False)
+    graphs = ModelChanges(model, writes=False, storage=True)
     for what, change, check_moves, graphs_move in sequence:
         with torch.no_grad():
             change()
@@ -107,7 +113,7 @@ def test_a_changed_model_drops_its_graphs(monkeypatch) -> None:
     graphed = GraphedForward(model, torch.device("cuda", 0))
     resets = []
     monkeypatch.setattr(graphed, "reset", lambda: resets.append(1))
-    inputs = _inputs(model)
+    inputs = flux_inputs(model)
     with torch.no_grad():
         model(**inputs)
         model(**inputs)

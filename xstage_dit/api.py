@@ -20,7 +20,7 @@ from .layers import MODEL_LAYERS, PIPELINE_LAYERS, Layer, ModelJob, PipelineJob
 from .logging_utils import logger, warn_once
 from .patches.vaes import supported_vaes, vae_rule_for
 from .runtime import build_groups, ensure_process_group, world_from_env
-from .runtime.agreement import Fingerprint, check_agreement, weights_checksum
+from .runtime.agreement import Fingerprint, check_agreement, weight_kinds, weights_checksum
 from .runtime.cuda_graphs import GraphUse
 from .runtime.distributed import ParallelGroups, every_rank_joining, forget_groups, local_device, world_group
 from .sp.attention.backends import needs_fabric, resolve_backend
@@ -191,13 +191,14 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
 
 def _fingerprint(models: list[nn.Module], config: XStageConfig) -> Fingerprint:
     """What every rank's `enable` must agree on: every knob of the resolved config, the models' classes and
-    weights."""
+    weights (quantized ones included: their classes, and the sum of what they store)."""
     fingerprint = Fingerprint()
     for name, value in config.as_dict().items():
         fingerprint.add(name, value)
     for model in models:
         fingerprint.add("model class", type(model).__name__)
         fingerprint.add(f"{type(model).__name__} weights", weights_checksum(model))
+        fingerprint.add(f"{type(model).__name__} weights' classes and dtypes", weight_kinds(model))
     return fingerprint
 
 

@@ -2,8 +2,8 @@
 with the GELU in its epilogue (`torch._addmm_activation`, cuBLASLt's GELU epilogue, on CUDA): the pass that reads
 and writes the feed-forward's widest activations once more goes away. The GELU then acts on the float32
 accumulator rather than on the output rounded to the model's dtype. The modules get a subclass of the same name
-until `remove`; elsewhere (CPU, a Linear that is not plain, such as a LoRA layer: fusions/plain.py; mixed dtypes)
-they run diffusers' forward."""
+until `remove`; elsewhere (CPU, a Linear that is not plain, such as a LoRA layer or one with a quantized weight:
+fusions/plain.py; mixed dtypes) they run diffusers' forward."""
 from __future__ import annotations
 
 import torch

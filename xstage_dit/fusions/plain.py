@@ -1,7 +1,8 @@
 """Whether a fusion may compute a module from its weights instead of calling it. A fusion that reads
 `linear.weight` computes what a plain `nn.Linear` computes; a module that is anything else (PEFT's LoRA layers,
 which wrap the Linear and add their deltas in their forward; a forward that diffusers' or accelerate's hooks
-replaced, as layerwise casting and offloading do; forward hooks; weights of a tensor subclass) must be called as
+replaced, as layerwise casting and offloading do; forward hooks; weights of a tensor subclass, as quantized
+weights are) must be called as
 it is, so the fusion runs the model's own code for it, and says so once. Asked on every call: adapters can be
 loaded, set, fused and unloaded at any time. The checks read Python attributes only: a compiled graph holds them
 as guards, except forward hooks, which torch does not guard on (`skip_nnmodule_hook_guards`) for any module."""
@@ -31,8 +32,17 @@ def why_not_plain(module: nn.Module, kind: type[nn.Module]) -> str | None:
     if not _own_forward(module) or module._forward_hooks or module._forward_pre_hooks:
         return "has hooks on its forward"
     for name, weight in module._parameters.items():  # the dict itself: this runs every call
-        if weight is not None and type(weight) not in _PLAIN_WEIGHTS:
-            return f"holds its {name} as a {type(weight).__qualname__}"
+        why = why_not_plain_tensor(name, weight)
+        if why is not None:
+            return why
+    return None
+
+
+def why_not_plain_tensor(name: str, weight: torch.Tensor | None) -> str | None:
+    """Why the weight `name` cannot be read as the numbers it holds (a quantized weight, such as torchao's
+    Int8Tensor and Float8Tensor, or a GGUF parameter, stores other numbers and scales); None where it can."""
+    if weight is not None and type(weight) not in _PLAIN_WEIGHTS:
+        return f"holds its {name} as a {type(weight).__module__}.{type(weight).__qualname__}, not a plain tensor"
     return None
 
 

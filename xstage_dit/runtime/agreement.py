@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .distributed import all_gather_into, local_device, waiting_for
 
@@ -29,18 +30,37 @@ class Fingerprint:
             self.values.append(float(value))  # type: ignore[arg-type]
 
 
+def stored_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `tensor`'s values, detached: itself as a plain tensor, or, for a wrapper
+    subclass (torchao's quantized weights: Int8Tensor's qdata, scale and zero point, Float8Tensor's qdata and
+    scale), its inner tensors, recursively. Reading these rather than the subclass needs none of its operators
+    (torchao's tensors have no `sum`; GGUF's parameters re-wrap every result as GGUF data) and no dequantized
+    copy, and it sees exactly the bytes the model computes with."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return [inner for name in names for inner in stored_tensors(getattr(tensor, name))]
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass's own __torch_function__ is not asked
+        return [tensor.detach()]
+
+
 def tensors_checksum(tensors: Iterable[torch.Tensor]) -> float:
-    """The sum of `tensors` in float64 (one pass over them, one host sync); tensors without storage (meta) are
-    left out."""
-    stored = [t for t in tensors if t.device.type != "meta"]
+    """The sum of the values `tensors` store (`stored_tensors`: a quantized weight's data and scales) in float64
+    (one pass over them, one host sync); tensors without storage (meta) are left out."""
+    stored = [inner for t in tensors for inner in stored_tensors(t) if inner.device.type != "meta"]
     if not stored:
         return 0.0
-    return float(sum(t.detach().sum(dtype=torch.float64) for t in stored))
+    return float(sum(t.sum(dtype=torch.float64) for t in stored))
 
 
 def weights_checksum(module: torch.nn.Module) -> float:
-    """The float64 sum of every parameter and buffer of `module`."""
+    """The float64 sum of every parameter and buffer of `module` (of what they store: `stored_tensors`)."""
     return tensors_checksum((*module.parameters(), *module.buffers()))
+
+
+def weight_kinds(module: torch.nn.Module) -> str:
+    """The classes and dtypes `module`'s parameters come in, e.g. "Int8Tensor float32, Parameter float32": ranks
+    whose models are quantized differently (or on one rank only) disagree on it even where their sums might not."""
+    return ", ".join(sorted({f"{type(p).__name__} {p.dtype}" for p in module.parameters()}))
 
 
 def call_fingerprint(arguments: dict[str, Any]) -> Fingerprint:

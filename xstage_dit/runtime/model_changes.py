@@ -17,10 +17,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from .agreement import Fingerprint, tensors_checksum
+from .agreement import Fingerprint, stored_tensors, tensors_checksum
 from .write_hooks import WriteCounts
-
-_PLAIN = (nn.Parameter, torch.Tensor)
 
 
 class ModelKey(NamedTuple):
@@ -28,7 +26,7 @@ class ModelKey(NamedTuple):
 
     registrations: int  # modules, parameters and buffers registered on the model's modules
     writes: int  # writes to its parameters (in place, through or of `.data`), or 0 where not read
-    storages: int  # the sum of the parameters' data pointers, or 0 where not read
+    storages: int  # the sum of the data pointers of what the parameters store, or 0 where not read
     adapters: tuple[Hashable, ...]  # each PEFT tuner layer's active, disabled and merged adapters and scales
 
 
@@ -76,7 +74,7 @@ class ModelChanges:
         modules = list(self.model.modules())
         self._module_ids = {id(module) for module in modules}
         parameters = list(self.model.parameters())
-        self._stored = [p for p in parameters if type(p) in _PLAIN and not p.is_inference()]
+        self._stored = [p for p in parameters if not p.is_inference()]
         tuner = _tuner_layer_type()
         self._tuners = [module for module in modules if tuner is not None and isinstance(module, tuner)]
         self._counts.follow(parameters, self._tuners)
@@ -88,10 +86,14 @@ class ModelChanges:
             if self._walked_at != self._registrations:  # walked again only after a registration
                 self._walk()
             self._key = ModelKey(self._registrations, self._counts.parameter_writes if self._writes else 0,
-                                 sum(map(torch.Tensor.data_ptr, self._stored)) if self._storage else 0,
+                                 self._storage_pointers() if self._storage else 0,
                                  tuple(_adapter_state(layer) for layer in self._tuners))
             self._counted = counted
         return self._key
+
+    def _storage_pointers(self) -> int:
+        # a quantized weight's inner tensors, flattened at each read: `module.to()` swaps them, the weight stays
+        return sum(inner.data_ptr() for p in self._stored for inner in stored_tensors(p))
 
     def moved(self) -> bool:
         """Whether the model changed since the last `moved()` (or construction)."""

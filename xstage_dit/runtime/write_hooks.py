@@ -4,13 +4,15 @@ parameter (a pass over all of them per read) and miss writes through `.data`, an
 Python attributes of every tuner layer.
 
 While anything is watched, `nn.Parameter`'s in-place methods, in-place operators and item assignment, its `.data`
-(read, since the tensor it returns writes the parameter's memory unseen, or set), and PEFT tuner layers' methods
-that change which adapters run and how are wrapped: a call on a watched parameter or layer counts for each of its
-watchers. The wrappers are removed when the last watcher stops.
+(read, since the tensor it returns writes the parameter's memory unseen, or set), the same of each tensor subclass
+that a watched parameter is without being an `nn.Parameter` (torchao's quantized weights, which are parameters by a
+flag only), `torch.utils.swap_tensors` (how `module.to()` moves such a weight: the object stays, its contents are
+swapped), and PEFT tuner layers' methods that change which adapters run and how are wrapped: a call on a watched
+parameter or layer counts for each of its watchers. The wrappers are removed when the last watcher stops.
 
 Not counted: writes through other aliases of a parameter (`detach()`, `state_dict()`'s tensors, views, an
-alias taken from `.data` before the last read), `out=` and `torch._foreach_*_` writes, and parameters or layers
-put in place without registration (`module._parameters[name] = ...`)."""
+alias taken from `.data` before the last read, a quantized weight's inner tensors), `out=` and `torch._foreach_*_`
+writes, and parameters or layers put in place without registration (`module._parameters[name] = ...`)."""
 from __future__ import annotations
 
 import functools
@@ -48,7 +50,7 @@ class WriteCounts:
             _PARAMETERS.setdefault(key, []).append(self)
         for key in self._tuners:
             _TUNERS.setdefault(key, []).append(self)
-        _HOOKS.install()
+        _HOOKS.install({type(p) for p in parameters if not issubclass(type(p), nn.Parameter)} - {torch.Tensor})
 
     def stop(self) -> None:
         """Counts nothing more (a second time does nothing)."""
@@ -88,6 +90,23 @@ def _counting(method: Callable[..., Any], count: Callable[[Any], None]) -> Calla
         count(self)  # after the call: a watcher that reads the model now sees what it wrote
         return result
 
+    counted._counts_calls_of = method  # type: ignore[attr-defined]
+    return counted
+
+
+def _uncounted(cls: type, name: str) -> Any:
+    """`cls`'s attribute `name` as it is without our wrappers (which a class may inherit from one wrapped before)."""
+    value = getattr(cls, name)
+    return getattr(value, "_counts_calls_of", value)
+
+
+def _counting_swaps(swap: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[..., None]:
+    @functools.wraps(swap)
+    def counted(first: torch.Tensor, second: torch.Tensor) -> None:
+        swap(first, second)
+        _count_parameter_write(first)
+        _count_parameter_write(second)
+
     return counted
 
 
@@ -116,25 +135,32 @@ def _tuner_classes() -> list[type]:
 
 
 class _ClassHooks:
-    """The wrappers set on the classes, and what they replaced there (`None`: the class inherited it)."""
+    """The wrappers set on the classes (and on `torch.utils`), and what they replaced there (`None`: the class
+    inherited it)."""
 
     def __init__(self) -> None:
         self._replaced: list[tuple[type, str, Any]] = []
+        self._parameter_classes: set[type] = set()
         self._tuners_wrapped = False
 
-    def install(self) -> None:
+    def install(self, tensor_classes: set[type]) -> None:
+        """Wraps `nn.Parameter` and `tensor_classes` (the other classes watched parameters are), where not yet."""
         if not self._replaced:
-            self._wrap_parameters()
+            self._set(torch.utils, "swap_tensors", _counting_swaps(torch.utils.swap_tensors))
+        for cls in (nn.Parameter, *tensor_classes):
+            if cls not in self._parameter_classes:
+                self._wrap_parameters(cls)
         if not self._tuners_wrapped:  # PEFT may come later, with the first adapter loaded
             self._wrap_tuners()
 
-    def _wrap_parameters(self) -> None:
+    def _wrap_parameters(self, cls: type) -> None:
         writes = [name for name in dir(torch.Tensor) if name.endswith("_") and not name.startswith("_")
                   and name not in _NOT_WRITES and callable(getattr(torch.Tensor, name))]
         writes += [name for name in _IN_PLACE_OPERATORS if hasattr(torch.Tensor, name)]
         for name in writes:
-            self._set(nn.Parameter, name, _counting(getattr(torch.Tensor, name), _count_parameter_write))
-        self._set(nn.Parameter, "data", property(_get_data, _set_data, doc=_DATA.__doc__))
+            self._set(cls, name, _counting(_uncounted(cls, name), _count_parameter_write))
+        self._set(cls, "data", property(_get_data, _set_data, doc=_DATA.__doc__))
+        self._parameter_classes.add(cls)
 
     def _wrap_tuners(self) -> None:
         classes = _tuner_classes()
@@ -144,7 +170,7 @@ class _ClassHooks:
                 if name in vars(cls):  # wrapped where defined: an override that calls super() counts twice
                     self._set(cls, name, _counting(vars(cls)[name], _count_adapter_call))
 
-    def _set(self, cls: type, name: str, value: Any) -> None:
+    def _set(self, cls: Any, name: str, value: Any) -> None:
         self._replaced.append((cls, name, vars(cls).get(name)))
         setattr(cls, name, value)
 
@@ -154,7 +180,7 @@ class _ClassHooks:
                 delattr(cls, name)
             else:
                 setattr(cls, name, before)
-        self._replaced, self._tuners_wrapped = [], False
+        self._replaced, self._parameter_classes, self._tuners_wrapped = [], set(), False
 
 
 _HOOKS = _ClassHooks()

@@ -19,9 +19,10 @@ from torch import nn
 
 from ...cfg.plan import BATCH, CfgPlan
 from ...fusions.plain import say_fallback
+from ...logging_utils import warn_once
 from ...hooks.module_forward import forward_signature
 from ...sp.moe.choice import gather_tokens, reduce_tokens
-from ...sp.moe.token_choice import GroupedSwiGLUExperts, dispatch
+from ...sp.moe.token_choice import GroupedSwiGLUExperts, dispatch, why_not_stackable
 from ...sp.attention import routing
 from ...sp.plan import FAMILY_CHANGES, MOE_EXPERTS, PlanContext, SequenceParallelPlan
 
@@ -96,7 +97,19 @@ def _install(model: nn.Module, context: PlanContext) -> list[Any]:
 
 
 def _experts(model: nn.Module, context: PlanContext) -> list[Any]:
-    return [_GroupedMoE(m, context) for m in model.modules() if isinstance(m, MOEFeedForwardSwiGLU)]
+    """The grouped MoE on each layer whose experts' weights can be stacked; layers with quantized experts run
+    diffusers' code (said once), and cannot be sharded (refused before any layer is changed)."""
+    layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, MOEFeedForwardSwiGLU)}
+    quantized = {name: why for name, why in ((name, why_not_stackable(layer.experts)) for name, layer in layers.items())
+                 if why is not None}
+    if quantized:
+        name, why = next(iter(quantized.items()))
+        if context.experts.sharded:
+            raise ValueError(f"xstage_dit.enable: expert_parallel=True cannot shard HiDream's {name}: its {why}; "
+                             "enable with expert_parallel=False (quantized experts run diffusers' code)")
+        warn_once(f"xstage_dit: HiDream's grouped MoE: {len(quantized)} of {len(layers)} MoE layers hold quantized "
+                  f"experts ({name}'s {why}): those layers run diffusers' code")
+    return [_GroupedMoE(layer, context) for name, layer in layers.items() if name not in quantized]
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...fusions.plain import why_not_plain
+from ...fusions.plain import why_not_plain, why_not_plain_tensor
 from .grouped import packed_swiglu_experts, slot_table, sort_by_expert
 from .ops import expert_sum
 
@@ -44,6 +44,17 @@ def dispatch(expert_index: torch.Tensor, expert_weight: torch.Tensor, top_k: int
     order = sort_by_expert(expert, mine, share)
     return Dispatch(tokens=order.order // top_k, experts=expert[order.order], weights=expert_weight[order.order],
                     counts=order.counts, mine=None if share == num_experts else mine[order.order])
+
+
+def why_not_stackable(experts: nn.ModuleList) -> str | None:
+    """Why `experts`' weights cannot be stacked for the grouped matmuls (a quantized weight: its class holds other
+    numbers than its values); None where they can."""
+    for index, expert in enumerate(experts):
+        for name in ("w1", "w3", "w2"):
+            why = why_not_plain_tensor("weight", getattr(expert, name).weight)
+            if why is not None:
+                return f"routed expert {index}.{name} {why}"
+    return None
 
 
 class GroupedSwiGLUExperts:
