@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the project, for the device machine (one H200): install, GPU tests, end-to-end benchmarks.
 # Run from the repository root with .whl carried (../shared/device/wheels.sh fetches it). Results go to $OUT.
+# The copy there has no .git: set XSTAGE_COMMIT=<commit> in the command so that records name their code.
 #   bash .ci/device.sh [smoke] [tests] [calibrate] [kernels] ["BENCH_E2E ARGS" ...]
 # in the order given (no argument: tests): "smoke" runs the GPU tests marked smoke (minutes: every backend on
 # ranks sharing one GPU, every family at degree 1, CUDA-graph replays; log pytest-smoke.log), "tests" all the GPU

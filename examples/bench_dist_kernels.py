@@ -32,7 +32,7 @@ from xstage_dit.burst_gap import AttentionShape, Planner, find_calibration
 from xstage_dit.burst_gap.planner import TileOrder
 
 from bench_kernels import back_to_back_ms
-from provenance import OUTPUT_DIR, provenance
+from provenance import OUTPUT_DIR, described, provenance
 
 # (name, text tokens, image tokens, heads): the paper's lengths, then Flux 1024² and Wan 14B 720p
 SHAPES = [(f"seq-{s}", 0, s, 24) for s in (8192, 16384, 32768, 65536)] + [
@@ -95,7 +95,7 @@ def write(records: list[dict], prefix: Path) -> None:
         rows.setdefault(r["name"], {})[r["kernel"]] = r
     labels = list(next(iter(rows.values())))
     lines = [f"# Ulysses attention calls on {env['n_ranks']} ranks: {env['card']}, {env['date']}", "",
-             f"torch {env['torch']}, Triton {env['triton']}; `{env['command']}`; {env['ranks_note']}. "
+             described(env) + f" {env['ranks_note']}. "
              f"ms per call (slowest rank), in brackets the time / {BASELINE}'s and the planner's error.", "",
              "| shape | tokens | fused tile order | " + " | ".join(labels) + " |",
              "|---|---|---|" + "---|" * len(labels)]

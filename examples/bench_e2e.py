@@ -36,7 +36,7 @@ from xstage_dit.runtime import world_from_env
 
 from xstage_dit.testing import zoo
 from kernel_profile import kernel_times, write_profiles
-from provenance import OUTPUT_DIR, provenance
+from provenance import OUTPUT_DIR, described, provenance
 from step_timer import StepTimer, reporting_steps
 
 DIFFUSERS_ROPE = "+diffusers-rope"  # backend-name suffix: that backend with enable(fuse_rope=False)
@@ -263,14 +263,13 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
     lines = [
         f"# End-to-end latency: {env['card']}, {env['date']}",
         "",
-        f"torch {env['torch']} (CUDA {env['cuda']}), diffusers {env['diffusers']}, xstage_dit {env['xstage_dit']}. "
-        "Random weights, real configs; medians over interleaved repeats.",
+        described(env) + " Random weights, real configs; medians over interleaved repeats.",
         "",
         "Scaling (several ranks): per-step speedup over stock diffusers on one GPU at the same size (its latest "
         "run), and that speedup divided by the ranks.",
         "",
         "| config | size (h×w×frames) | tokens | ranks | variant | per step (ms) | host (ms) | ratio "
-        "| end to end (s) | of which decode (s) | peak (GiB) | speedup vs 1-GPU stock | efficiency | command |",
+        "| end to end (s) | of which decode (s) | peak (GiB) | speedup vs 1-GPU stock | efficiency | command at commit |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -284,7 +283,7 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
             f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['tokens']} | {r['world_size']} | "
             f"{r['variant']}{replayed} | {r['step_ms']:.1f} | {host} | "
             f"{r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
-            f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | `{r['command']}` |"
+            f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | `{r['command']}` at {r.get('commit', '-')} |"
         )
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, prefix.with_suffix(".png"))

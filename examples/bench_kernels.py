@@ -54,7 +54,7 @@ from xstage_dit.sp.attention.reference import serial_exchange
 from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_calibration
 from xstage_dit.burst_gap.planner import TileOrder
 
-from provenance import OUTPUT_DIR, provenance
+from provenance import OUTPUT_DIR, described, provenance
 
 ATTENTION_SHAPES = [  # (B, H, S, D)
     (1, 24, 4608, 128), (1, 24, 16896, 128), (1, 40, 75600, 128), (1, 5, 75600, 128), (1, 3, 119056, 128),
@@ -432,8 +432,7 @@ def write(records: list[dict], prefix: Path, calibration: Calibration | None) ->
     source = (f"planner from `{calibration.filename}` ({calibration.topology})" if calibration
               else "no calibration: no predictions")
     lines = [f"# Kernels: {env['card']}, {env['date']}", "",
-             f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}; `{env['command']}`. "
-             "Loopback = one rank of N simulated on one GPU (stores stay local: no NVLink, no scaling). "
+             described(env) + " Loopback = one rank of N simulated on one GPU (stores stay local: no NVLink, no scaling). "
              f"Predicted: {source}"
              + (f"; median |error| {statistics.median(errors):.1%} over {len(errors)} rows." if errors else "."), "",
              "| kernel | shape (B, S, H, D) | ms | baseline | baseline ms | ratio | TFLOP/s (ours / baseline) "

@@ -36,7 +36,7 @@ from xstage_dit.sp.attention.ring import Merged, attention_with_lse, stored_ring
 from xstage_dit.sp.fabric import LoopbackFabric
 
 from bench_kernels import back_to_back_ms
-from provenance import provenance
+from provenance import described, provenance
 
 RANKS = (2, 4, 8)
 TOKENS = (8192, 16384, 32768, 65536)
@@ -151,8 +151,7 @@ def write(records: list[dict], prefix: Path) -> None:
     source = (f"predicted: the planner from `{env['calibration']}`" if "calibration" in env
               else "no calibration: no predictions")
     lines = [f"# One rank of a ring, loopback: {env['card']}, {env['date']}", "",
-             f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}; `{env['command']}`. "
-             "Rank 0 of N simulated on one GPU: the stores stay in this GPU's memory (no NVLink, no scaling); the "
+             described(env) + " Rank 0 of N simulated on one GPU: the stores stay in this GPU's memory (no NVLink, no scaling); the "
              f"overlap row's send is a copy-engine copy on a second stream, standing in for NCCL's; {source}.", "",
              "| N | tokens per rank | variant | ms | vs alone | vs alone_own | vs serial | predicted ms |",
              "|---|---|---|---|---|---|---|---|"]

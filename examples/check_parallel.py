@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 import xstage_dit
 from xstage_dit.runtime import world_from_env
+from xstage_dit.serve.loading import EXPERT_PARALLEL
 from xstage_dit.sp.fabric import symmetric_backends_in_use
-
 from xstage_dit.testing import zoo
-from generate import EXPERT_PARALLEL
-from provenance import OUTPUT_DIR, provenance
+
+from provenance import OUTPUT_DIR, described, provenance
 
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-3}
 REPEAT_MARGIN = 1.5  # how much further from the single GPU than its own repeat a parallel result may be
@@ -88,7 +88,7 @@ def main() -> None:
         prefix = args.out
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
-        lines = [f"# Parallel vs single-GPU: {env['card']}, {env['date']}", "", f"`{env['command']}`", "",
+        lines = [f"# Parallel vs single-GPU: {env['card']}, {env['date']}", "", described(env), "",
                  "| config | size | dtype | ranks | backend | expert parallel | symmetric memory (pools so far) "
                  "| max relative error over ranks | single GPU vs itself | tolerance | ok |",
                  "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -8,6 +8,8 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from provenance import described
+
 NAME_CHARS = 80  # template-heavy kernel names are cut here (kernels sharing the cut name are summed)
 TOP = 15  # kernels per table, by their largest time over the variants
 
@@ -33,7 +35,7 @@ def write_profiles(records: list[dict], prefix: Path) -> None:
     prefix.with_name(prefix.name + "-profile.json").write_text(json.dumps(records, indent=1) + "\n")
     env = records[0]
     lines = [f"# GPU time by kernel per denoising step: {env['card']}, {env['date']}", "",
-             f"torch {env['torch']}, diffusers {env['diffusers']}; one profiled call per variant, after the timed "
+             described(env) + " One profiled call per variant, after the timed "
              "ones. Milliseconds of kernel time per step (calls per step).", ""]
     for config in dict.fromkeys(r["config"] for r in records):
         rows = [r for r in records if r["config"] == config]
