@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import zoo
-from test_lora import ADAPTERS, lora_state_dict
+from lora_weights import ADAPTERS, lora_state_dict
 from xstage_dit.runtime.cuda_graphs import GraphedForward
 from xstage_dit.runtime.agreement import Fingerprint
 from xstage_dit.runtime.model_changes import ChangesSinceEnable, ModelChanges
