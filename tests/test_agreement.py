@@ -11,7 +11,7 @@ import torch.distributed as dist
 import xstage_dit
 from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
-from test_lora import ADAPTERS, lora_state_dict
+from lora_weights import ADAPTERS, lora_state_dict
 
 
 def _worker(differ: str, check: bool) -> None:

@@ -12,11 +12,14 @@ from typing import Any, Callable
 import pytest
 import torch
 
+pytest.importorskip("cache_dit", reason="cache-dit is not installed (the test extra has it)")
+
 import xstage_dit
 from xstage_dit.testing import zoo
+from compile_checks import CACHE_FIRST, CACHE_LAST, check_cache_under_compile, order_id
 from dist_harness import run_on_ranks
-from test_compile import CACHE_FIRST, CACHE_LAST, check_cache_under_compile, order_id
-from test_parallel_pipelines import TOLERANCE, _relative_error, seeded_latents
+from numerics import relative_error
+from pipeline_checks import TOLERANCE, seeded_latents
 
 STEPS = 3
 
@@ -102,7 +105,7 @@ def _equal_to_one_process(name: str, pipe: Any, generate: Callable[[], torch.Ten
         cache_dit.disable_cache(pipe)
         xstage_dit.disable(pipe)
         for order, out in (("before", before), ("after", after)):
-            error = _relative_error(out, stock)
+            error = relative_error(out, stock)
             assert error < TOLERANCE, (f"{name}, {cache} (threshold {threshold:.4f}, {knobs}) enabled {order} "
                                        f"xstage_dit: relative error {error:.2e}")
     assert torch.equal(generate(), uncached), f"{name}: cache-dit or xstage_dit left something behind"

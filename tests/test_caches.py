@@ -10,46 +10,11 @@ import torch
 
 import xstage_dit
 from xstage_dit.testing import zoo
+from cache_configs import STEPS, caches
+from compile_checks import CACHE_FIRST, CACHE_LAST, check_cache_under_compile, order_id
 from dist_harness import run_on_ranks
-from test_compile import CACHE_FIRST, CACHE_LAST, check_cache_under_compile, order_id
-from test_parallel_pipelines import SIZES, TOLERANCE, _local_statistics, _relative_error, seeded_latents
-
-STEPS = 3
-EVERY_STEP = (-1, 1001)
-
-
-def _caches(pipe: Any, name: str) -> dict[str, tuple[float, Callable[[], Any]]]:
-    """Each cache's guidance scale and config, made anew for every use (a config holds the cache's state)."""
-    from diffusers import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, PyramidAttentionBroadcastConfig,
-                           SeaCacheConfig, TaylorSeerCacheConfig)
-
-    def timestep() -> Any:
-        return pipe.current_timestep
-
-    caches = {
-        "FirstBlockCache": (1.0, lambda: FirstBlockCacheConfig(threshold=0.5)),
-        "MagCache": (1.0, lambda: MagCacheConfig(threshold=0.5, num_inference_steps=STEPS,
-                                                 mag_ratios=[1.0] + [0.98] * (STEPS - 1))),
-        "TaylorSeer": (1.0, lambda: TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1)),
-        "PyramidAttentionBroadcast": (1.0, lambda: PyramidAttentionBroadcastConfig(
-            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=EVERY_STEP,
-            current_timestep_callback=timestep)),
-    }
-    if name in SEA_CACHE_FAMILIES:  # its step, sigma and step count come from the pipeline's cache context
-        caches["SeaCache"] = (1.0, lambda: SeaCacheConfig(threshold=1.0))
-    if name in FASTER_CACHE_FORMATS:  # it skips the unconditional half of a batched CFG call: guidance on
-        caches["FasterCache"] = (3.0, lambda: FasterCacheConfig(
-            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=EVERY_STEP,
-            unconditional_batch_skip_range=2, unconditional_batch_timestep_skip_range=EVERY_STEP,
-            current_timestep_callback=timestep, tensor_format=FASTER_CACHE_FORMATS[name]))
-    return caches
-
-
-# FasterCache splits the unconditional branch's latents by frequency: video latents in these layouts
-FASTER_CACHE_FORMATS = {"tiny-cogvideox": "BFCHW"}
-# SeaCache reads the whole input latents (its built-in adapter: Wan text-to-video) and the scheduler's step, sigma
-# and step count, which only WanPipeline hands the transformer's cache context
-SEA_CACHE_FAMILIES = {"tiny-wan"}
+from numerics import relative_error
+from pipeline_checks import SIZES, TOLERANCE, local_statistics, seeded_latents
 
 
 def _stock_with(pipe: Any, make: Callable[[], Any], generate: Callable[[], torch.Tensor]) -> torch.Tensor | None:
@@ -74,7 +39,7 @@ def _caches_worker(names: list[str], size: str, degrees: dict | None = None) -> 
             return seeded_latents(pipe, name, size, steps=STEPS, guidance=guidance)()
 
         uncached = {1.0: generate(1.0)}
-        for cache, (guidance, make) in _caches(pipe, name).items():
+        for cache, (guidance, make) in caches(pipe, name).items():
             stock = _stock_with(pipe, make, lambda: generate(guidance))
             if guidance not in uncached:
                 uncached[guidance] = generate(guidance)
@@ -92,10 +57,10 @@ def _caches_worker(names: list[str], size: str, degrees: dict | None = None) -> 
             pipe.transformer.disable_cache()
             xstage_dit.disable(pipe)
             for order, out in (("before", before), ("after", after)):
-                error = _relative_error(out, stock)
+                error = relative_error(out, stock)
                 assert error < TOLERANCE, f"{name}, {cache} enabled {order} xstage_dit: relative error {error:.2e}"
         assert torch.equal(generate(1.0), uncached[1.0]), f"{name}: a cache or xstage_dit left something behind"
-    assert acted == {cache for name in names for cache in _caches(None, name)}, acted
+    assert acted == {cache for name in names for cache in caches(None, name)}, acted
 
 
 # every family, split over two ranks (token counts that divide) and three ("uneven": tail padding)
@@ -124,7 +89,7 @@ def _first_block_cache_between(name: str, generate: Callable[[Any], torch.Tensor
     remaining blocks skipped) and the nearest above it of one rank's own tokens (that rank alone would compute)."""
     pipe = _built(name)
     xstage_dit.enable(pipe, backend="reference", timeout_s=60)
-    statistics = _local_statistics(pipe, lambda: generate(pipe))
+    statistics = local_statistics(pipe, lambda: generate(pipe))
     xstage_dit.disable(pipe)
     whole = statistics.whole[0]
     above = min(alone for alone in statistics.alone[0] if alone > whole)
@@ -142,7 +107,7 @@ def _compiled_cache_worker(name: str, mode: str, order: tuple[str, ...], cache: 
     """FirstBlockCache at a threshold where ranks deciding alone would decide differently."""
     from diffusers import FirstBlockCacheConfig
 
-    guidance = _caches(None, name)[cache][0]
+    guidance = caches(None, name)[cache][0]
 
     def generate(pipe: Any) -> torch.Tensor:
         kwargs = zoo.call_kwargs(name, **SIZES[name]["even"], steps=STEPS, guidance=guidance)
@@ -153,7 +118,7 @@ def _compiled_cache_worker(name: str, mode: str, order: tuple[str, ...], cache: 
 
     def enable_cache(pipe: Any) -> None:
         # the configs of the caches that read the step take it from this pipeline
-        make = _caches(pipe, name)[cache][1]
+        make = caches(pipe, name)[cache][1]
         pipe.transformer.enable_cache(make() if threshold is None else FirstBlockCacheConfig(threshold=threshold))
 
     check_cache_under_compile(lambda: _built(name), mode, order, enable_cache, generate, f"{name}, {cache}")

@@ -9,7 +9,8 @@ import torch
 import xstage_dit
 from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
-from test_parallel_pipelines import SIZES, TOLERANCE, _pipelines_worker, _relative_error
+from numerics import relative_error
+from pipeline_checks import SIZES, TOLERANCE, pipelines_worker
 
 # the single Flux ControlNet runs in the IP-Adapter's worker
 CONTROLNETS = ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet", "tiny-zimage-controlnet"]
@@ -37,17 +38,17 @@ def _ip_adapter_worker(name: str, load_after_enable: bool, cfg_degree: int = 1) 
     load()
     ref = generate(**embeds)
     if load_after_enable:
-        assert _relative_error(plain, ref) > 1e-2, "the IP-Adapter changed nothing: the test would prove nothing"
+        assert relative_error(plain, ref) > 1e-2, "the IP-Adapter changed nothing: the test would prove nothing"
         pipe.unload_ip_adapter()
         xstage_dit.enable(pipe, timeout_s=120, cfg_degree=cfg_degree)
         load()
     else:
         xstage_dit.enable(pipe, timeout_s=120, cfg_degree=cfg_degree)
-    error = _relative_error(generate(**embeds), ref)
+    error = relative_error(generate(**embeds), ref)
     assert error < TOLERANCE, f"{name} with an IP-Adapter: relative error {error:.2e}"
     if load_after_enable:
         pipe.unload_ip_adapter()
-        error = _relative_error(generate(), plain)
+        error = relative_error(generate(), plain)
         assert error < TOLERANCE, f"{name} with its IP-Adapter unloaded: relative error {error:.2e}"
         xstage_dit.disable(pipe)
         assert torch.equal(generate(), plain), "disable did not restore the model"
@@ -90,7 +91,7 @@ def _flux2_kv_worker(text_len: int, degrees: dict) -> None:
     outs = run()
     xstage_dit.disable(model)
     for step, out, ref in zip(("extract", "cached"), outs, refs):
-        error = _relative_error(out, ref)
+        error = relative_error(out, ref)
         assert error < TOLERANCE, f"FLUX.2 KV cache, {step} call: relative error {error:.2e}"
     assert all(map(torch.equal, run(), refs)), "disable did not restore the model"
 
@@ -98,17 +99,17 @@ def _flux2_kv_worker(text_len: int, degrees: dict) -> None:
 def _whole_residuals_worker() -> None:
     """The enabled transformer alone, given a stock ControlNet's residuals over the whole sequence (35 tokens): it
     splits them like its own tokens."""
-    from test_parallel_pipelines import _bare_transformer_inputs
+    from pipeline_checks import bare_transformer_inputs
 
     pipe = zoo.build_pipeline("tiny-flux-controlnet")
-    inputs = _bare_transformer_inputs("tiny-flux", torch.Generator().manual_seed(3))
+    inputs = bare_transformer_inputs("tiny-flux", torch.Generator().manual_seed(3))
     with torch.no_grad():
         blocks, single_blocks = pipe.controlnet(**inputs, controlnet_cond=torch.randn(2, 35, 16),
                                                 conditioning_scale=0.7, return_dict=False)
         inputs.update(controlnet_block_samples=blocks, controlnet_single_block_samples=single_blocks)
         ref = pipe.transformer(**inputs).sample
         xstage_dit.enable(pipe.transformer, timeout_s=120)
-        error = _relative_error(pipe.transformer(**inputs).sample, ref)
+        error = relative_error(pipe.transformer(**inputs).sample, ref)
     assert error < TOLERANCE, f"a bare transformer given whole residuals: relative error {error:.2e}"
     with pytest.raises(TypeError, match="enable the pipeline instead"):
         xstage_dit.enable(pipe.controlnet)
@@ -127,7 +128,7 @@ def _whole_zimage_hints_worker() -> None:
         ref = pipe.transformer(**inputs, controlnet_block_samples=hints, return_dict=False)[0]
         xstage_dit.enable(pipe.transformer, timeout_s=120)
         out = pipe.transformer(**inputs, controlnet_block_samples=hints, return_dict=False)[0]
-    error = _relative_error(torch.stack(out), torch.stack(ref))
+    error = relative_error(torch.stack(out), torch.stack(ref))
     assert error < TOLERANCE, f"a bare Z-Image transformer given whole hints: relative error {error:.2e}"
     xstage_dit.disable(pipe.transformer)
     with pytest.raises(TypeError, match="enable the pipeline instead"):
@@ -149,7 +150,7 @@ def _every_feature_worker(world_size: int) -> None:
     ring = {"ring_degree": 2} if world_size == 2 else {}
     # Z-Image's inpainting ControlNet where its 64 tokens split unevenly
     inpaint = ["tiny-zimage-controlnet-inpaint"] if world_size == 3 else []
-    _pipelines_worker([*CONTROLNETS, *inpaint, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None, ring)
+    pipelines_worker([*CONTROLNETS, *inpaint, "tiny-flux2-klein-kv"], 1, 3.0, "reference", False, None, ring)
     _ip_adapter_worker("tiny-flux-controlnet", load_after_enable=world_size == 2)
     if world_size == 2:
         _flux2_kv_worker(5, ring)
@@ -165,7 +166,7 @@ def test_control_inputs_match_single_process(world_size: int):
 
 
 def _cfg_parallel_worker() -> None:
-    _pipelines_worker(CONTROLNETS, 2, 3.0, "reference", False, None)
+    pipelines_worker(CONTROLNETS, 2, 3.0, "reference", False, None)
     _ip_adapter_worker("tiny-flux-controlnet", load_after_enable=False, cfg_degree=2)
 
 

@@ -6,6 +6,7 @@ gloo, whose collectives cannot be captured (then the check is that they fall bac
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 
 import pytest
@@ -127,8 +128,10 @@ def _cache_dit(pipe) -> None:
                                                             residual_diff_threshold=0.05))
 
 
-@pytest.mark.parametrize("enable_cache, named", [(_first_block_cache, "fbc_leader_block_hook"),
-                                                 (_cache_dit, "cache-dit's cache")])
+@pytest.mark.parametrize("enable_cache, named", [
+    (_first_block_cache, "fbc_leader_block_hook"),
+    pytest.param(_cache_dit, "cache-dit's cache", marks=pytest.mark.skipif(
+        importlib.util.find_spec("cache_dit") is None, reason="cache-dit is not installed (the test extra has it)"))])
 def test_a_cached_forward_runs_eagerly_with_one_warning(enable_cache, named, caplog):
     """diffusers' FirstBlockCache and cache-dit's DBCache decide on the host each step: graphs cannot hold them."""
     name = "tiny-flux-d64"

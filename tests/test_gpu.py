@@ -13,15 +13,12 @@ import torch.distributed as dist
 import xstage_dit
 from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, share_one_gpu
+from gpu_checks import PIPELINE_TOLERANCE, SIZES, generate, same_gpu_worker
+from numerics import relative_error
 from xstage_dit.sp.attention.local import sdpa_bshd
 
 pytestmark = pytest.mark.gpu
 ATTENTION_TOLERANCE = 1e-2
-PIPELINE_TOLERANCE = 3e-2
-
-
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.mark.parametrize("q_len, kv_len, heads, head_dim", [(4096, 4096, 24, 128), (1000, 777, 5, 64)])
@@ -31,38 +28,7 @@ def test_best_sdpa_matches_float32(q_len, kv_len, heads, head_dim):
     v = torch.randn(1, kv_len, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     ref = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / head_dim**0.5, dim=-1)
     ref = torch.einsum("bhqk,bkhd->bqhd", ref, v.double())
-    assert _relative_error(sdpa_bshd(q, k, v), ref) < ATTENTION_TOLERANCE
-
-
-def _generate(pipe, name: str, size: dict, batch: int = 1) -> torch.Tensor:
-    kwargs = zoo.call_kwargs(name, **size, steps=2, guidance=3.0)
-    embeddings = zoo.text_embeddings(name, batch, seed=1, device="cuda", dtype=torch.bfloat16)
-    return pipe(**kwargs, **embeddings, output_type="latent", generator=torch.Generator().manual_seed(5),
-                return_dict=False)[0]
-
-
-SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-flux-d64": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-wan": {"height": 16, "width": 112, "num_frames": 17},
-         "tiny-wan-d64": {"height": 16, "width": 112, "num_frames": 17},
-         "tiny-hunyuan-video": {"height": 16, "width": 112, "num_frames": 17},
-         "tiny-nucleusmoe": {"height": 40, "width": 56, "num_frames": 1},
-         "tiny-flux2": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-nucleusmoe-d64": {"height": 40, "width": 56, "num_frames": 1},
-         "tiny-zimage": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-chroma": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-zimage-d64": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-ltx2": {"height": 32, "width": 32, "num_frames": 9},
-         "tiny-hunyuan-video15": {"height": 16, "width": 112, "num_frames": 17},
-         "tiny-wan2.2-ti2v": {"height": 32, "width": 224, "num_frames": 17},
-         "tiny-wan-vace": {"height": 16, "width": 112, "num_frames": 17},
-         "tiny-qwenimage-edit-2511": {"height": 64, "width": 96, "num_frames": 1},
-         "tiny-qwenimage21": {"height": 64, "width": 160, "num_frames": 1},
-         "tiny-flux-multi-controlnet": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-flux-multi-controlnet-d64": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-flux2-klein-kv": {"height": 20, "width": 28, "num_frames": 1},
-         "tiny-qwenimage-controlnet": {"height": 40, "width": 56, "num_frames": 1},
-         "tiny-zimage-controlnet": {"height": 20, "width": 28, "num_frames": 1}}
+    assert relative_error(sdpa_bshd(q, k, v), ref) < ATTENTION_TOLERANCE
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.smoke) for name in [
@@ -72,65 +38,12 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
 def test_degree_one_on_gpu_matches_stock(name):
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
-    stock = _generate(pipe, name, SIZES[name])
+    stock = generate(pipe, name, SIZES[name])
     xstage_dit.enable(pipe)
     try:
-        assert _relative_error(_generate(pipe, name, SIZES[name]), stock) < PIPELINE_TOLERANCE
+        assert relative_error(generate(pipe, name, SIZES[name]), stock) < PIPELINE_TOLERANCE
     finally:
         xstage_dit.disable(pipe)
-
-
-def _same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
-                     expert_parallel: bool | None = None, degrees: dict | None = None) -> None:
-    # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness;
-    # symmetric memory's CUDA backend maps the ranks' buffers into each other on the shared GPU
-    share_one_gpu()
-    dist.init_process_group("gloo")
-    choices = _record_auto_choices()
-    stores = _count_expert_stores()
-    pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
-    pipe.set_progress_bar_config(disable=True)
-    stock = _generate(pipe, name, SIZES[name], batch=2)
-    xstage_dit.enable(pipe, backend=backend, timeout_s=60, expert_parallel=expert_parallel, **(degrees or {}))
-    error = _relative_error(_generate(pipe, name, SIZES[name], batch=2), stock)
-    world = dist.get_world_size()
-    assert error < PIPELINE_TOLERANCE, f"{name}, {backend}, {world} ranks on one GPU: relative error {error:.2e}"
-    if expect_choice:
-        assert choices and all(f"-> {expect_choice} " in c for c in choices), choices
-    if expert_parallel:  # over the fused backend's fabric: every MoE layer call ran the X-Stage stores
-        assert stores, "the expert stores did not run"
-
-
-def _count_expert_stores() -> list[int]:
-    """One entry per MoE layer call that ran the X-Stage stores."""
-    from xstage_dit.sp.moe import layer as expert_layer
-
-    calls: list[int] = []
-    original = expert_layer.expert_exchange
-
-    def counted(*args):
-        calls.append(1)
-        return original(*args)
-
-    expert_layer.expert_exchange = counted
-    return calls
-
-
-def _record_auto_choices() -> list[str]:
-    """The messages in which backend="auto" announces its choices."""
-    import logging
-
-    seen: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "auto:" in record.getMessage():
-                seen.append(record.getMessage())
-
-    log = logging.getLogger("xstage_dit")
-    log.setLevel(logging.INFO)
-    log.addHandler(Keep())
-    return seen
 
 
 @pytest.mark.parametrize(
@@ -154,14 +67,14 @@ def _record_auto_choices() -> list[str]:
        ("tiny-zimage-controlnet", "reference", 3), ("tiny-flux2-klein-kv", "reference", 2)],
 )
 def test_ranks_on_one_gpu_match_single_process(name, backend, world_size):
-    run_on_ranks(world_size, _same_gpu_worker, name, backend, deadline_s=150)
+    run_on_ranks(world_size, same_gpu_worker, name, backend, deadline_s=150)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_expert_stores_on_one_gpu_match_single_process(world_size):
     """NucleusMoE with its experts sharded over the fused backend's fabric: the X-Stage dispatch and combine
     stores, batch 2 (CFG), against the single process."""
-    run_on_ranks(world_size, _same_gpu_worker, "tiny-nucleusmoe-d64", "fused", None, True, deadline_s=150)
+    run_on_ranks(world_size, same_gpu_worker, "tiny-nucleusmoe-d64", "fused", None, True, deadline_s=150)
 
 
 @pytest.mark.smoke
@@ -175,7 +88,7 @@ def test_auto_follows_the_planner_on_one_gpu(tmp_path, monkeypatch):
     model = BurstGapModel(1e-6, 20e9, 2e12, 1e12, 8 * 2**20)
     Calibration(torch.cuda.get_device_name(), "same-gpu", 2, model, costs, {}).save(tmp_path)
     monkeypatch.setenv("XSTAGE_CALIBRATION_DIR", str(tmp_path))
-    run_on_ranks(2, _same_gpu_worker, "tiny-flux-d64", "auto", "fused", deadline_s=150)
+    run_on_ranks(2, same_gpu_worker, "tiny-flux-d64", "auto", "fused", deadline_s=150)
 
 
 def _qwenimage21_gpu_worker(backend: str) -> None:
@@ -183,7 +96,7 @@ def _qwenimage21_gpu_worker(backend: str) -> None:
     on this GPU: at degree 1 in one process, split where ranks share the GPU."""
     from diffusers import QwenImage21Transformer2DModel
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-    from test_parallel_pipelines import QWENIMAGE21_CONFIG, _qwenimage21_inputs
+    from pipeline_checks import QWENIMAGE21_CONFIG, qwenimage21_inputs
 
     if "RANK" in os.environ:  # one of run_on_ranks' processes
         share_one_gpu()
@@ -192,7 +105,7 @@ def _qwenimage21_gpu_worker(backend: str) -> None:
     model = QwenImage21Transformer2DModel(**{**QWENIMAGE21_CONFIG, "attention_head_dim": 64,
                                              "axes_dims_rope": (16, 24, 24)}).to("cuda", torch.bfloat16).eval()
     inputs = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
-              for k, v in _qwenimage21_inputs(64, 48, torch.Generator().manual_seed(5)).items()}
+              for k, v in qwenimage21_inputs(64, 48, torch.Generator().manual_seed(5)).items()}
 
     def run() -> list[torch.Tensor]:
         cache = QwenImage21KVCache(len(model.transformer_blocks))
@@ -205,7 +118,7 @@ def _qwenimage21_gpu_worker(backend: str) -> None:
         outs = run()
         xstage_dit.disable(model)
     for mode, out, ref in zip(("prefill", "cached"), outs, refs):
-        error = _relative_error(out, ref)
+        error = relative_error(out, ref)
         assert error < ATTENTION_TOLERANCE, f"Qwen-Image 2.1 {backend} {mode}: relative error {error:.2e}"
 
 
@@ -240,7 +153,7 @@ def _fused_layer_worker(batch: int, text_len: int, seq_len: int, heads: int, hea
     ref = sdpa_bshd(*(t.float() for t in full))
     rows = min(local, seq_len - rank * local)
     expected = torch.cat([ref[:, :text_len], ref[:, text_len + rank * local : text_len + rank * local + rows]], 1)
-    error = _relative_error(out[:, : text_len + rows], expected)
+    error = relative_error(out[:, : text_len + rows], expected)
     assert error < ATTENTION_TOLERANCE, f"rank {rank}/{n_ranks}: relative error {error:.2e}"
 
 
@@ -303,7 +216,7 @@ def _joint_op_worker(backend: str, family: str) -> None:
     if backend == "reference":
         assert torch.equal(out, expected), f"rank {rank}: differs from the joined tensors' call"
     else:
-        error = _relative_error(out, expected)
+        error = relative_error(out, expected)
         assert error < 2e-3, f"rank {rank}/{n_ranks}: relative error {error:.2e}"
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+from numerics import relative_error
+
+pytest.importorskip("triton", reason="triton is not installed: the fused extra (CUDA builds of torch bring it)")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
 from xstage_dit.kernels.attention_args import KeyForward, Running  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
@@ -34,10 +36,6 @@ def _reference(q, k, v, kv_len, key_mask=None):
     return out, torch.logsumexp(scores, -1)
 
 
-def _relative_error(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_dim, masked, config=None,
                      heads_major=False):
     def make(rows):  # heads_major: (B, S, H, D) views of (B, H, S, D) memory, as torch's SDPA layout gives
@@ -51,7 +49,7 @@ def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_d
     out, lse = flash_attention(q, k, v, kv_len=kv_len, key_mask=key_mask, out=out, return_lse=True, config=config)
     ref, ref_lse = _reference(q, k, v, kv_len, key_mask)
     assert not out.isnan().any(), "unwritten output"
-    assert _relative_error(out, ref) < TOLERANCE[dtype]
+    assert relative_error(out, ref) < TOLERANCE[dtype]
     assert (lse.double() - ref_lse).abs().max().item() < 1e-3
 
 
@@ -77,7 +75,7 @@ def _check_key_forward(device, dtype, batch, q_len, kv_rows, kv_len, heads, kv_h
                                forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()))
     group = heads // kv_heads
     ref, ref_lse = _reference(q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), kv_len)
-    assert _relative_error(out, ref) < TOLERANCE[dtype]
+    assert relative_error(out, ref) < TOLERANCE[dtype]
     assert (lse.double() - ref_lse).abs().max().item() < 1e-3
     assert torch.equal(k_to[:, :kv_len], k[:, :kv_len]) and torch.equal(v_to[:, :kv_len], v[:, :kv_len])
 
@@ -105,12 +103,12 @@ def _check_merge(device, dtype, batch, q_len, first_keys, keys, heads, kv_heads,
         if k is k1:
             ref, _ = _reference(q, k1.repeat_interleave(heads // kv_heads, 2),
                                 v1.repeat_interleave(heads // kv_heads, 2), first_keys)
-            assert _relative_error(running.out, ref) < TOLERANCE[dtype]
+            assert relative_error(running.out, ref) < TOLERANCE[dtype]
             assert torch.equal(k_to, k1) and torch.equal(v_to, v1)
     every_k, every_v = (torch.cat([a, b], dim=1).repeat_interleave(heads // kv_heads, 2)
                         for a, b in ((k1, k2), (v1, v2)))
     ref, ref_lse = _reference(q, every_k, every_v, first_keys + keys)
-    assert _relative_error(running.out, ref) < TOLERANCE[dtype]
+    assert relative_error(running.out, ref) < TOLERANCE[dtype]
     assert (running.lse.double() - ref_lse).abs().max().item() < 1e-3
 
 
@@ -336,7 +334,7 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
     for rank in range(n_ranks):
         out = valid_rows(outs[rank], rank)
         assert not out.isnan().any(), f"rank {rank}: unwritten output rows"
-        assert _relative_error(out, valid_rows(expected[rank], rank)) < TOLERANCE[dtype], f"rank {rank}"
+        assert relative_error(out, valid_rows(expected[rank], rank)) < TOLERANCE[dtype], f"rank {rank}"
 
 
 @pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19), (4, 13)])
@@ -392,7 +390,7 @@ def test_fused_loopback_with_split_text_parts_interpreted():
     ref, _ = _reference(*(torch.cat(f, dim=1) for f in full), n_ranks * local)
     for rank in range(n_ranks):
         expected = ref[:, rank * local : (rank + 1) * local]
-        assert _relative_error(outs[rank], expected) < TOLERANCE[torch.float32], f"rank {rank}"
+        assert relative_error(outs[rank], expected) < TOLERANCE[torch.float32], f"rank {rank}"
 
 
 def _check_loopback_norm_across_heads(device, dtype, n_ranks, seq_len, heads, head_dim):
@@ -426,7 +424,7 @@ def _check_loopback_norm_across_heads(device, dtype, n_ranks, seq_len, heads, he
         rows = min(local, seq_len - rank * local)
         out = outs[rank][:, :rows]
         assert not out.isnan().any(), f"rank {rank}: unwritten output rows"
-        assert _relative_error(out, ref[:, rank * local : rank * local + rows]) < TOLERANCE[dtype], f"rank {rank}"
+        assert relative_error(out, ref[:, rank * local : rank * local + rows]) < TOLERANCE[dtype], f"rank {rank}"
 
 
 @pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19)])

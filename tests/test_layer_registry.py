@@ -15,7 +15,7 @@ from torch import nn
 import xstage_dit
 from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks
-from test_parallel_pipelines import seeded_latents
+from pipeline_checks import seeded_latents
 from xstage_dit import api, patches
 from xstage_dit.hooks.layers import stack_of
 from xstage_dit.layers import MODEL_LAYERS, PIPELINE_LAYERS, layer_names

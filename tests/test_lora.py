@@ -19,74 +19,12 @@ from torch import nn
 import xstage_dit
 from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, xstage_warnings
+from lora_weights import ADAPTERS, RANK, generate_latents, lora_state_dict
+from numerics import relative_error
 from xstage_dit.fusions.plain import why_not_plain
 from xstage_dit.patches.image import flux_mlp
 
 TOLERANCE = 1e-4
-RANK = 4
-SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},      # 5 x 7 image tokens
-         "tiny-wan": {"height": 16, "width": 112, "num_frames": 17},     # 5 frames x 1 x 7
-         "tiny-qwenimage": {"height": 40, "width": 56, "num_frames": 1},  # 5 x 7
-         "tiny-hidream": {"height": 32, "width": 32, "num_frames": 1},
-         "tiny-nucleusmoe": {"height": 40, "width": 56, "num_frames": 1},
-         "tiny-zimage": {"height": 20, "width": 28, "num_frames": 1},       # 35 image tokens, padded to 64
-         "tiny-hunyuan-video": {"height": 16, "width": 112, "num_frames": 17}}  # 5 frames x 1 x 7
-SIZES["tiny-chroma"] = SIZES["tiny-flux2"] = SIZES["tiny-flux"]
-# adapter "a" (loaded before enable) trains every layer named; "b" (loaded after) some of them, none of FLUX.1's
-# proj_out: with "b" alone the split projection computes its block again
-ADAPTERS = {
-    "tiny-flux": {
-        "a": ["single_transformer_blocks.0.proj_out", "single_transformer_blocks.0.proj_mlp",
-              "single_transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_k",
-              "single_transformer_blocks.0.attn.to_v", "transformer_blocks.0.ff.net.0.proj",
-              "transformer_blocks.0.ff_context.net.0.proj", "transformer_blocks.0.attn.to_q",
-              "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v", "transformer_blocks.0.attn.to_out.0",
-              "transformer_blocks.0.attn.add_q_proj"],
-        "b": ["single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.attn.to_v",
-              "transformer_blocks.0.ff.net.0.proj", "transformer_blocks.0.attn.to_out.0"],
-    },
-    "tiny-wan": {
-        "a": ["blocks.0.attn1.to_q", "blocks.0.attn1.to_k", "blocks.0.attn1.to_v", "blocks.0.attn1.to_out.0",
-              "blocks.0.attn2.to_k", "blocks.0.ffn.net.0.proj", "blocks.1.ffn.net.0.proj"],
-        "b": ["blocks.0.attn1.to_q", "blocks.1.attn1.to_out.0", "blocks.1.ffn.net.0.proj"],
-    },
-    "tiny-qwenimage": {
-        "a": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v",
-              "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.add_q_proj",
-              "transformer_blocks.0.img_mlp.net.0.proj", "transformer_blocks.0.txt_mlp.net.0.proj"],
-        "b": ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.img_mlp.net.0.proj"],
-    },
-    # routed experts, whose weights the grouped MoE stacks, and a shared one
-    "tiny-hidream": {
-        "a": ["double_stream_blocks.0.block.ff_i.experts.1.w1", "double_stream_blocks.0.block.ff_i.experts.2.w2",
-              "double_stream_blocks.0.block.ff_i.experts.3.w3", "double_stream_blocks.0.block.ff_i.shared_experts.w1",
-              "double_stream_blocks.0.block.attn1.to_q", "single_stream_blocks.0.block.attn1.to_v"],
-        "b": ["single_stream_blocks.0.block.ff_i.experts.0.w1", "double_stream_blocks.0.block.ff_i.experts.1.w1"],
-    },
-    # the single-stream block's fused q/k/v + MLP projection and the SwiGLU feed-forwards
-    "tiny-flux2": {
-        "a": ["single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.0.attn.to_out",
-              "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v",
-              "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.add_k_proj",
-              "transformer_blocks.0.ff.linear_in", "transformer_blocks.0.ff_context.linear_out"],
-        "b": ["single_transformer_blocks.0.attn.to_qkv_mlp_proj", "transformer_blocks.0.ff.linear_in"],
-    },
-    "tiny-zimage": {
-        "a": ["layers.0.attention.to_q", "layers.0.attention.to_k", "layers.0.attention.to_v",
-              "layers.0.attention.to_out.0", "layers.0.feed_forward.w1", "layers.0.feed_forward.w3",
-              "noise_refiner.0.attention.to_q", "context_refiner.0.feed_forward.w2"],
-        "b": ["layers.1.attention.to_v", "layers.0.feed_forward.w1"],
-    },
-    # the single-stream projections that FLUX.1 splits are diffusers' own here
-    "tiny-hunyuan-video": {
-        "a": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v",
-              "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.add_q_proj",
-              "transformer_blocks.0.ff.net.0.proj", "single_transformer_blocks.0.attn.to_q",
-              "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"],
-        "b": ["transformer_blocks.0.ff.net.0.proj", "single_transformer_blocks.0.attn.to_k"],
-    },
-}
-ADAPTERS["tiny-chroma"] = ADAPTERS["tiny-flux"]  # the same blocks; its padded prompts bring a text mask
 SPLIT_PROJECTION = {"tiny-flux", "tiny-chroma"}
 WARNED = {"tiny-flux": "FluxSingleTransformerBlock.proj_out in the split projection is a peft.tuners.lora.layer.Linear",
           "tiny-chroma": "ChromaSingleTransformerBlock.proj_out in the split projection is a peft",
@@ -112,36 +50,12 @@ FLUX_PROJ_OUT_WRAPPED = {"load a", "load b, set_adapters a 0.7, b 0.3", "hotswap
                          "unfuse_lora"}
 
 
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def lora_state_dict(model: nn.Module, targets: list[str], seed: int) -> dict[str, torch.Tensor]:
-    """A rank-`RANK` LoRA for the Linear layers `targets` of `model`, in the diffusers naming that the pipelines'
-    `load_lora_weights` takes; random A and B (B is zero in a fresh adapter: then it would change nothing)."""
-    generator = torch.Generator().manual_seed(seed)
-    layers = dict(model.named_modules())
-    state = {}
-    for target in targets:
-        layer = layers[target]
-        state[f"transformer.{target}.lora_A.weight"] = torch.randn(RANK, layer.in_features, generator=generator) * 0.2
-        state[f"transformer.{target}.lora_B.weight"] = torch.randn(layer.out_features, RANK, generator=generator) * 0.2
-    return state
-
-
 def _adapters(model: nn.Module, name: str) -> dict[str, dict[str, torch.Tensor]]:
     """The family's adapters by name, and "a swapped": other weights for a's layers."""
     adapters = {adapter: lora_state_dict(model, targets, seed)
                 for seed, (adapter, targets) in enumerate(ADAPTERS[name].items())}
     adapters["a swapped"] = lora_state_dict(model, ADAPTERS[name]["a"], len(adapters))
     return adapters
-
-
-def _generate(pipe, name: str) -> torch.Tensor:
-    kwargs = zoo.call_kwargs(name, **SIZES[name], steps=2, guidance=3.0)
-    embeddings = zoo.text_embeddings(name, 1, seed=1, device=pipe.device, dtype=pipe.transformer.dtype)
-    return pipe(**kwargs, **embeddings, output_type="latent", generator=torch.Generator().manual_seed(7),
-                return_dict=False)[0]
 
 
 def _fresh(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -162,7 +76,7 @@ def _adapters_worker(name: str, device: str = "cpu", dtype: torch.dtype = torch.
     adapters = _adapters(pipe.transformer, name)
     for _, step in sequence:
         step(pipe, adapters)
-        stock.append(_generate(pipe, name))
+        stock.append(generate_latents(pipe, name))
 
     pipe = _fresh(name, device, dtype)
     adapters = _adapters(pipe.transformer, name)  # the same again: the model may hold, and a hot-swap write, them
@@ -181,7 +95,7 @@ def _adapters_worker(name: str, device: str = "cpu", dtype: torch.dtype = torch.
                     pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
             for _ in range(calls):
                 split_projections.clear()
-                error = _relative_error(_generate(pipe, name).float(), ref.float())
+                error = relative_error(generate_latents(pipe, name).float(), ref.float())
                 assert error < tolerance, f"{name} after {what}: relative error {error:.2e}"
                 if counts:
                     assert bool(split_projections) is (what not in FLUX_PROJ_OUT_WRAPPED), (what,
@@ -209,26 +123,26 @@ def test_adapters_equal_stock(name: str, world_size: int) -> None:
     run_on_ranks(world_size, _adapters_worker, name, deadline_s=600)
 
 
-def _families_worker(names: list[str]) -> None:
-    for name in names:
-        _adapters_worker(name, steps=["load a", "load b, set_adapters a 0.7, b 0.3", "hotswap a", "disable_lora",
-                                      "fuse_lora, unload_lora_weights"])
+def _plain_family_worker(name: str) -> None:
+    _adapters_worker(name, steps=["load a", "load b, set_adapters a 0.7, b 0.3", "hotswap a", "disable_lora",
+                                  "fuse_lora, unload_lora_weights"])
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_adapters_equal_stock_on_more_families(world_size: int) -> None:
-    run_on_ranks(world_size, _families_worker, PLAIN_FAMILIES, deadline_s=600)
+@pytest.mark.parametrize("name", PLAIN_FAMILIES)
+def test_adapters_equal_stock_on_more_families(name: str, world_size: int) -> None:
+    run_on_ranks(world_size, _plain_family_worker, name)
 
 
-def _ring_worker(names: list[str]) -> None:
-    for name in names:
-        _adapters_worker(name, degrees={"ring_degree": 2})
+def _ring_worker(name: str) -> None:
+    _adapters_worker(name, degrees={"ring_degree": 2})
 
 
-def test_adapters_on_a_ring_equal_stock() -> None:
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-zimage"])
+def test_adapters_on_a_ring_equal_stock(name: str) -> None:
     """Every step of the sequence with the sequence split as a ring of two ranks: FLUX.1 (its split projection
     and the ring's joint text) and Z-Image (30 heads, which Ulysses over 4 or 8 ranks cannot split)."""
-    run_on_ranks(2, _ring_worker, ["tiny-flux", "tiny-zimage"], deadline_s=600)
+    run_on_ranks(2, _ring_worker, name)
 
 
 def _sharded_experts_worker() -> None:
@@ -236,7 +150,7 @@ def _sharded_experts_worker() -> None:
     pipe.load_lora_weights(lora_state_dict(pipe.transformer, ADAPTERS["tiny-hidream"]["a"], 0), adapter_name="a")
     xstage_dit.enable(pipe, timeout_s=120, expert_parallel=True)
     with pytest.raises(NotImplementedError, match="routed expert 1.w1 is a peft.* expert_parallel=True cannot run"):
-        _generate(pipe, "tiny-hidream")
+        generate_latents(pipe, "tiny-hidream")
     xstage_dit.disable(pipe)
 
 
@@ -256,14 +170,14 @@ def _packed_experts_worker() -> None:
     config = LoraConfig(r=RANK, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"],
                         init_lora_weights=False)  # a random B: the adapter changes the experts
     pipe.transformer.add_adapter(config, adapter_name="experts")
-    ref = _generate(pipe, "tiny-nucleusmoe")
+    ref = generate_latents(pipe, "tiny-nucleusmoe")
     xstage_dit.enable(pipe, timeout_s=120)
     if os.environ["WORLD_SIZE"] == "1":
-        error = _relative_error(_generate(pipe, "tiny-nucleusmoe"), ref)
+        error = relative_error(generate_latents(pipe, "tiny-nucleusmoe"), ref)
         assert error < TOLERANCE, f"NucleusMoE-Image with adapted experts: relative error {error:.2e}"
     else:
         with pytest.raises(NotImplementedError, match="routed-experts module is a peft.*ParamWrapper"):
-            _generate(pipe, "tiny-nucleusmoe")
+            generate_latents(pipe, "tiny-nucleusmoe")
     xstage_dit.disable(pipe)
 
 
@@ -281,11 +195,11 @@ def _cast_flux():
 def _falls_back_to_diffusers(build, what: str, warning: str) -> None:
     """The pipeline `build()` makes, enabled, equals it stock, with one warning containing `warning`: the layer it
     names runs diffusers' code."""
-    ref = _generate(build(), "tiny-flux")
+    ref = generate_latents(build(), "tiny-flux")
     pipe = build()
     xstage_dit.enable(pipe, timeout_s=120)
     with xstage_warnings() as warnings:
-        error = _relative_error(_generate(pipe, "tiny-flux"), ref)
+        error = relative_error(generate_latents(pipe, "tiny-flux"), ref)
     assert error < TOLERANCE, f"{what}: relative error {error:.2e}"
     assert any(warning in w for w in warnings), warnings
     xstage_dit.disable(pipe)

@@ -10,19 +10,11 @@ import torch
 from torch import nn
 
 from xstage_dit.testing import zoo
-from test_lora import ADAPTERS, lora_state_dict
+from lora_weights import ADAPTERS, lora_state_dict
+from model_change_checks import assert_moves, flux_inputs
 from xstage_dit.runtime.cuda_graphs import GraphedForward
 from xstage_dit.runtime.agreement import Fingerprint
 from xstage_dit.runtime.model_changes import ChangesSinceEnable, ModelChanges
-
-
-def flux_inputs(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    """A FLUX.1 transformer call on 4 image and 3 text tokens."""
-    return {"hidden_states": torch.randn(1, 4, model.config.in_channels),
-            "encoder_hidden_states": torch.randn(1, 3, model.config.joint_attention_dim),
-            "pooled_projections": torch.randn(1, model.config.pooled_projection_dim),
-            "timestep": torch.tensor([0.5]), "img_ids": torch.zeros(4, 3), "txt_ids": torch.zeros(3, 3),
-            "guidance": torch.tensor([3.0]) if model.config.guidance_embeds else None}
 
 
 def _scaled_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -64,19 +56,6 @@ def test_every_common_change_moves_the_key() -> None:
         ("unload_lora_weights", pipe.unload_lora_weights, True, True),
     ]
     assert_moves(model, sequence)
-
-
-def assert_moves(model: nn.Module, sequence: list[tuple[str, Callable[[], object], bool, bool]]) -> None:
-    """Each change of `sequence` (what, the change, whether the check's key moves, whether the graphs' key moves),
-    made under no_grad, moves the keys of both readers of `model` as it says."""
-    check = ModelChanges(model, writes=True, storage=False)
-    graphs = ModelChanges(model, writes=False, storage=True)
-    for what, change, check_moves, graphs_move in sequence:
-        with torch.no_grad():
-            change()
-        assert (check.moved(), graphs.moved()) == (check_moves, graphs_move), what
-    check.remove()
-    graphs.remove()
 
 
 def test_the_hooks_are_there_only_while_a_model_is_watched() -> None:

@@ -12,22 +12,13 @@ import torch.distributed as dist
 import xstage_dit
 from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, share_one_gpu, xstage_warnings
+from numerics import relative_error
+from vae_checks import rows_seen
 from xstage_dit.patches.vaes import vae_rule_for
 from xstage_dit.vae.decode import ParallelDecode
 
 TOLERANCE = 1e-4
 TINY = ["tiny-kl", "tiny-wan2.1", "tiny-wan2.2", "tiny-qwenimage", "tiny-hunyuan-video", "tiny-ltx"]
-
-
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def _rows_seen(vae: torch.nn.Module) -> list[int]:
-    """Rows of every input the decoder's first convolution gets (recorded by a hook)."""
-    seen: list[int] = []
-    vae.decoder.conv_in.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[-2]))
-    return seen
 
 
 def _decode_worker(names: list[str], sizes: list[int], device: str = "cpu",
@@ -44,12 +35,12 @@ def _decode_worker(names: list[str], sizes: list[int], device: str = "cpu",
     for name in names:
         vae = zoo.build_vae(name, device, dtype)
         z = zoo.vae_latent(name, device, next(vae.parameters()).dtype)
-        seen = _rows_seen(vae)
+        seen = rows_seen(vae)
         with torch.no_grad():
             ref = vae.decode(z, return_dict=False)[0]
             exact = ref if ref.dtype == torch.float32 else \
                 copy.deepcopy(vae).float().decode(z.float(), return_dict=False)[0]
-        bound = TOLERANCE if ref.dtype == torch.float32 else 2 * _relative_error(ref.float(), exact)
+        bound = TOLERANCE if ref.dtype == torch.float32 else 2 * relative_error(ref.float(), exact)
         rule = vae_rule_for(vae)
         for size, group in groups.items():
             rank = dist.get_rank()
@@ -62,7 +53,7 @@ def _decode_worker(names: list[str], sizes: list[int], device: str = "cpu",
                 split_rows = set(seen)
                 split.remove()
                 restored = vae.decode(z, return_dict=False)[0]
-            error = _relative_error(out.float(), exact)
+            error = relative_error(out.float(), exact)
             assert error < bound, f"{name} over {size} ranks on {device}: relative error {error:.2e} < {bound:.2e}"
             height = z.shape[-2]
             share = height // size + (rank < height % size)
@@ -93,7 +84,7 @@ def _pipeline_worker() -> None:
                 return pipe(**kwargs, **zoo.text_embeddings(name, 2, seed=2), output_type="pt",
                             generator=torch.Generator().manual_seed(7), return_dict=False)[0]
 
-            seen = _rows_seen(pipe.vae)
+            seen = rows_seen(pipe.vae)
             stock = generate()
             stock_rows = max(seen)
             xstage_dit.enable(pipe, backend="reference", timeout_s=120)
@@ -101,14 +92,14 @@ def _pipeline_worker() -> None:
             out = generate()
             share = stock_rows // 2 + (dist.get_rank() < stock_rows % 2)
             assert set(seen) == {share}, f"{name}: the decoder saw {seen} of {stock_rows} latent rows"
-            error = _relative_error(out, stock)
+            error = relative_error(out, stock)
             assert error < TOLERANCE, f"{name}: relative error {error:.2e}"
 
             pipe.vae.enable_tiling()  # tiles are chosen on the whole latent: the decode runs whole, saying so once
             seen.clear()
             tiled = generate()
             pipe.vae.disable_tiling()
-            assert max(seen) == stock_rows and _relative_error(tiled, stock) < TOLERANCE
+            assert max(seen) == stock_rows and relative_error(tiled, stock) < TOLERANCE
             vae_class = type(pipe.vae).__name__
             assert sum(f"{vae_class} decode" in m and "tiling is on" in m for m in warnings) == 1, warnings
 

@@ -3,7 +3,6 @@ decided from the launcher's facts and never from an environment variable the lib
 meshes and planners, emptied by `disable`; the warnings said once, and the API tests use to hear them again."""
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest

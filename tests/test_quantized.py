@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 import xstage_dit
-import zoo
+from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, share_one_gpu, xstage_warnings
-from test_lora import _generate as generate
-from test_model_changes import assert_moves, flux_inputs
+from lora_weights import generate_latents as generate
+from model_change_checks import assert_moves, flux_inputs
 from xstage_dit.runtime.agreement import stored_tensors
 
 torchao = pytest.importorskip("torchao", reason="the quantized-model tests need torchao")
@@ -322,7 +322,7 @@ LORA_STEPS: list[tuple[str, Callable]] = [
 def _lora_worker() -> None:
     """A LoRA adapter loaded after enable on a quantized FLUX.1 (PEFT's torchao LoRA layers) equals the same
     sequence stock, step by step."""
-    from test_lora import lora_state_dict
+    from lora_weights import lora_state_dict
 
     pipe = quantized("tiny-flux", "Int8WeightOnlyConfig")
     adapter = lora_state_dict(pipe.transformer, LORA_TARGETS, seed=0)

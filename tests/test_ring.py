@@ -15,13 +15,13 @@ from diffusers import FluxTransformer2DModel
 
 import xstage_dit
 from xstage_dit.testing import zoo
+from cache_configs import STEPS, caches
+from compile_checks import ranks_worker
 from dist_harness import run_on_ranks
-from test_compile import _ranks_worker
-from test_gpu import _same_gpu_worker
-from test_caches import STEPS, _caches
-from test_parallel_vae import _rows_seen
-from test_parallel_pipelines import (SIZES, TOLERANCE, _bare_transformer_inputs, _pipeline_worker,
-                                     _pipelines_worker, _relative_error)
+from gpu_checks import same_gpu_worker
+from numerics import relative_error
+from pipeline_checks import SIZES, TOLERANCE, bare_transformer_inputs, per_pipeline, pipeline_worker
+from vae_checks import rows_seen
 from xstage_dit import api
 from xstage_dit.config import XStageConfig
 from xstage_dit.runtime.distributed import build_groups, ensure_process_group, free_port
@@ -84,14 +84,14 @@ def _heads_worker() -> None:
     for heads, expected in ((6, (2, 2)), (5, (1, 4))):
         torch.manual_seed(0)
         model = FluxTransformer2DModel(**{**zoo.ZOO["tiny-flux"].transformer, "num_attention_heads": heads}).eval()
-        inputs = _bare_transformer_inputs("tiny-flux", torch.Generator().manual_seed(3))
+        inputs = bare_transformer_inputs("tiny-flux", torch.Generator().manual_seed(3))
         with torch.no_grad():
             ref = model(**inputs).sample
             xstage_dit.enable(model, backend="reference", timeout_s=120)
             config = model._xstage_dit_applied.config
             out = model(**inputs).sample
         assert (config.ulysses_degree, config.ring_degree) == expected, config
-        error = _relative_error(out, ref)
+        error = relative_error(out, ref)
         assert error < TOLERANCE, f"{heads} heads as {expected}: relative error {error:.2e}"
         xstage_dit.disable(model)
 
@@ -105,18 +105,18 @@ def test_heads_that_ulysses_cannot_split_run_on_a_ring() -> None:
 FAMILIES = ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-flux2", "tiny-hunyuan-video", "tiny-ltx", "tiny-sd3.5",
             "tiny-cogvideox", "tiny-hidream", "tiny-nucleusmoe", "tiny-zimage-controlnet", "tiny-ltx2",
             "tiny-hunyuan-video15", "tiny-wan-vace", "tiny-qwenimage21", "tiny-chroma"]
+RING_DEGREES = {"ring-4": {"ring_degree": 4}, "ulysses-2-ring-2": {"ulysses_degree": 2, "ring_degree": 2}}
 
 
-@pytest.mark.parametrize("degrees", [{"ring_degree": 4}, {"ulysses_degree": 2, "ring_degree": 2}],
-                         ids=["ring-4", "ulysses-2-ring-2"])
-def test_every_family_on_a_ring_matches_single_process(degrees: dict) -> None:
-    run_on_ranks(4, _pipelines_worker, FAMILIES, 1, 3.0, "reference", False, None, degrees, deadline_s=900)
+@pytest.mark.parametrize("degrees, name", per_pipeline({"ring-4": FAMILIES, "ulysses-2-ring-2": FAMILIES}))
+def test_every_family_on_a_ring_matches_single_process(degrees: str, name: str) -> None:
+    run_on_ranks(4, pipeline_worker, name, 1, 3.0, "reference", False, None, RING_DEGREES[degrees])
 
 
-def test_cfg_parallel_around_a_ring_matches_single_process() -> None:
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan"])
+def test_cfg_parallel_around_a_ring_matches_single_process(name: str) -> None:
     """cfg_degree=2 x ring_degree=2: each CFG group's two ranks hold one sequence as a ring."""
-    run_on_ranks(4, _pipelines_worker, ["tiny-flux", "tiny-wan"], 2, 3.0, "reference", False, False,
-                 {"ring_degree": 2}, deadline_s=600)
+    run_on_ranks(4, pipeline_worker, name, 2, 3.0, "reference", False, False, {"ring_degree": 2})
 
 
 HYBRID = {"ulysses_degree": 2, "ring_degree": 2}
@@ -125,7 +125,7 @@ HYBRID = {"ulysses_degree": 2, "ring_degree": 2}
 def _combined_worker() -> None:
     """Ulysses 2 x ring 2 with what users combine: NucleusMoE's expert choice with its experts sharded over the
     sequence's ranks; a diffusers cache (enabled before enable) and the row-split VAE decode in one generation."""
-    _pipeline_worker("tiny-nucleusmoe", 1, 3.0, "reference", True, None, HYBRID)
+    pipeline_worker("tiny-nucleusmoe", 1, 3.0, "reference", True, None, HYBRID)
     pipe = zoo.build_pipeline("tiny-flux")
     pipe.set_progress_bar_config(disable=True)
 
@@ -134,13 +134,13 @@ def _combined_worker() -> None:
         return pipe(**kwargs, **zoo.text_embeddings("tiny-flux", 1, seed=2), output_type="pt",
                     generator=torch.Generator().manual_seed(8), return_dict=False)[0]
 
-    rows = _rows_seen(pipe.vae)
-    pipe.transformer.enable_cache(_caches(pipe, "tiny-flux")["FirstBlockCache"][1]())
+    rows = rows_seen(pipe.vae)
+    pipe.transformer.enable_cache(caches(pipe, "tiny-flux")["FirstBlockCache"][1]())
     stock = generate()
     whole = max(rows)
     xstage_dit.enable(pipe, backend="reference", timeout_s=120, **HYBRID)
     rows.clear()
-    error = _relative_error(generate(), stock)
+    error = relative_error(generate(), stock)
     assert error < TOLERANCE, f"a cache and the decode on Ulysses 2 x ring 2: relative error {error:.2e}"
     assert max(rows) < whole, f"the decoder saw {rows} of {whole} latent rows"
     xstage_dit.disable(pipe)
@@ -154,7 +154,7 @@ def test_experts_the_decode_and_caches_on_a_ring_match_single_process() -> None:
 def test_compiled_blocks_on_a_ring_compile_as_often_as_under_ulysses() -> None:
     """compile_repeated_blocks(fullgraph=True) with three blocks of each kind, Ulysses 2 x ring 2: as many graphs as
     stock, compiled equal to eager, eager equal to one process."""
-    run_on_ranks(4, _ranks_worker, "flux", "blocks", 0, {"ulysses_degree": 2, "ring_degree": 2}, deadline_s=600)
+    run_on_ranks(4, ranks_worker, "flux", "blocks", 0, {"ulysses_degree": 2, "ring_degree": 2}, deadline_s=600)
 
 
 @pytest.mark.gpu
@@ -165,7 +165,7 @@ def test_compiled_blocks_on_a_ring_compile_as_often_as_under_ulysses() -> None:
 def test_a_ring_of_ranks_sharing_one_gpu_matches_one_gpu(name, world_size, degrees) -> None:
     """bf16 on one GPU (gloo between the processes), against the same pipeline on one GPU, within the tolerance
     of tests/test_gpu.py's same-GPU tests."""
-    run_on_ranks(world_size, _same_gpu_worker, name, "auto", None, None, degrees, deadline_s=300)
+    run_on_ranks(world_size, same_gpu_worker, name, "auto", None, None, degrees, deadline_s=300)
 
 
 def test_two_nodes_run_ulysses_inside_and_a_ring_across() -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_harness import run_on_ranks
-from test_gpu import _same_gpu_worker
+from gpu_checks import same_gpu_worker
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.sp.attention.ring import attention_with_lse, stored_ring_steps
 from xstage_dit.sp.attention.masks import pair_bias, with_image_keys
@@ -78,7 +78,7 @@ def test_stored_ring_equals_one_attention_on_gpu(degree, seq_len, text_len):
 def test_ring_of_processes_sharing_one_gpu_matches_one_gpu(backend):
     """Ulysses 2 x ring 2 on 4 processes of one GPU: "fused" opens the ring group's fabric (its blocks by the
     attention kernel's stores), "reference" sends them point to point; bf16 against one GPU."""
-    run_on_ranks(4, _same_gpu_worker, "tiny-flux-d64", backend, None, None, {"ulysses_degree": 2, "ring_degree": 2},
+    run_on_ranks(4, same_gpu_worker, "tiny-flux-d64", backend, None, None, {"ulysses_degree": 2, "ring_degree": 2},
                  deadline_s=300)
 
 

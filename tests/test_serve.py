@@ -24,7 +24,7 @@ import pytest
 import torch
 
 for _package in ("fastapi", "uvicorn", "prometheus_client", "httpx"):  # the `serve` extra (a GPU machine may lack it)
-    pytest.importorskip(_package)
+    pytest.importorskip(_package, reason=f"{_package} is not installed: the serve extra (pip install -e '.[serve]')")
 
 import httpx  # noqa: E402
 import bench_serve  # noqa: E402
