@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-pixels", type=int, default=limits.max_pixels, help="width x height at most")
     parser.add_argument("--max-frames", type=int, default=limits.max_frames)
     args = parser.parse_args(argv)
+    loading.check_enable_knobs(parser, args)
     for name in ("queue_bound", "max_batch", "max_n", "max_steps", "max_pixels", "max_frames"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -59,10 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
     """What the served pipeline takes: sizes in multiples of its VAE's downsampling times its 2 x 2 patches."""
     pipe = loaded.pipe
-    scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
     entry = loading.zoo().ZOO[loaded.config] if loaded.config is not None else None
     return ModelCard(id=model_id, video=loaded.is_video, image=loading.image_input(type(pipe)),
-                     text_encoder=loaded.config is None, size_multiple=2 * scale,
+                     text_encoder=loaded.config is None, size_multiple=loading.size_multiple(pipe),
                      default_height=entry.height if entry else None, default_width=entry.width if entry else None,
                      fps=loaded.fps)
 

@@ -18,6 +18,8 @@ import PIL.Image
 import torch
 
 from ..api import is_main_process
+from ..config import XStageConfig
+from ..runtime.distributed import world_from_env
 from ..sp.attention.backends import available_backends
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -94,6 +96,21 @@ def enable_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """`xstage_dit.enable`'s keywords from the arguments `add_pipeline_arguments` added."""
     return {"backend": args.backend, "ulysses_degree": args.ulysses_degree, "ring_degree": args.ring_degree,
             "cfg_degree": args.cfg_degree, "expert_parallel": EXPERT_PARALLEL[args.expert_parallel]}
+
+
+def check_enable_knobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`enable`'s knobs checked as `enable` checks them (XStageConfig's own checks, and the degrees against the
+    launcher's WORLD_SIZE), before anything loads: a usage error now, not a traceback after the loading."""
+    try:
+        XStageConfig(**enable_knobs(args)).sequence_ranks(world_from_env()[0])
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+
+
+def size_multiple(pipe: Any) -> int:
+    """What the pipeline's widths and heights are multiples of: its VAE's downsampling times its 2 x 2 patches."""
+    scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
+    return 2 * scale
 
 
 def default_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
