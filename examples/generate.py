@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     family = loading.family_of(args.model, args.config)
     # a pipeline class the zoo does not know: video or not is known once loaded
     output = output_path(args, is_video=family.video) if family else None
+    pipeline_cls = loading.requested_class(args.model, args.config)
+    if args.image is not None and pipeline_cls is not None and loading.image_input(pipeline_cls) == "none":
+        refuse(f"argument --image: {pipeline_cls.__name__} takes no input image")
     image = input_image(args.image)
     if args.negative_prompt is not None and not args.model:
         logging.getLogger(__name__).warning("--negative-prompt needs --model: a config's negative embeddings are "

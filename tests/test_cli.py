@@ -99,6 +99,14 @@ def test_a_bad_argument_of_generate_is_refused_before_loading(args: list[str], m
     _assert_usage_error(_run(sys.executable, str(GENERATE), *args), "generate.py", message)
 
 
+def test_an_input_image_for_a_pipeline_that_takes_none_is_refused_before_loading(tmp_path: Path) -> None:
+    import zoo
+
+    zoo.random_image(16, 16).save(tmp_path / "in.png")
+    _assert_usage_error(_run(sys.executable, str(GENERATE), "--image", str(tmp_path / "in.png")), "generate.py",
+                        "argument --image: FluxPipeline takes no input image")
+
+
 def test_a_size_the_model_cannot_take_is_refused_before_generating() -> None:
     """What sizes a pipeline takes its VAE tells (the tiny Flux's: multiples of 4): checked once it is loaded."""
     _assert_usage_error(_run(sys.executable, str(GENERATE), "--height", "30"), "generate.py",

@@ -268,6 +268,18 @@ def pipeline_class(model: str) -> type | None:
     return getattr(diffusers, _class_name(model), None)
 
 
+def requested_class(model: str | None, config: str) -> type | None:
+    """The diffusers pipeline class of `model`, else of zoo config `config`, known before anything loads (None: a
+    class diffusers does not have)."""
+    if model:
+        return pipeline_class(model)
+    import diffusers
+
+    models = zoo()
+    entry = models.ZOO[config]
+    return getattr(diffusers, entry.pipeline or models.FAMILIES[entry.family].pipeline)
+
+
 def _class_name(model: str) -> str:
     from diffusers import DiffusionPipeline
 
