@@ -116,7 +116,7 @@ def test_a_size_the_model_cannot_take_is_refused_before_generating() -> None:
 @pytest.mark.parametrize("args, message", [
     (["--ulysses-degree", "2"], "ulysses_degree=2 does not fit the world size 3"),
     (["--ulysses-degree", "3", "--ring-degree", "3"], "ulysses_degree=3 x ring_degree=3 does not fit the world size 3"),
-])
+], ids=["ulysses-2", "ulysses-3-ring-3"])
 def test_degrees_that_do_not_fit_the_ranks_are_refused_once_for_the_job(tmp_path: Path, args: list[str],
                                                                          message: str) -> None:
     """Three ranks of torchrun: the main rank says it in argparse's words; the others leave quietly."""
