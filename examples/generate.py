@@ -35,11 +35,6 @@ from provenance import OUTPUT_DIR
 from step_timer import StepTimer, reporting_steps
 
 
-def refuse(message: str) -> NoReturn:
-    """Stop the job before anything is loaded: the message once, on the main rank; a quiet exit on the others."""
-    raise SystemExit(message if xstage_dit.is_main_process() else 2)
-
-
 class Parser(argparse.ArgumentParser):
     """argparse whose usage errors are printed once for the job, not once per rank."""
 
@@ -49,7 +44,12 @@ class Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def refuse(message: str) -> NoReturn:
+    """Stop the job on a bad argument, as argparse does (the usage, the message, exit status 2), once for the job."""
+    build_parser().error(message)
+
+
+def build_parser() -> Parser:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     loading.add_pipeline_arguments(parser)
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
@@ -67,15 +67,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help=f"output file (default: {OUTPUT_DIR / 'output.png'}, or "
                                                     f"{OUTPUT_DIR / 'output.gif'} for video)")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, enable's knobs checked against the launcher's world size."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    loading.check_enable_knobs(parser, args)
+    return args
+
+
+def check_size(args: argparse.Namespace, loaded: loading.LoadedPipeline) -> None:
+    """--height and --width are multiples of what the loaded pipeline takes (as the service checks its
+    requests), before it runs."""
+    multiple = loading.size_multiple(loaded.pipe)
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value is not None and value % multiple:
+            refuse(f"argument --{name}: {loaded.name} takes multiples of {multiple}, got {value}")
 
 
 def output_path(args: argparse.Namespace, is_video: bool) -> Path:
-    """The file to write, checked before anything is loaded or generated."""
+    """The file to write, checked before anything is loaded or generated (and --num-frames, for videos only)."""
+    if args.num_frames is not None and not is_video:
+        refuse(f"argument --num-frames: {args.model or args.config} makes images")
     output = args.output or OUTPUT_DIR / ("output.gif" if is_video else "output.png")
     suffixes = VIDEO_SUFFIXES if is_video else IMAGE_SUFFIXES
     if output.suffix.lower() not in suffixes:
-        refuse(f"--output {output}: a {'video' if is_video else 'image'} is written as {', '.join(suffixes)}")
+        refuse(f"--output {output}: {'a video' if is_video else 'an image'} is written as {', '.join(suffixes)}")
     if output.suffix.lower() == ".mp4" and not media.can_write_mp4():
         refuse(f"--output {output}: MP4 needs imageio, imageio-ffmpeg and PyAV (pip install 'xstage_dit[video]'); "
                f"or write a .gif")
@@ -105,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     family = loading.family_of(args.model, args.config)
     # a pipeline class the zoo does not know: video or not is known once loaded
     output = output_path(args, is_video=family.video) if family else None
+    pipeline_cls = loading.requested_class(args.model, args.config)
+    if args.image is not None and pipeline_cls is not None and loading.image_input(pipeline_cls) == "none":
+        refuse(f"argument --image: {pipeline_cls.__name__} takes no input image")
     image = input_image(args.image)
     if args.negative_prompt is not None and not args.model:
         logging.getLogger(__name__).warning("--negative-prompt needs --model: a config's negative embeddings are "
@@ -112,10 +135,14 @@ def main(argv: list[str] | None = None) -> None:
     loaded = loading.load_pipeline(args.model, args.config, family, device, loading.default_dtype(args, device))
     pipe = loaded.pipe
     output = output or output_path(args, is_video=loaded.is_video)
+    check_size(args, loaded)
     call = loaded.call_kwargs(loading.Generation((args.prompt,), loading.CallOptions(
         negative_prompt=args.negative_prompt if args.model else None, height=args.height, width=args.width,
         num_frames=args.num_frames, steps=args.steps, guidance=args.guidance, image=image)))
-    xstage_dit.enable(pipe, **loading.enable_knobs(args))
+    try:
+        xstage_dit.enable(pipe, **loading.enable_knobs(args))
+    except ValueError as error:  # what only the loaded model tells (its heads against the Ulysses degree)
+        refuse(str(error))
 
     timer = StepTimer(device)
     with reporting_steps(pipe, timer) as step_callback:

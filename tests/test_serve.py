@@ -10,11 +10,9 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,111 +21,22 @@ import PIL.Image
 import pytest
 import torch
 
-for _package in ("fastapi", "uvicorn", "prometheus_client", "httpx"):  # the `serve` extra (a GPU machine may lack it)
-    pytest.importorskip(_package, reason=f"{_package} is not installed: the serve extra (pip install -e '.[serve]')")
-
-import httpx  # noqa: E402
-import bench_serve  # noqa: E402
-from serve_job import FAIL_PROMPT, SLOW_PROMPT  # noqa: E402
-import xstage_dit  # noqa: E402
-from xstage_dit.runtime.distributed import free_port  # noqa: E402
-from xstage_dit.serve import loading, media  # noqa: E402
-from xstage_dit.serve.__main__ import model_card  # noqa: E402
-from xstage_dit.serve.admission import Job, JobQueue, QueueFull  # noqa: E402
-from xstage_dit.serve.app import create_app  # noqa: E402
-from xstage_dit.serve.loading import CallOptions  # noqa: E402
-from xstage_dit.serve.metrics import ServiceMetrics  # noqa: E402
-from xstage_dit.serve.ranks import Liveness, SideChannel, silence_bound  # noqa: E402
-from xstage_dit.serve.schema import GenerationRequest, ModelCard  # noqa: E402
-from xstage_dit.serve.service import ServeOptions, Service, State  # noqa: E402
-from xstage_dit.testing import zoo  # noqa: E402
-
-REPOSITORY = Path(__file__).resolve().parents[1]
-SERVE_JOB = Path(__file__).with_name("serve_job.py")
-START_S = 240  # three jobs start side by side on a busy CPU
-EXIT_S = 60
-DRAINED_S = 20  # from a drained job's last answer to its exit: well before torchrun's SIGKILL, 30 s after SIGTERM
-LONG_STEPS = 20  # with SLOW_PROMPT, a call of 2 s or more: long enough to hold the queue behind it
-QUEUE_BOUND, MAX_BATCH, TIMEOUT_S = 5, 4, 60  # four clients at once all wait behind a running call
-
-
-@dataclass
-class ServiceJob:
-    process: subprocess.Popen
-    url: str
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text()[-4000:]
-
-    def agent_and_ranks(self) -> list[int]:
-        return [self.process.pid, *self.rank_pids().values()]
-
-    def rank_pids(self) -> dict[int, int]:
-        """The torchrun workers (its children), by rank."""
-        pids = {}
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
-                        == self.process.pid:
-                    environment = dict(item.split("=", 1) for item in
-                                       (entry / "environ").read_bytes().decode().split("\0") if "=" in item)
-                    pids[int(environment["RANK"])] = int(entry.name)
-            except (OSError, KeyError, IndexError, ValueError):
-                continue
-        return pids
-
-
-# torchrun runs in a session of its own (the test signals its group) but dies with the test process (Linux's
-# parent-death signal, kept across exec), so that a killed test run leaves no service behind: its ranks then see the
-# agent's store gone and exit
-_DIE_WITH_PARENT = "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); " \
-                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-
-
-def _launch(log: Path, *args: str) -> ServiceJob:
-    port = free_port()
-    command = [sys.executable, "-c", _DIE_WITH_PARENT, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--max-restarts", "0",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SERVE_JOB),
-               "--port", str(port), "--timeout-s", str(TIMEOUT_S), *args]
-    # as a user runs it: not with the Triton interpreter that conftest.py turns on for the kernel tests
-    environment = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen(command, env=environment, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    return ServiceJob(process, f"http://127.0.0.1:{port}", log)
-
-
-def _wait_ready(job: ServiceJob) -> None:
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        assert job.process.poll() is None, f"the service exited with {job.process.returncode}:\n{job.output()}"
-        try:
-            if httpx.get(f"{job.url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"the service was not ready within {START_S} s:\n{job.output()}")
-
-
-def _end(job: ServiceJob) -> None:
-    """torchrun and its ranks (each in a session of its own) killed, if they still run."""
-    for pid in reversed(job.agent_and_ranks()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    job.process.wait(timeout=EXIT_S)
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` runs (an orphan that exited may stay a zombie until its new parent reaps it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+# service_client skips this module, in words, without the serve extra
+from service_client import (DRAINED_S, EXIT_S, HTTP, LONG_STEPS, MAX_BATCH, QUEUE_BOUND, START_S,
+                            TIMEOUT_S, VIDEO_EXTRA, ServiceJob, decoded_images, decoded_pixels, end_job, in_thread,
+                            is_running, launch_service, metric_value, pipeline_free_service, post_generation,
+                            serve_in_process, sse_events, start_long_call, stub_card, wait_until, wait_until_ready)
+import httpx
+import bench_serve
+from serve_job import FAIL_PROMPT, SLOW_PROMPT
+from xstage_dit.serve import loading, media
+from xstage_dit.serve.admission import Job, JobQueue, QueueFull
+from xstage_dit.serve.app import create_app
+from xstage_dit.serve.loading import CallOptions
+from xstage_dit.serve.ranks import Liveness, silence_bound
+from xstage_dit.serve.schema import GenerationRequest, ModelCard
+from xstage_dit.serve.service import State
+from xstage_dit.testing import zoo
 
 
 class Jobs(NamedTuple):
@@ -140,65 +49,20 @@ class Jobs(NamedTuple):
 def jobs(tmp_path_factory) -> Jobs:
     """The three jobs, started side by side."""
     folder = tmp_path_factory.mktemp("serve")
-    started = Jobs(_launch(folder / "shared.log", "--queue-bound", str(QUEUE_BOUND), "--max-batch", str(MAX_BATCH)),
-                   _launch(folder / "doomed.log"), _launch(folder / "orphaned.log"))
+    started = Jobs(launch_service(folder / "shared.log", "--queue-bound", str(QUEUE_BOUND), "--max-batch", str(MAX_BATCH)),
+                   launch_service(folder / "doomed.log"), launch_service(folder / "orphaned.log"))
     try:
         for job in started:
-            _wait_ready(job)
+            wait_until_ready(job)
         yield started
     finally:
         for job in started:
-            _end(job)
+            end_job(job)
 
 
 @pytest.fixture
 def server(jobs: Jobs) -> ServiceJob:
     return jobs.shared
-
-
-HTTP = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=16))  # one client: no TLS set-up per request
-
-
-def _generate(url: str, timeout: float = 60, **body) -> httpx.Response:
-    return HTTP.post(f"{url}/v1/images/generations", json={"prompt": "a lighthouse", **body}, timeout=timeout)
-
-
-def _pixels(payload: bytes) -> np.ndarray:
-    return np.asarray(PIL.Image.open(io.BytesIO(payload)).convert("RGB"), dtype=np.int16)
-
-
-def _images(response: httpx.Response) -> list[np.ndarray]:
-    assert response.status_code == 200, response.text
-    return [_pixels(base64.b64decode(item["b64_json"])) for item in response.json()["data"]]
-
-
-def _metric(url: str, line_start: str) -> float:
-    text = HTTP.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
-
-
-def _events(response: httpx.Response):
-    """(event, data) of a Server-Sent Events answer, as they arrive."""
-    name = None
-    for line in response.iter_lines():
-        if line.startswith("event: "):
-            name = line[len("event: "):]
-        elif line.startswith("data: "):
-            yield name, json.loads(line[len("data: "):])
-
-
-def _in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, list]:
-    box: list = []
-    thread = threading.Thread(target=lambda: box.append(fn(*args, **kwargs)), daemon=True)
-    thread.start()
-    return thread, box
-
-
-def _until(condition, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
 
 
 def test_health_models_metrics_and_an_image(server: ServiceJob) -> None:
@@ -207,34 +71,34 @@ def test_health_models_metrics_and_an_image(server: ServiceJob) -> None:
     models = HTTP.get(f"{server.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny-flux"]
     assert models["data"][0]["service"]["max_batch"] == MAX_BATCH
-    first, again = _generate(server.url, seed=7), _generate(server.url, seed=7, response_format="url")
-    [image] = _images(first)
+    first, again = post_generation(server.url, seed=7), post_generation(server.url, seed=7, response_format="url")
+    [image] = decoded_images(first)
     assert image.shape == (32, 48, 3) and first.json()["data"][0]["seed"] == 7
     fetched = HTTP.get(again.json()["data"][0]["url"], timeout=10)
     assert fetched.headers["content-type"] == "image/png"
-    assert np.array_equal(_pixels(fetched.content), image), "the same seed gave another image"
-    assert not np.array_equal(_images(_generate(server.url, seed=8))[0], image)
+    assert np.array_equal(decoded_pixels(fetched.content), image), "the same seed gave another image"
+    assert not np.array_equal(decoded_images(post_generation(server.url, seed=8))[0], image)
     assert float(first.headers["x-queue-seconds"]) >= 0
-    assert _metric(server.url, 'xstage_requests_total{outcome="ok"}') >= 3
-    assert _metric(server.url, "xstage_step_seconds_count") >= 12
-    assert _metric(server.url, "xstage_queue_depth") == 0
+    assert metric_value(server.url, 'xstage_requests_total{outcome="ok"}') >= 3
+    assert metric_value(server.url, "xstage_step_seconds_count") >= 12
+    assert metric_value(server.url, "xstage_queue_depth") == 0
 
 
 def test_progress_streams_step_by_step(server: ServiceJob) -> None:
     body = {"prompt": "a lighthouse", "seed": 7, "num_inference_steps": 3, "stream": True}
     with HTTP.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
-        events = list(_events(response))
+        events = list(sse_events(response))
     assert [data for name, data in events if name == "progress"] == [{"step": i, "steps": 3} for i in (1, 2, 3)]
     name, data = events[-1]
     assert name == "completed" and data["data"][0]["seed"] == 7
 
 
 def test_four_concurrent_clients(server: ServiceJob) -> None:
-    threads = [_in_thread(_generate, server.url, seed=100 + i) for i in range(4)]
+    threads = [in_thread(post_generation, server.url, seed=100 + i) for i in range(4)]
     for thread, _ in threads:
         thread.join(timeout=60)
-    images = [_images(box[0])[0] for _, box in threads]
+    images = [decoded_images(box[0])[0] for _, box in threads]
     assert len({image.tobytes() for image in images}) == 4
 
 
@@ -247,7 +111,7 @@ def test_four_concurrent_clients(server: ServiceJob) -> None:
     ({"response_format": "jpeg"}, 422, "response_format"),
 ])
 def test_bad_input_is_refused_naming_the_field(server: ServiceJob, body: dict, status: int, param: str) -> None:
-    response = _generate(server.url, **body)
+    response = post_generation(server.url, **body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
 
@@ -261,32 +125,11 @@ def test_a_malformed_body_and_the_wrong_endpoint_are_refused(server: ServiceJob)
 
 
 def test_a_failure_inside_a_call_answers_500_and_the_service_goes_on(server: ServiceJob) -> None:
-    failed = _generate(server.url, prompt=FAIL_PROMPT)
+    failed = post_generation(server.url, prompt=FAIL_PROMPT)
     assert failed.status_code == 500 and "a failure inside the pipeline call" in failed.json()["error"]["message"]
     assert "rank 1" in failed.json()["error"]["message"]
-    assert len(_images(_generate(server.url, seed=3))) == 1
+    assert len(decoded_images(post_generation(server.url, seed=3))) == 1
     assert HTTP.get(f"{server.url}/health", timeout=10).status_code == 200
-
-
-def _long_call(url: str, prompt: str = SLOW_PROMPT, steps: int = LONG_STEPS, leave_after: int | None = None
-               ) -> tuple[threading.Thread, list]:
-    """A streamed request of `steps` steps in a thread, returned once its call runs; the box gets its last event.
-    With `leave_after`, the client closes its connection after that many events."""
-    running, box = threading.Event(), []
-
-    def stream() -> None:
-        body = {"prompt": prompt, "num_inference_steps": steps, "stream": True}
-        with HTTP.stream("POST", f"{url}/v1/images/generations", json=body, timeout=60) as response:
-            for count, event in enumerate(_events(response), 1):
-                running.set()
-                box[:] = [event]
-                if count == leave_after:
-                    return
-
-    thread = threading.Thread(target=stream, daemon=True)
-    thread.start()
-    assert running.wait(timeout=60), "the long call did not start"
-    return thread, box
 
 
 def test_batched_equals_unbatched_and_a_full_queue_answers_429(server: ServiceJob) -> None:
@@ -294,35 +137,35 @@ def test_batched_equals_unbatched_and_a_full_queue_answers_429(server: ServiceJo
     one call of 4 outputs (the most), the fourth after them; a fifth is refused. Each output equals the same seed
     run alone."""
     seeds = [(20, 2), (30, 1), (40, 1), (50, 1)]  # (seed, n): seeds 20, 21, 30, 40, 50
-    alone = {seed + i: _images(_generate(server.url, seed=seed + i))[0] for seed, n in seeds for i in range(n)}
+    alone = {seed + i: decoded_images(post_generation(server.url, seed=seed + i))[0] for seed, n in seeds for i in range(n)}
     calls_of_4 = 'xstage_batch_outputs_bucket{le="4.0"}', 'xstage_batch_outputs_bucket{le="2.0"}'
-    before = _metric(server.url, calls_of_4[0]) - _metric(server.url, calls_of_4[1])
-    long_call, long_box = _long_call(server.url)
+    before = metric_value(server.url, calls_of_4[0]) - metric_value(server.url, calls_of_4[1])
+    long_call, long_box = start_long_call(server.url)
     waiting = []
     for seed, n in seeds:
-        waiting.append(_in_thread(_generate, server.url, seed=seed, n=n))
+        waiting.append(in_thread(post_generation, server.url, seed=seed, n=n))
         time.sleep(0.05)  # arrival order
-    _until(lambda: HTTP.get(f"{server.url}/health", timeout=5).json()["queue"] == QUEUE_BOUND - 1, "a full queue")
-    refused = _generate(server.url, seed=60)
+    wait_until(lambda: HTTP.get(f"{server.url}/health", timeout=5).json()["queue"] == QUEUE_BOUND - 1, "a full queue")
+    refused = post_generation(server.url, seed=60)
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     for thread, _ in [(long_call, long_box), *waiting]:
         thread.join(timeout=60)
     assert long_box[0][0] == "completed"
     for (seed, n), (_, box) in zip(seeds, waiting):
-        for i, image in enumerate(_images(box[0])):
+        for i, image in enumerate(decoded_images(box[0])):
             assert np.abs(image - alone[seed + i]).max() <= 1, f"seed {seed + i}: batched differs from alone"
-    after = _metric(server.url, calls_of_4[0]) - _metric(server.url, calls_of_4[1])
+    after = metric_value(server.url, calls_of_4[0]) - metric_value(server.url, calls_of_4[1])
     assert after == before + 1, "the first three waiting requests did not run as one call of 4 outputs"
 
 
 def test_a_waiting_request_whose_client_left_is_dropped(server: ServiceJob) -> None:
-    dropped = _metric(server.url, 'xstage_requests_total{outcome="dropped"}')
-    long_call, box = _long_call(server.url)
+    dropped = metric_value(server.url, 'xstage_requests_total{outcome="dropped"}')
+    long_call, box = start_long_call(server.url)
     with pytest.raises(httpx.ReadTimeout):
-        _generate(server.url, timeout=0.5, seed=70)
+        post_generation(server.url, timeout=0.5, seed=70)
     long_call.join(timeout=60)
     assert box[0][0] == "completed"
-    _until(lambda: _metric(server.url, 'xstage_requests_total{outcome="dropped"}') == dropped + 1,
+    wait_until(lambda: metric_value(server.url, 'xstage_requests_total{outcome="dropped"}') == dropped + 1,
            "the request to be dropped")
 
 
@@ -341,7 +184,7 @@ def test_a_short_load_benchmark(server: ServiceJob, tmp_path: Path) -> None:
 def test_the_benchmark_launches_the_service_and_compares_max_batches(tmp_path: Path, monkeypatch) -> None:
     """--launch: the service (one CPU rank) started with the max batch asked for, and stopped by SIGTERM; runs at
     two max batches side by side as ratios to the first (records made up: a launch costs seconds of CPU)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as a user runs it (see _launch)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as a user runs it (see launch_service)
     prefix = tmp_path / "serve-launched"
     bench_serve.main(["--launch", f"{sys.executable} -m xstage_dit.serve --timeout-s {TIMEOUT_S}", "--max-batch", "2",
                       "--wait-ready", str(START_S), "--concurrency", "2", "--requests", "2", "--warmup", "0",
@@ -360,14 +203,14 @@ def test_sigterm_to_torchrun_and_the_ranks_drains_and_the_ranks_exit_0(server: S
     shared job."""
     body = {"prompt": SLOW_PROMPT, "num_inference_steps": LONG_STEPS, "stream": True}
     with HTTP.stream("POST", f"{server.url}/v1/images/generations", json=body, timeout=60) as response:
-        events = _events(response)
+        events = sse_events(response)
         assert next(events)[0] == "progress"
         ranks = server.rank_pids()
         os.killpg(server.process.pid, signal.SIGTERM)
         for pid in ranks.values():
             os.kill(pid, signal.SIGTERM)
-        _until(lambda: HTTP.get(f"{server.url}/health", timeout=5).status_code == 503, "/health to fail")
-        assert _generate(server.url).status_code == 503
+        wait_until(lambda: HTTP.get(f"{server.url}/health", timeout=5).status_code == 503, "/health to fail")
+        assert post_generation(server.url).status_code == 503
         assert list(events)[-1][0] == "completed"
     answered = time.monotonic()
     server.process.wait(timeout=EXIT_S)
@@ -382,7 +225,7 @@ def test_a_rank_killed_mid_request_fails_the_request_and_the_job(jobs: Jobs) -> 
     body = {"prompt": SLOW_PROMPT, "num_inference_steps": LONG_STEPS, "stream": True}
     started = time.monotonic()
     with HTTP.stream("POST", f"{doomed.url}/v1/images/generations", json=body, timeout=60) as response:
-        events = _events(response)
+        events = sse_events(response)
         assert next(events)[0] == "progress"
         os.kill(doomed.rank_pids()[1], signal.SIGKILL)
         name, data = list(events)[-1]
@@ -399,39 +242,11 @@ def test_ranks_whose_torchrun_agent_died_exit(jobs: Jobs) -> None:
     assert sorted(ranks) == [0, 1]
     os.kill(orphaned.process.pid, signal.SIGKILL)
     orphaned.process.wait(timeout=EXIT_S)
-    _until(lambda: not any(_running(pid) for pid in ranks.values()), "the orphaned ranks to exit",
+    wait_until(lambda: not any(is_running(pid) for pid in ranks.values()), "the orphaned ranks to exit",
            timeout_s=silence_bound(TIMEOUT_S) + 10)
     log = orphaned.output()
     for rank in ranks:
         assert re.search(f"rank {rank}: .*torchrun agent", log), log
-
-
-VIDEO_EXTRA = pytest.mark.skipif(not media.can_write_mp4(), reason="the video extra is not installed")
-
-
-def _serve_in_process(config: str, device: torch.device, ask) -> tuple[list, int]:
-    """`config` served in this process (one rank; the app called through httpx's ASGI transport, no server):
-    `ask(client)`'s answers and the loop's exit code after a drain."""
-    loaded = loading.load_pipeline(None, config, loading.family_of(None, config), device, torch.float32)
-    loaded.pipe.set_progress_bar_config(disable=True)
-    if device.type == "cuda":
-        xstage_dit.enable(loaded.pipe, timeout_s=TIMEOUT_S)
-    service = Service(loaded, model_card(loaded, config), ServeOptions(timeout_s=TIMEOUT_S),
-                      SideChannel(TIMEOUT_S), ServiceMetrics())
-
-    async def answers() -> list:
-        transport = httpx.ASGITransport(app=create_app(service))
-        async with httpx.AsyncClient(transport=transport, base_url="http://service", timeout=120) as client:
-            return await ask(client)
-
-    loop, box = _in_thread(service.run)
-    try:
-        return asyncio.run(answers()), box
-    finally:
-        service.drain(signal.SIGTERM, None)
-        loop.join(timeout=30)
-        if device.type == "cuda":
-            xstage_dit.disable(loaded.pipe)
 
 
 @VIDEO_EXTRA
@@ -442,7 +257,7 @@ def test_a_video_model_answers_an_mp4_in_one_process() -> None:
         video = await client.post("/v1/videos/generations", json={"prompt": "a wave", "num_frames": 5, "seed": 2})
         return [video, await client.post("/v1/images/generations", json={"prompt": "a wave"})]
 
-    (video, image), box = _serve_in_process("tiny-wan", torch.device("cpu"), ask)
+    (video, image), box = serve_in_process("tiny-wan", torch.device("cpu"), ask)
     assert video.status_code == 200, video.text
     assert video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
     assert video.headers["x-seed"] == "2"
@@ -463,8 +278,8 @@ def test_an_input_image_reaches_a_kontext_pipeline() -> None:
         return [await client.post("/v1/images/generations", json={**body, "image": png(seed)}) for seed in (1, 2)] \
             + [await client.post("/v1/images/generations", json={**body, "image": "bm90IGFuIGltYWdl"})]
 
-    (first, second, broken), box = _serve_in_process("tiny-flux-kontext", torch.device("cpu"), ask)
-    assert _images(first)[0].shape == (32, 48, 3) and not np.array_equal(_images(first)[0], _images(second)[0])
+    (first, second, broken), box = serve_in_process("tiny-flux-kontext", torch.device("cpu"), ask)
+    assert decoded_images(first)[0].shape == (32, 48, 3) and not np.array_equal(decoded_images(first)[0], decoded_images(second)[0])
     assert broken.status_code == 400 and broken.json()["error"]["param"] == "image"
     assert box == [0]
 
@@ -478,12 +293,12 @@ def test_the_service_on_a_gpu() -> None:
         return [streamed, await client.post("/v1/images/generations", json=body),
                 await client.post("/v1/images/generations", json={**body, "n": 2})]
 
-    (streamed, alone, batch), box = _serve_in_process("tiny-flux", torch.device("cuda"), ask)
+    (streamed, alone, batch), box = serve_in_process("tiny-flux", torch.device("cuda"), ask)
     assert streamed.text.count("event: progress") == 3 and "event: completed" in streamed.text
     completed = json.loads(streamed.text.split("event: completed\ndata: ", 1)[1].split("\n", 1)[0])
-    first = _pixels(base64.b64decode(completed["data"][0]["b64_json"]))
-    assert np.array_equal(_images(alone)[0], first)
-    assert np.abs(_images(batch)[0] - first).max() <= 3  # batched kernels round differently; another draw differs
+    first = decoded_pixels(base64.b64decode(completed["data"][0]["b64_json"]))
+    assert np.array_equal(decoded_images(alone)[0], first)
+    assert np.abs(decoded_images(batch)[0] - first).max() <= 3  # batched kernels round differently; another draw differs
     assert box == [0]
 
 
@@ -520,7 +335,7 @@ def test_a_call_past_its_bound_is_a_failure() -> None:
     failures: list[str] = []
     liveness = Liveness(0, 1, silent_after_s=10, on_failure=failures.append)
     liveness.arm(0.1, "the pipeline call for requests ['x']")
-    _until(lambda: failures, "the overrun to be reported", timeout_s=10)
+    wait_until(lambda: failures, "the overrun to be reported", timeout_s=10)
     assert failures == ["rank 0: the pipeline call for requests ['x'] ran past its bound"]
     liveness.stop()
 
@@ -533,16 +348,6 @@ def test_the_console_script_takes_the_services_arguments(capsys) -> None:
     assert exit.value.code == 0 and "--queue-bound" in capsys.readouterr().out
 
 
-def _card(image: str, video: bool = False) -> ModelCard:
-    return ModelCard(id="a-model", video=video, image=image, text_encoder=False, size_multiple=16,
-                     default_height=32, default_width=48, fps=16)
-
-
-def _pipeline_free_service(card: ModelCard) -> Service:
-    """A service with no pipeline and no loop: what rank 0 does before anything reaches the ranks."""
-    return Service(None, card, ServeOptions(timeout_s=TIMEOUT_S), SideChannel(TIMEOUT_S), ServiceMetrics())
-
-
 def test_the_input_image_is_checked_before_it_reaches_the_ranks() -> None:
     """A pipeline that makes its output from an image (an edit, an image-to-video) refuses a request without one, a
     text-only pipeline one with an image, 400 naming the field, before the queue; each of the zoo's pipelines is
@@ -552,7 +357,7 @@ def test_the_input_image_is_checked_before_it_reaches_the_ranks() -> None:
     image = base64.b64encode(buffer.getvalue()).decode()
 
     async def ask(card: ModelCard, body: dict) -> httpx.Response:
-        service = _pipeline_free_service(card)
+        service = pipeline_free_service(card)
         transport = httpx.ASGITransport(app=create_app(service))
         endpoint = "/v1/videos/generations" if card.video else "/v1/images/generations"
         async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
@@ -563,8 +368,8 @@ def test_the_input_image_is_checked_before_it_reaches_the_ranks() -> None:
 
     import diffusers
 
-    for card, body in ((_card("required"), {}), (_card("required", video=True), {}), (_card("none"), {"image": image}),
-                       (_card("none", video=True), {"image": image})):
+    for card, body in ((stub_card("required"), {}), (stub_card("required", video=True), {}), (stub_card("none"), {"image": image}),
+                       (stub_card("none", video=True), {"image": image})):
         response = asyncio.run(asyncio.wait_for(ask(card, body), 30))
         assert response.status_code == 400 and response.json()["error"]["param"] == "image", response.text
     classes = {(entry.pipeline or zoo.FAMILIES[entry.family].pipeline) for entry in zoo.ZOO.values()}
@@ -584,7 +389,7 @@ def test_the_input_image_is_checked_before_it_reaches_the_ranks() -> None:
 def test_the_drain_handler_takes_no_lock() -> None:
     """SIGTERM's handler can run inside itself (a rank gets the signal from its sender and from torchrun) and
     interrupt the main thread while it holds the service's lock: it must not wait for that lock."""
-    service = _pipeline_free_service(_card("none"))
+    service = pipeline_free_service(stub_card("none"))
     with service._lock:
         handler = threading.Thread(target=service.drain, args=(signal.SIGTERM, None), daemon=True)
         handler.start()
@@ -601,7 +406,7 @@ def test_outputs_are_encoded_as_png_that_decodes_to_the_same_pixels() -> None:
         decoded = PIL.Image.open(io.BytesIO(media.png(PIL.Image.fromarray(pixels, mode))))
         assert decoded.mode == mode and np.array_equal(np.asarray(decoded), pixels)
     palette = PIL.Image.fromarray(noise.integers(0, 256, (6, 7), dtype=np.uint8)).convert("P")
-    assert np.array_equal(_pixels(media.png(palette)), np.asarray(palette.convert("RGB")))
+    assert np.array_equal(decoded_pixels(media.png(palette)), np.asarray(palette.convert("RGB")))
 
 
 def test_the_costs_of_answering_a_1024_image() -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# test_serve skips without the `serve` extra
-from test_serve import (HTTP, ServiceJob, _card, _end, _generate, _images, _launch, _long_call, _metric,
-                        _pipeline_free_service, _until, _wait_ready)
+from service_client import (HTTP, ServiceJob, decoded_images, end_job, launch_service, metric_value,
+                            pipeline_free_service, post_generation, start_long_call, stub_card, wait_until,
+                            wait_until_ready)
 
 import bench_serve
 import httpx
@@ -37,13 +37,13 @@ OUTCOMES = ("ok", "invalid", "rejected", "unavailable", "failed", "dropped", "ca
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> ServiceJob:
-    job = _launch(tmp_path_factory.mktemp("serve-cancel") / "job.log", "--max-timeout-s", str(MAX_TIMEOUT_S),
+    job = launch_service(tmp_path_factory.mktemp("serve-cancel") / "job.log", "--max-timeout-s", str(MAX_TIMEOUT_S),
                   "--timeout-s", str(STEP_TIMEOUT_S))
     try:
-        _wait_ready(job)
+        wait_until_ready(job)
         yield job
     finally:
-        _end(job)
+        end_job(job)
 
 
 def _service(url: str) -> dict:
@@ -57,11 +57,11 @@ def _step_s(url: str) -> float:
 
 
 def _answered(url: str) -> float:
-    return sum(_metric(url, f'xstage_requests_total{{outcome="{outcome}"}}') for outcome in OUTCOMES)
+    return sum(metric_value(url, f'xstage_requests_total{{outcome="{outcome}"}}') for outcome in OUTCOMES)
 
 
 def _next_good_request_is_answered(url: str) -> None:
-    assert len(_images(_generate(url, seed=5, timeout=30))) == 1
+    assert len(decoded_images(post_generation(url, seed=5, timeout=30))) == 1
     assert HTTP.get(f"{url}/health", timeout=10).json()["status"] == "ready"
 
 
@@ -79,7 +79,7 @@ def test_requests_over_the_models_limits_answer_400_naming_the_limit(server: Ser
                                (outputs_over, "n", "4 output(s)"),
                                ({"timeout_s": MAX_TIMEOUT_S + 1}, "timeout_s", f"at most {MAX_TIMEOUT_S}")):
         started = time.monotonic()
-        response = _generate(server.url, **body)
+        response = post_generation(server.url, **body)
         assert response.status_code == 400, (body, response.text)
         error = response.json()["error"]
         assert error["param"] == param and words in error["message"], (body, error)
@@ -91,11 +91,11 @@ def test_a_call_past_its_deadline_answers_504_and_the_service_goes_on(server: Se
     """A call slower than predicted (it pauses half a second a step) stops at the first step past its deadline;
     a request waiting behind a call answers 504 once its deadline passes, while that call, longer than the job's
     --timeout-s (which bounds each step), runs to its end."""
-    deadlines = _metric(server.url, 'xstage_requests_total{outcome="deadline"}')
+    deadlines = metric_value(server.url, 'xstage_requests_total{outcome="deadline"}')
     timeout_s = max(2.0, 1.1 * _step_s(server.url) * STALL_STEPS)  # admitted: its predicted call fits
     assert timeout_s < 0.5 * STALL_STEPS, f"a step priced at {_step_s(server.url)} s: too busy a machine"
     started = time.monotonic()
-    late = _generate(server.url, prompt=STALL_PROMPT, num_inference_steps=STALL_STEPS, timeout_s=timeout_s)
+    late = post_generation(server.url, prompt=STALL_PROMPT, num_inference_steps=STALL_STEPS, timeout_s=timeout_s)
     took = time.monotonic() - started
     assert late.status_code == 504, late.text
     assert late.json()["error"]["type"] == "timeout_error" and "deadline" in late.json()["error"]["message"]
@@ -103,14 +103,14 @@ def test_a_call_past_its_deadline_answers_504_and_the_service_goes_on(server: Se
     _next_good_request_is_answered(server.url)
 
     started = time.monotonic()
-    long_call, box = _long_call(server.url, STALL_PROMPT, 2 * STALL_STEPS)  # a call of 16 s or more in front
+    long_call, box = start_long_call(server.url, STALL_PROMPT, 2 * STALL_STEPS)  # a call of 16 s or more in front
     waiting_s = max(1.0, 2 * _step_s(server.url))  # one step's call fits
     asked = time.monotonic()
-    waiting = _generate(server.url, num_inference_steps=1, timeout_s=waiting_s)
+    waiting = post_generation(server.url, num_inference_steps=1, timeout_s=waiting_s)
     assert waiting.status_code == 504 and time.monotonic() - asked < waiting_s + 2, waiting.text
     long_call.join(timeout=60)
     assert box[-1][0] == "completed" and time.monotonic() - started > STEP_TIMEOUT_S
-    _until(lambda: _metric(server.url, 'xstage_requests_total{outcome="deadline"}') == deadlines + 2,
+    wait_until(lambda: metric_value(server.url, 'xstage_requests_total{outcome="deadline"}') == deadlines + 2,
            "both deadlines counted")
     _next_good_request_is_answered(server.url)
 
@@ -119,21 +119,21 @@ def test_a_client_that_goes_away_cancels_its_call(server: ServiceJob) -> None:
     """A streaming client that closes its connection at its second step, then one that stops waiting for its
     answer: each call stops within a step, every rank with it (the next request is answered at once, not after
     the rest of the call), and the metrics and the log say so."""
-    cancelled = _metric(server.url, 'xstage_requests_total{outcome="cancelled"}')
-    steps_before = _metric(server.url, "xstage_step_seconds_count")
-    leaving, _ = _long_call(server.url, STALL_PROMPT, 3 * STALL_STEPS, leave_after=2)
+    cancelled = metric_value(server.url, 'xstage_requests_total{outcome="cancelled"}')
+    steps_before = metric_value(server.url, "xstage_step_seconds_count")
+    leaving, _ = start_long_call(server.url, STALL_PROMPT, 3 * STALL_STEPS, leave_after=2)
     leaving.join(timeout=30)
     started = time.monotonic()
     _next_good_request_is_answered(server.url)
     assert time.monotonic() - started < 10, "the call went on after its client left"
-    assert _metric(server.url, "xstage_step_seconds_count") - steps_before < 3 * STALL_STEPS
+    assert metric_value(server.url, "xstage_step_seconds_count") - steps_before < 3 * STALL_STEPS
 
     with pytest.raises(httpx.ReadTimeout):
-        _generate(server.url, prompt=STALL_PROMPT, num_inference_steps=3 * STALL_STEPS, timeout=2)
+        post_generation(server.url, prompt=STALL_PROMPT, num_inference_steps=3 * STALL_STEPS, timeout=2)
     started = time.monotonic()
     _next_good_request_is_answered(server.url)
     assert time.monotonic() - started < 10, "the call went on after its client left"
-    _until(lambda: _metric(server.url, 'xstage_requests_total{outcome="cancelled"}') == cancelled + 2,
+    wait_until(lambda: metric_value(server.url, 'xstage_requests_total{outcome="cancelled"}') == cancelled + 2,
            "both calls counted as cancelled")
     assert server.output().count("the client went away; cancelled in its call") >= 2
 
@@ -160,10 +160,10 @@ def test_four_times_capacity_with_hostile_clients_for_a_minute(server: ServiceJo
         assert sample.status in (200, bench_serve.GONE) or sample.message, sample
     assert 504 in kinds["deadline"] and bench_serve.GONE in kinds["disconnect"], kinds
     assert any(s.status == 200 for s in samples if s.kind == "good")
-    _until(lambda: _answered(server.url) == before + 4 + len(samples),
+    wait_until(lambda: _answered(server.url) == before + 4 + len(samples),
            "every request counted by one outcome", timeout_s=60)
-    assert _metric(server.url, 'xstage_requests_total{outcome="failed"}') == 0
-    assert _metric(server.url, 'xstage_requests_total{outcome="unavailable"}') == 0
+    assert metric_value(server.url, 'xstage_requests_total{outcome="failed"}') == 0
+    assert metric_value(server.url, 'xstage_requests_total{outcome="unavailable"}') == 0
     _next_good_request_is_answered(server.url)
     run = bench_serve.summary(samples, {"load": "4x capacity, half hostile"})
     print(f"\n{len(samples)} requests in {LOAD_S} s at {4 * capacity:.2f}/s (capacity {capacity:.2f}/s):"
@@ -227,7 +227,7 @@ def test_a_call_stops_once_none_of_its_requests_is_wanted() -> None:
     """Service._abandoned alone, at a step's end of a batch of three: the request whose client left answers 499
     and the one past its deadline 504 there, while the call goes on for the third; once its client leaves too,
     the call stops."""
-    service, loop = _pipeline_free_service(_card("none")), asyncio.new_event_loop()
+    service, loop = pipeline_free_service(stub_card("none")), asyncio.new_event_loop()
     staying, leaving, late = (Job(GenerationRequest(id=name, prompt=name, n=1, seed=0, video=False,
                                                     deadline_s=deadline_s), loop)
                               for name, deadline_s in (("staying", 60), ("leaving", 60), ("late", 0)))

@@ -16,14 +16,12 @@ import PIL.Image
 import pytest
 import torch
 
-for _package in ("fastapi", "uvicorn", "prometheus_client", "httpx", "multipart"):  # the `serve` extra
-    pytest.importorskip(_package, reason=f"the service's tests need {_package} (pip install -e '.[test]')")
 openai = pytest.importorskip("openai", reason="the edits endpoint is checked with OpenAI's client (the test extra)")
 
 import httpx  # noqa: E402
 from serve_job import FAIL_PROMPT  # noqa: E402
-from test_serve import (TIMEOUT_S, VIDEO_EXTRA, ServiceJob, _card, _end, _launch,  # noqa: E402
-                        _pipeline_free_service, _pixels, _serve_in_process, _wait_ready)
+from service_client import (TIMEOUT_S, VIDEO_EXTRA, ServiceJob, decoded_pixels, end_job,  # noqa: E402
+                            launch_service, pipeline_free_service, serve_in_process, stub_card, wait_until_ready)
 from xstage_dit.serve.app import create_app  # noqa: E402
 from xstage_dit.serve.keys import KEYS_FILE_ENV  # noqa: E402
 from xstage_dit.serve.service import ServeOptions  # noqa: E402
@@ -39,15 +37,15 @@ def service(tmp_path_factory) -> ServiceJob:
     (folder / "keys").write_text(f"# the service's keys\n\n{FILED_KEY}\n")
     os.environ[KEYS_FILE_ENV] = str(folder / "keys")  # the job's environment is this process's
     try:
-        job = _launch(folder / "service.log", "--config", "tiny-flux-kontext", "--api-key", KEY,
+        job = launch_service(folder / "service.log", "--config", "tiny-flux-kontext", "--api-key", KEY,
                       "--max-body-mb", str(BODY_LIMIT / 2**20))
     finally:
         del os.environ[KEYS_FILE_ENV]
     try:
-        _wait_ready(job)
+        wait_until_ready(job)
         yield job
     finally:
-        _end(job)
+        end_job(job)
 
 
 HTTP = httpx.Client(timeout=60, headers={"authorization": f"Bearer {KEY}"})
@@ -203,19 +201,19 @@ def test_openais_client_generates_and_edits(service: ServiceJob) -> None:
     generated = client.images.generate(prompt="a lighthouse", n=2, size="48x32", response_format="b64_json",
                                        extra_body={"seed": 5, "num_inference_steps": 2})
     assert [item.model_extra["seed"] for item in generated.data] == [5, 6]
-    assert _pixels(base64.b64decode(generated.data[0].b64_json)).shape == (32, 48, 3)
+    assert decoded_pixels(base64.b64decode(generated.data[0].b64_json)).shape == (32, 48, 3)
 
     def edit(image: bytes, **extra: Any) -> np.ndarray:
         answer = client.images.edit(image=("in.png", image, "image/png"), prompt="a lighthouse", size="48x32",
                                     extra_body={"seed": 5, "num_inference_steps": 2, **extra})
-        return _pixels(base64.b64decode(answer.data[0].b64_json))
+        return decoded_pixels(base64.b64decode(answer.data[0].b64_json))
 
     first, second = edit(_png(seed=1)), edit(_png(seed=2))
     assert first.shape == (32, 48, 3) and not np.array_equal(first, second)
     assert np.array_equal(edit(_png(seed=1)), first)
     url = client.images.edit(image=("in.png", _png(seed=1), "image/png"), prompt="a lighthouse", size="48x32",
                              response_format="url", extra_body={"seed": 5, "num_inference_steps": 2}).data[0].url
-    assert np.array_equal(_pixels(HTTP.get(url).content), first)
+    assert np.array_equal(decoded_pixels(HTTP.get(url).content), first)
     with pytest.raises(openai.AuthenticationError):
         _client(service, "sk-wrong").images.generate(prompt="a lighthouse")
     with pytest.raises(openai.BadRequestError) as refused:
@@ -248,7 +246,7 @@ def test_an_edit_needs_a_pipeline_that_takes_an_image() -> None:
     """A text-only pipeline answers 400 naming `image` (no pipeline runs: the check comes first); anything
     raised in a handler answers 500 in the one shape; with --open-metrics, /metrics needs no key; /openapi.json
     describes the bodies the handlers read themselves."""
-    service = _pipeline_free_service(_card("none"))
+    service = pipeline_free_service(stub_card("none"))
     service.options = ServeOptions(timeout_s=TIMEOUT_S, api_keys=(KEY,), open_metrics=True)
 
     def broken(job) -> None:
@@ -279,7 +277,7 @@ def _in_process_edits(config: str, ask) -> list:
         return await ask(openai.AsyncOpenAI(base_url="http://service/v1", api_key="none", http_client=client,
                                             max_retries=0))
 
-    answers, box = _serve_in_process(config, torch.device("cpu"), with_openai)
+    answers, box = serve_in_process(config, torch.device("cpu"), with_openai)
     assert box == [0]
     return answers
 
@@ -298,7 +296,7 @@ def test_an_inpainting_pipeline_takes_the_mask() -> None:
         return [await edit(1), await edit(2), await edit(None), await edit(1, guidance_scale=3.0)]
 
     first, second, unmasked, guided = _in_process_edits("tiny-flux-fill", ask)
-    images = [_pixels(base64.b64decode(answer.data[0].b64_json)) for answer in (first, second)]
+    images = [decoded_pixels(base64.b64decode(answer.data[0].b64_json)) for answer in (first, second)]
     assert images[0].shape == (32, 48, 3) and not np.array_equal(*images)
     assert unmasked["param"] == "mask" and guided["param"] == "guidance_scale"
 
@@ -311,7 +309,7 @@ def test_a_reference_image_pipeline_takes_several_images() -> None:
                                          extra_body={"seed": 3, "num_inference_steps": 1}) for n in (1, 2)]
 
     one, two = _in_process_edits("tiny-qwenimage-edit-plus", ask)
-    assert not np.array_equal(*(_pixels(base64.b64decode(answer.data[0].b64_json)) for answer in (one, two)))
+    assert not np.array_equal(*(decoded_pixels(base64.b64decode(answer.data[0].b64_json)) for answer in (one, two)))
 
 
 @VIDEO_EXTRA
@@ -322,7 +320,7 @@ def test_a_video_answered_as_a_url() -> None:
         return [linked, await client.get(linked.json()["data"][0]["url"]),
                 await client.post("/v1/images/generations", json={"prompt": "a wave", "num_frames": 5})]
 
-    (linked, video, image), box = _serve_in_process("tiny-wan", torch.device("cpu"), ask)
+    (linked, video, image), box = serve_in_process("tiny-wan", torch.device("cpu"), ask)
     assert linked.json()["data"][0]["seed"] == 2
     assert video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
     _refused(image, 400, "num_frames")

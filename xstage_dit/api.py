@@ -83,18 +83,8 @@ class Degrees:
 def _degrees(world_size: int, config: XStageConfig, heads: list[int]) -> Degrees:
     """The degrees the job runs: the ones given, checked against the world and the heads; with none given, Ulysses
     as wide as divides every model's heads within a node (LOCAL_WORLD_SIZE), the ring for the rest."""
-    if world_size % config.cfg_degree:
-        raise ValueError(f"cfg_degree={config.cfg_degree} does not divide the world size {world_size}")
-    ranks = world_size // config.cfg_degree
+    ranks = config.sequence_ranks(world_size)
     ulysses, ring = config.ulysses_degree, config.ring_degree
-    with_cfg = f" with cfg_degree={config.cfg_degree}" if config.cfg_degree != 1 else ""
-    for name, degree in (("ulysses_degree", ulysses), ("ring_degree", ring)):
-        if degree is not None and ranks % degree:
-            raise ValueError(f"{name}={degree} does not fit the world size {world_size}{with_cfg}: the ranks are "
-                             f"split into cfg_degree x ring_degree x ulysses_degree, so it must divide {ranks}")
-    if ulysses is not None and ring is not None and ulysses * ring != ranks:
-        raise ValueError(f"ulysses_degree={ulysses} x ring_degree={ring} does not fit the world size "
-                         f"{world_size}{with_cfg}: their product must be {ranks}")
     if ulysses is None:
         node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
         ulysses = ranks // ring if ring is not None else widest_ulysses(ranks, heads, node)

@@ -14,10 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from .probing.calibrate import calibrate, describe, remeasure_kernel_costs, topology_matrix
-from .sp.attention.backends import available_backends, backends, costs_of
+# torch, diffusers and what imports them load in the commands that use them (seconds), so that --help, --version
+# and a bad argument answer at once; the planner and its calibrations are plain Python
 from .burst_gap.calibration import SHIPPED, SHIPPED_GPU, Calibration, calibration_dir, find_calibration
 from .burst_gap.planner import (INTERNODE_RATE, SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Nodes, Planner,
                                 RingBlocks, widest_ulysses)
@@ -40,6 +38,11 @@ def _nvshmem() -> str:
 
 
 def info() -> str:
+    import torch
+
+    from .probing.calibrate import describe, topology_matrix
+    from .sp.attention.backends import available_backends
+
     lines = [
         f"xstage_dit {_version('xstage_dit')}: torch {torch.__version__} (CUDA {torch.version.cuda}), "
         f"triton {_version('triton')}, diffusers {_version('diffusers')}",
@@ -62,6 +65,7 @@ def plan(calibration: Calibration, shape: AttentionShape) -> str:
     """Each registered backend's predicted time for `shape`, what auto runs, and what each backend says of its
     plan for it (the fused kernel's tile order)."""
     from .sp.attention.auto import decide
+    from .sp.attention.backends import backends, costs_of
 
     planner = Planner.from_calibration(calibration)
     candidates = tuple(backends())
@@ -76,6 +80,8 @@ def plan(calibration: Calibration, shape: AttentionShape) -> str:
 def plan_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes) -> str:
     """Every Ulysses x ring split of `shape`'s ranks with each backend that can run it, fastest first, the
     planner's pick, and the split `enable` runs with no degrees given."""
+    from .sp.attention.backends import backends, costs_of
+
     planner = Planner.from_calibration(calibration)
     splits = planner.layer_splits(shape, nodes, costs_of(tuple(backends())))
     lines = [f"{shape.degree} ranks, {nodes.ranks_per_node} a node (between nodes "
@@ -129,14 +135,14 @@ non_negative_int = _number(int, lambda value: value >= 0, "a whole number >= 0")
 positive_float = _number(float, lambda value: 0 < value < math.inf, "a finite number > 0")  # NaN compares false
 
 
-def _load(path: Path) -> Calibration:
-    """The calibration in `path`, or one line naming the file and what is wrong with it."""
+def _load(path: Path, parser: argparse.ArgumentParser, option: str) -> Calibration:
+    """The calibration in `path`, or a usage error naming the file and what is wrong with it."""
     try:
         return Calibration.load(path)
     except OSError as error:
-        raise SystemExit(f"xstage-dit plan: cannot read --calibration {path}: {error.strerror or error}") from None
+        parser.error(f"argument {option}: cannot read {path}: {error.strerror or error}")
     except ValueError as error:
-        raise SystemExit(f"xstage-dit plan: --calibration {error}") from None
+        parser.error(f"argument {option}: {error}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,12 +185,20 @@ def main(argv: list[str] | None = None) -> None:
     layer.add_argument("--capacity-factor", type=positive_float, default=4.0)
     layer.add_argument("--calibration", type=Path, help="a calibration JSON (default: the best match for this "
                        "machine's GPU and --ranks in the calibration directory)")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would name them with the top-level usage; the subcommand's says what it takes
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "info":
         print(info())
     elif args.command == "calibrate":
+        for path in args.kernels_only or ():
+            _load(path, run, "--kernels-only")
+        import torch
+
         if not torch.cuda.is_available():  # one line, not a traceback
             raise SystemExit("xstage-dit calibrate: needs a CUDA GPU (it times stores issued by GPU kernels)")
+        from .probing.calibrate import calibrate, remeasure_kernel_costs
+
         if args.kernels_only:
             remeasure_kernel_costs(args.kernels_only, args.out or calibration_dir())
         else:
@@ -192,11 +206,15 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "plan":
         ulysses = args.ulysses
         if ulysses is not None and (args.ranks % ulysses or args.heads % ulysses):
-            parser.error(f"--ulysses {ulysses} must divide --ranks {args.ranks} and --heads {args.heads}")
+            layer.error(f"argument --ulysses: {ulysses} must divide --ranks {args.ranks} and --heads {args.heads}")
         nodes = Nodes(args.ranks_per_node or min(args.ranks, 8), args.internode_gbps * 1e9 / 8)
         if ulysses is not None and ulysses > nodes.ranks_per_node:
-            parser.error(f"--ulysses {ulysses}: the planner keeps Ulysses within a node of {nodes.ranks_per_node}")
-        calibration = _load(args.calibration) if args.calibration else _this_machine(args.ranks)
+            layer.error(f"argument --ulysses: {ulysses} is wider than a node of {nodes.ranks_per_node} ranks (the "
+                        f"planner keeps Ulysses within a node)")
+        if args.calibration:
+            calibration = _load(args.calibration, layer, "--calibration")
+        else:
+            calibration = _this_machine(args.ranks)
         shape = AttentionShape(args.batch, args.tokens, args.text, args.heads, args.head_dim, args.ranks)
         if args.ranks > calibration.world_size:
             print(f"note: {calibration.filename} measured {calibration.world_size} rank(s); the predictions for "
@@ -215,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _one_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes, ulysses: int) -> str:
     """The splits of `plan_split` with this Ulysses degree."""
+    from .sp.attention.backends import backends, costs_of
+
     planner = Planner.from_calibration(calibration)
     splits = [s for s in planner.layer_splits(shape, nodes, costs_of(tuple(backends()))) if s.ulysses == ulysses]
     return "\n".join([f"Ulysses {ulysses} x ring {shape.degree // ulysses}:", *(f"  {s}" for s in splits)])
@@ -222,6 +242,8 @@ def _one_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes, ul
 
 def _this_machine(ranks: int) -> Calibration:
     """This GPU's best calibration for `ranks`; without a GPU, the shipped H200 one (said in a note)."""
+    import torch
+
     if not torch.cuda.is_available():
         shipped = find_calibration(SHIPPED_GPU, ranks, directory=SHIPPED)
         print(f"note: no GPU here: planning for an {SHIPPED_GPU} with the shipped {shipped.filename} (--calibration "

@@ -82,6 +82,25 @@ class XStageConfig:
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be None ({default}), True or False, got {value!r}")
 
+    def sequence_ranks(self, world_size: int) -> int:
+        """The ranks that split one sequence in a job of `world_size` ranks (world_size / cfg_degree), with the
+        degrees given checked against it: a ValueError names the one that does not fit. Needs only the launcher's
+        world size, so a command line is checked before anything loads."""
+        if world_size % self.cfg_degree:
+            raise ValueError(f"cfg_degree={self.cfg_degree} does not divide the world size {world_size}")
+        ranks = world_size // self.cfg_degree
+        ulysses, ring = self.ulysses_degree, self.ring_degree
+        with_cfg = f" with cfg_degree={self.cfg_degree}" if self.cfg_degree != 1 else ""
+        for name, degree in (("ulysses_degree", ulysses), ("ring_degree", ring)):
+            if degree is not None and ranks % degree:
+                raise ValueError(f"{name}={degree} does not fit the world size {world_size}{with_cfg}: the ranks "
+                                 f"are split into cfg_degree x ring_degree x ulysses_degree, so it must divide "
+                                 f"{ranks}")
+        if ulysses is not None and ring is not None and ulysses * ring != ranks:
+            raise ValueError(f"ulysses_degree={ulysses} x ring_degree={ring} does not fit the world size "
+                             f"{world_size}{with_cfg}: their product must be {ranks}")
+        return ranks
+
     @classmethod
     def knobs(cls) -> tuple[str, ...]:
         """The names `enable` takes as keywords."""

@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the longest deadline (`timeout_s`) a request may ask for, and the deadline of one "
                              "that asks for none: past it the request answers 504 and its call stops")
     args = parser.parse_args(argv)
+    loading.check_enable_knobs(parser, args)
     for name in ("queue_bound", "max_batch", "max_n", "max_steps", "max_pixels", "max_frames"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -83,18 +84,18 @@ def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
     """What the served pipeline takes: sizes in multiples of its VAE's downsampling times its 2 x 2 patches, its
     input images, and the request fields it has no argument for."""
     pipe = loaded.pipe
-    scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
+    multiple = loading.size_multiple(pipe)
     entry = zoo.ZOO[loaded.config] if loaded.config is not None else None
     height, width = (entry.height, entry.width) if entry else (None, None)
     arguments = {"negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
                  "num_frames": "num_frames",
                  "guidance_scale": loaded.family.guidance_kwarg if loaded.family else "guidance_scale"}
     return ModelCard(id=model_id, video=loaded.is_video, image=loading.image_input(type(pipe)),
-                     text_encoder=loaded.config is None, size_multiple=2 * scale,
+                     text_encoder=loaded.config is None, size_multiple=multiple,
                      default_height=height, default_width=width, fps=loaded.fps,
                      max_images=loading.max_input_images(type(pipe)), mask=loading.inpaints(type(pipe)),
                      ignored=frozenset(field for field, kwarg in arguments.items() if not loaded.takes(kwarg)),
-                     scale=cost.model_scale(pipe, 2 * scale, height, width, entry.num_frames if entry else None,
+                     scale=cost.model_scale(pipe, multiple, height, width, entry.num_frames if entry else None,
                                             loading.ZOO_STEPS if entry else None, loaded.is_video))
 
 

@@ -14,6 +14,8 @@ import PIL.Image
 import torch
 
 from ..api import is_main_process
+from ..config import XStageConfig
+from ..runtime.distributed import world_from_env
 from ..sp.attention.backends import available_backends
 from ..testing import zoo
 
@@ -68,6 +70,21 @@ def enable_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """`xstage_dit.enable`'s keywords from the arguments `add_pipeline_arguments` added."""
     return {"backend": args.backend, "ulysses_degree": args.ulysses_degree, "ring_degree": args.ring_degree,
             "cfg_degree": args.cfg_degree, "expert_parallel": EXPERT_PARALLEL[args.expert_parallel]}
+
+
+def check_enable_knobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`enable`'s knobs checked as `enable` checks them (XStageConfig's own checks, and the degrees against the
+    launcher's WORLD_SIZE), before anything loads: a usage error now, not a traceback after the loading."""
+    try:
+        XStageConfig(**enable_knobs(args)).sequence_ranks(world_from_env()[0])
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+
+
+def size_multiple(pipe: Any) -> int:
+    """What the pipeline's widths and heights are multiples of: its VAE's downsampling times its 2 x 2 patches."""
+    scale = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
+    return 2 * scale
 
 
 def default_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
@@ -231,6 +248,18 @@ def pipeline_class(model: str) -> type | None:
     import diffusers
 
     return getattr(diffusers, _class_name(model), None)
+
+
+def requested_class(model: str | None, config: str) -> type | None:
+    """The diffusers pipeline class of `model`, else of zoo config `config`, known before anything loads (None: a
+    class diffusers does not have)."""
+    if model:
+        return pipeline_class(model)
+    import diffusers
+
+    models = zoo()
+    entry = models.ZOO[config]
+    return getattr(diffusers, entry.pipeline or models.FAMILIES[entry.family].pipeline)
 
 
 def _class_name(model: str) -> str:
