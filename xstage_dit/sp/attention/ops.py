@@ -29,13 +29,13 @@ from ...kernels import triton_runs_on
 from ...kernels.rotary_args import JointTokens, NormedTokens, NormRope
 from ...logging_utils import warn_once
 from ...runtime.distributed import resolve_group, waiting_for
-from .backends import FALLBACK, Backend, LocalAttention, get_backend, get_choice
-from .exchange import all_to_all
+from .backends import Call, LocalAttention, Strategy, get_choice
 from ..fabric import fabric_of
+from .layout import WholeKeys
 from .layout import UlyssesLayout
 from .local import diffusers_attention, sdpa_bshd
-from .reference import serial_exchange
-from .ring import WholeKeys, ring_exchange, ring_stores
+from .reference import over_gathered
+from .ring import ring_exchange
 from ..sharding import SequenceShard
 
 
@@ -45,13 +45,13 @@ def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, 
                       ring_group: dist.ProcessGroup | None = None, whole: WholeKeys | None = None) -> torch.Tensor:
     """Ulysses attention of q, k and v as their joint tokens (1 or 2 parts (B, rows, H, D) each), through
     xstage::ulysses_attention. Where q and k come with a NormRope (both, sharing the tables and `across_heads`:
-    a joint-attention processor's prologue), a backend with a joint entry (the fused one) applies it in its stores
+    a joint-attention processor's prologue), a strategy with a joint entry (the fused one) applies it in its stores
     and any other gets it applied first (the norm + RoPE kernel, a concatenation). `backend` names the choice
-    (sp/attention/backends.py) that picks the backend for this call; `attention_backend`, the diffusers attention
-    backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor of a pair
-    bias (masks.QueryKeyMasks.PAIR_BIAS), which only the reference backend attends with. `group`: the Ulysses
-    group (None at Ulysses degree 1); `ring_group`: the ring's, where `layout.ring_degree` is above 1 (ring.py);
-    `whole`: keys and values every rank holds whole, attended besides the sequence's (ring.py's path runs them)."""
+    (sp/attention/backends.py) that picks the strategy for this call; `attention_backend`, the diffusers
+    attention backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor
+    of a pair bias (masks.QueryKeyMasks.PAIR_BIAS), which strategies that support it attend with. `group`: the
+    Ulysses group (None at Ulysses degree 1); `ring_group`: the ring's, where `layout.ring_degree` is above 1
+    (ring.py); `whole`: keys and values every rank holds whole, attended besides the sequence's."""
     query_norm, key_norm = query.norm_rope, key.norm_rope
     return ulysses_attention_op(
         query_parts=list(query.parts), key_parts=list(key.parts), value_parts=list(value.parts),
@@ -115,28 +115,26 @@ def ulysses_attention_op(
     key = tokens(key_parts, key_norm_weights, key_norm_eps)
     value = JointTokens(tuple(value_parts))
     whole = None if whole_key is None else WholeKeys(whole_key, whole_value)
-    if ring_degree > 1 or whole is not None:
-        ring_group = resolve_group(ring_group_name) if ring_group_name else None
-        if backend not in (FALLBACK, "auto") and not (backend == "fused" and ring_group is not None):
-            why = "a ring degree above 1" if ring_degree > 1 else "keys every rank holds whole"
-            warn_once(f"xstage_dit: attention with {why} runs the ring's path, not backend {backend!r}")
-        stores = None if ring_group is None else ring_stores(backend, ring_group, query_parts[0], layout)
-        return ring_exchange(_joined(query), _joined(key), _joined(value), layout,
-                             resolve_group(group_name) if group_name else None, ring_group, scale,
-                             text_mask, text_factor=pair_bias, whole=whole, stores=stores)
-    chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
-    group = resolve_group(group_name)
-    if pair_bias:
-        say_pair_bias_fallback(chosen.name)
-        return serial_exchange(_joined(query), _joined(key), _joined(value), layout, all_to_all(group), scale,
-                               text_mask, gathered_attention(get_backend(FALLBACK), attention_backend),
-                               text_factor=True)
+    group = resolve_group(group_name) if group_name else None
+    ring_group = resolve_group(ring_group_name) if ring_group_name else None
+    ring_fabric = fabric_of(ring_group_name) if ring_group is not None and query_parts[0].is_cuda else None
+    call = Call(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None,
+                ring_fabric_ready=ring_fabric is not None, pair_bias=pair_bias, masked=text_mask is not None,
+                whole_keys=whole is not None)
+    chosen = get_choice(backend).pick(call)
+    if call.ring:
+        return ring_exchange(_joined(query), _joined(key), _joined(value), layout, group, ring_group, scale,
+                             text_mask, chosen.exchange_around(), text_factor=pair_bias, whole=whole,
+                             stores=ring_fabric if chosen.stores_ring(call) else None)
+    attend = gathered_attention(chosen, attention_backend)
+    if not call.own_call:  # its exchange around an attention that takes the pair bias or the whole keys
+        return chosen.exchange(_joined(query), _joined(key), _joined(value), layout, group,
+                               over_gathered(layout, scale, text_mask, attend, pair_bias, whole))
     if chosen.joint is not None:
         out = chosen.joint(query, key, value, layout, group, scale, text_mask)
     else:
-        out = chosen.ulysses(_joined(query), _joined(key), _joined(value), layout, group, scale, text_mask,
-                             gathered_attention(chosen, attention_backend))
-    # a custom op owns its output: a symmetric backend's is a reused fabric buffer
+        out = chosen.ulysses(_joined(query), _joined(key), _joined(value), layout, group, scale, text_mask, attend)
+    # a custom op owns its output: a symmetric strategy's is a reused fabric buffer
     return out.clone() if chosen.symmetric else out
 
 
@@ -201,17 +199,9 @@ def _(query, key, value, *, seq_len, degree, rank, group_name, scale, attention_
     return torch.empty_like(query)
 
 
-def say_pair_bias_fallback(backend: str) -> None:
-    """Pair-bias masks (masks.QueryKeyMasks.PAIR_BIAS) run on the reference backend: say once that `backend`
-    falls back to it (not while a graph is traced: the compiler cannot trace logging)."""
-    if backend != FALLBACK and not torch.compiler.is_compiling():
-        warn_once(f"xstage_dit backend {backend!r} does not take pair-bias attention masks (Chroma's); running "
-                  f"{FALLBACK!r}")
-
-
-def gathered_attention(chosen: Backend, attention_backend: str | None) -> LocalAttention:
-    """What a backend attends the gathered heads with: the user's diffusers attention backend where one was
-    chosen (a backend with its own kernel says once that it replaces it), else SDPA."""
+def gathered_attention(chosen: Strategy, attention_backend: str | None) -> LocalAttention:
+    """What a strategy attends the gathered heads with: the user's diffusers attention backend where one was
+    chosen (a strategy with its own kernel says once that it replaces it), else SDPA."""
     if attention_backend is None:
         return sdpa_bshd
     if chosen.own_attention:
@@ -221,27 +211,28 @@ def gathered_attention(chosen: Backend, attention_backend: str | None) -> LocalA
 
 
 def local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                    backend: str, scale: float | None) -> torch.Tensor:
-    """Degree 1: attention of the whole sequence by the kernel of the backend that choice `backend` picks (a
-    model with an attention backend of the user's runs that instead: UlyssesAttention); through the custom op
-    where a graph is being compiled (which keeps the choice and our kernels opaque), else directly (eager calls
-    skip the op's dispatch)."""
+                    backend: str, scale: float | None, pair_bias: bool = False) -> torch.Tensor:
+    """Degree 1: attention of the whole sequence by the kernel of the strategy that choice `backend` picks (a
+    model with an attention backend of the user's runs that instead: UlyssesAttention); `pair_bias`: `attn_mask`
+    is a pair bias (masks.QueryKeyMasks.PAIR_BIAS). Through the custom op where a graph is being compiled (which
+    keeps the choice and our kernels opaque), else directly (eager calls skip the op's dispatch)."""
     if torch.compiler.is_compiling():
         return local_attention_op(query=query, key=key, value=value, attn_mask=attn_mask, backend=backend,
-                                  scale=scale)
-    return _local_attention(query, key, value, attn_mask, backend, scale)
+                                  scale=scale, pair_bias=pair_bias)
+    return _local_attention(query, key, value, attn_mask, backend, scale, pair_bias)
 
 
 def _local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                     backend: str, scale: float | None) -> torch.Tensor:
-    chosen = get_choice(backend).pick(query, None, fabric_ready=True)
+                     backend: str, scale: float | None, pair_bias: bool) -> torch.Tensor:
+    chosen = get_choice(backend).pick(Call(query, pair_bias=pair_bias,
+                                           masked=attn_mask is not None and not pair_bias))
     return chosen.local(query, key, value, attn_mask, scale)
 
 
 @torch.library.custom_op("xstage::local_attention", mutates_args=())
 def local_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                       *, backend: str, scale: float | None) -> torch.Tensor:
-    out = _local_attention(query, key, value, attn_mask, backend, scale)
+                       *, backend: str, scale: float | None, pair_bias: bool) -> torch.Tensor:
+    out = _local_attention(query, key, value, attn_mask, backend, scale, pair_bias)
     like = torch.empty_like(query)
     if out.stride() == like.stride():
         return out
@@ -250,7 +241,7 @@ def local_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @local_attention_op.register_fake
-def _(query, key, value, attn_mask, *, backend, scale):
+def _(query, key, value, attn_mask, *, backend, scale, pair_bias):
     return torch.empty_like(query)
 
 
