@@ -248,25 +248,33 @@ class BackendChoice(Protocol):
         ...
 
 
-_CHOICES: dict[str, BackendChoice] = {}  # by name, in BACKEND_MODULES' order
+_CHOICES: dict[str, BackendChoice] = {}  # by name, in the order of the modules loaded
 _UNAVAILABLE: dict[str, str] = {}  # a skipped module's name: why
 _loaded = False
 
 
-def _choices() -> dict[str, BackendChoice]:
-    """Every choice by name; the first call imports the modules of BACKEND_MODULES."""
+def load(modules: Iterable[BackendModule] = BACKEND_MODULES) -> None:
+    """The registry built from `modules`, in order: the first lookup loads BACKEND_MODULES. A test that adds a
+    strategy module loads its own list, and BACKEND_MODULES again when it is done."""
     global _loaded
+    _CHOICES.clear()
+    _UNAVAILABLE.clear()
+    for module in modules:
+        try:
+            imported = importlib.import_module(f".{module.name}", __package__)
+        except ImportError as error:
+            if not module.lacks_dependency(error):
+                raise
+            _UNAVAILABLE[module.name] = f"needs {module.optional_dependency}: {error}"
+            continue
+        _CHOICES[imported.CHOICE.name] = imported.CHOICE
+    _loaded = True
+
+
+def _choices() -> dict[str, BackendChoice]:
+    """Every choice by name."""
     if not _loaded:
-        for module in BACKEND_MODULES:
-            try:
-                imported = importlib.import_module(f".{module.name}", __package__)
-            except ImportError as error:
-                if not module.lacks_dependency(error):
-                    raise
-                _UNAVAILABLE[module.name] = f"needs {module.optional_dependency}: {error}"
-                continue
-            _CHOICES[imported.CHOICE.name] = imported.CHOICE
-        _loaded = True
+        load()
     return _CHOICES
 
 
