@@ -81,15 +81,15 @@ def _unload_dummy() -> None:
     del sys.modules[DUMMY_MODULE]
 
 
-def _dummy_worker(ulysses: int, ring: int) -> None:
-    """The router (UlyssesAttention), the custom op and the ring run the dummy strategy's functions: its Ulysses
-    call at ring degree 1, its exchange around the ring and around keys every rank holds whole; the output equals
-    one process's."""
+def _strategy_worker(backend: str, ulysses: int, ring: int) -> None:
+    """The router (UlyssesAttention), the custom op and the ring run strategy `backend` (the dummy's functions: its
+    Ulysses call at ring degree 1, its exchange around the ring and around keys every rank holds whole); the output
+    equals one process's."""
     calls = _load_with_dummy()
     ensure_process_group(60.0)
     groups = build_groups(1, ulysses, 60.0, ring)
     shard = SequenceShard(groups.sequence_degree, groups.sequence_rank, groups.sequence_group)
-    attention = UlyssesAttention(shard, get_choice("dummy"), ulysses=groups.ulysses, ring=groups.ring)
+    attention = UlyssesAttention(shard, get_choice(backend), ulysses=groups.ulysses, ring=groups.ring)
     torch.manual_seed(0)
     text, heads = 3, 4
     q, k, v, whole_k, whole_v = (torch.randn(1, text + 10, heads, 8) for _ in range(5))  # 10 tokens: padded
@@ -105,7 +105,9 @@ def _dummy_worker(ulysses: int, ring: int) -> None:
     whole = WholeKeys(whole_k[:, :5], whole_v[:, :5])
     check(attention.with_whole_keys(mine(q), mine(k), mine(v), whole),
           sdpa_bshd(q, torch.cat([k, whole.key], dim=1), torch.cat([v, whole.value], dim=1)))
-    if ring == 1:  # its own Ulysses call, then its exchange around the whole keys' attention
+    if backend != "dummy":
+        assert not calls, calls
+    elif ring == 1:  # its own Ulysses call, then its exchange around the whole keys' attention
         assert calls == Counter(ulysses=1, exchange=1), calls
     else:  # its exchange around the ring, twice
         assert calls == Counter(exchange=2), calls
@@ -113,7 +115,12 @@ def _dummy_worker(ulysses: int, ring: int) -> None:
 
 @pytest.mark.parametrize("ulysses, ring", [(4, 1), (2, 2)])
 def test_a_strategy_added_to_the_list_runs_through_the_router_the_op_and_the_ring(ulysses, ring):
-    run_on_ranks(4, _dummy_worker, ulysses, ring, deadline_s=300)
+    run_on_ranks(4, _strategy_worker, "dummy", ulysses, ring, deadline_s=300)
+
+
+def test_the_overlap_strategy_runs_its_head_chunks_around_the_ring():
+    """Each of the overlap exchange's head chunks runs the whole ring (and attends its heads of the whole keys)."""
+    run_on_ranks(4, _strategy_worker, "overlap", 2, 2, deadline_s=300)
 
 
 def test_a_strategy_added_to_the_list_is_planned_and_runs_at_degree_one():

@@ -11,8 +11,7 @@ from ...burst_gap.planner import Planner
 from .backends import LocalAttention, RingBlocks, Strategy, Supports
 from .exchange import (GatheredAttention, Transport, all_to_all, finish_gather, finish_scatter, start_gather,
                        start_scatter)
-from .layout import WholeKeys
-from .layout import UlyssesLayout
+from .layout import UlyssesLayout, WholeKeys
 from .local import sdpa_bshd
 from .masks import pair_bias, with_image_keys
 

@@ -32,8 +32,7 @@ from ...runtime.distributed import waiting_for
 from ...sizes import ceil_div
 from ..fabric import Fabric, Steps, run_in_lockstep
 from .backends import UlyssesExchange
-from .layout import WholeKeys
-from .layout import UlyssesLayout
+from .layout import UlyssesLayout, WholeKeys
 from .masks import pair_bias
 
 

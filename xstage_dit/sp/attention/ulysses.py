@@ -5,8 +5,7 @@ import torch
 
 from ...kernels.rotary_args import JointTokens
 from .backends import BackendChoice, may_take_joint_tokens
-from .layout import WholeKeys
-from .layout import UlyssesLayout
+from .layout import UlyssesLayout, WholeKeys
 from .local import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
 from .ops import gathered_keys_attention, local_attention, prologue_kernels_run, ulysses_attention
