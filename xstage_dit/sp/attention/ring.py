@@ -158,11 +158,11 @@ def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) ->
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                   group: dist.ProcessGroup | None, scale: float | None, text_mask: torch.Tensor | None,
+                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None,
                    text_factor: bool = False, whole: WholeKeys | None = None) -> torch.Tensor:
     """Attention of this rank's gathered queries, (B, Tq + P, h, D) with P = layout.padded_len rows of its ring
     block, over the text keys, every ring block's keys (k and v (B, T + P, h_kv, D), text first) and this rank's
-    heads of the `whole` keys. The blocks travel by point-to-point sends over `group` (None at ring degree 1).
+    heads of the `whole` keys. The blocks travel by point-to-point sends over `group`.
     `text_factor`: `text_mask` is the text tokens' factor of a pair bias (masks.QueryKeyMasks.PAIR_BIAS)."""
     degree, rank = layout.ring_degree, layout.ring_rank
 
@@ -235,7 +235,7 @@ def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                  ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup | None,
+                  ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup,
                   scale: float | None, text_mask: torch.Tensor | None, exchange: UlyssesExchange,
                   text_factor: bool = False, whole: WholeKeys | None = None,
                   stores: Fabric | None = None) -> torch.Tensor:
