@@ -109,13 +109,13 @@ def test_shipped_calibrations_plan_out_of_the_box_and_the_machines_own_win(tmp_p
 
 
 def test_auto_without_calibration_runs_the_reference_on_cpu():
-    from xstage_dit.sp.attention.backends import get_choice
+    from xstage_dit.sp.attention.backends import Call, get_choice
     from xstage_dit.sp.attention.layout import UlyssesLayout
 
     query = torch.randn(1, 8, 4, 16)
     auto = get_choice("auto")
-    assert auto.pick(query, UlyssesLayout(0, 16, 8, 2, 0), fabric_ready=False).name == "reference"
-    assert auto.pick(query, None, fabric_ready=False).name == "reference"
+    assert auto.pick(Call(query, UlyssesLayout(0, 16, 8, 2, 0), fabric_ready=False)).name == "reference"
+    assert auto.pick(Call(query)).name == "reference"
 
 
 def test_auto_picks_the_fastest_predicted_backend_it_can_run():
@@ -292,18 +292,22 @@ def test_hybrid_rings_split_the_heads_and_blocks():
 
 
 def test_the_ring_transport_is_the_faster_one_that_can_run():
+    from xstage_dit.sp.attention.auto import decide_ring
     from xstage_dit.sp.attention.layout import UlyssesLayout
     from xstage_dit.sp.planner import ring_shape
 
     layout = UlyssesLayout(text_len=0, seq_len=4 * 8192, local_len=8192, degree=1, rank=0, ring_degree=4)
     shape = ring_shape(torch.empty(1, 8192, 24, 128, dtype=torch.bfloat16), layout)
     assert shape == RING_SHAPE
+    every = tuple(backends())
     slow = _slow_sends()
-    assert slow.ring_transport(shape, 4, 1) is RingTransport.FUSED
-    assert slow.ring_transport(shape, 4, 1, Nodes(2)) is RingTransport.OVERLAP  # the ring crosses nodes
+    assert decide_ring(slow, shape, 4, 1, every).ring.planned is RingTransport.FUSED
+    # the ring crosses nodes: only the point-to-point ring is predicted, named by the first strategy that sends
+    assert slow.predict_ring(shape, 4, 1, costs_of(every), Nodes(2)) == {
+        "reference": slow.ring_call(shape, 4, 1, RingTransport.OVERLAP, Nodes(2))}
     planner = Planner(NVLINK_LIKE, COSTS)
     predicted = {t: planner.ring_call(shape, 4, 1, t) for t in (RingTransport.OVERLAP, RingTransport.FUSED)}
-    assert planner.ring_transport(shape, 4, 1) is min(predicted, key=predicted.__getitem__)
+    assert decide_ring(planner, shape, 4, 1, every).ring.planned is min(predicted, key=predicted.__getitem__)
 
 
 def test_layer_splits_keep_ulysses_in_a_node_and_the_fused_ring_off_the_network():

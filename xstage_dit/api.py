@@ -23,7 +23,7 @@ from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weight_kinds, weights_checksum
 from .runtime.cuda_graphs import GraphUse
 from .runtime.distributed import ParallelGroups, every_rank_joining, forget_groups, local_device, world_group
-from .sp.attention.backends import needs_fabric, resolve_backend
+from .sp.attention.backends import needs_fabric, needs_ring_fabric, resolve_backend
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_dit_hooks import refuse_other_sequence_parallelism
 from .sp.moe.modes import ExpertModes
@@ -171,10 +171,11 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
     degrees = _degrees(world_size, config, [plan.num_heads(model) for model, plan in zip(models, plans)])
     for model, plan in zip(models, plans):
         _check_heads(model, plan.num_heads(model), degrees)
-    resolve_backend(config.backend, local_device())
+    cuda_graphs = _cuda_graphs(config.cuda_graphs, local_device())
+    resolve_backend(config.backend, local_device(), cuda_graphs)
     degree = degrees.ulysses * degrees.ring
     return dataclasses.replace(config, ulysses_degree=degrees.ulysses, ring_degree=degrees.ring,
-                               cuda_graphs=_cuda_graphs(config.cuda_graphs, local_device()),
+                               cuda_graphs=cuda_graphs,
                                parallel_vae=_parallel_vae(config.parallel_vae, getattr(pipe, "vae", None)),
                                expert_parallel=_expert_parallel(config.expert_parallel, models, degree))
 
@@ -202,9 +203,9 @@ def _move_to_rank_device(target: Any, models: list[nn.Module], device: torch.dev
 
 def _open_ring_fabric(groups: ParallelGroups, may_store: bool, timeout_s: float, holders: list[int]) -> None:
     """The ring group's symmetric memory, over which the ring's key/value blocks travel by remote stores
-    (sp/attention/ring.py finds it by the group's name), where its ranks share a node and the backend choice may
-    store into a fabric (`may_store`); elsewhere they travel by point-to-point sends. `holders`: the models that
-    hold it until `disable`."""
+    (the custom op finds it by the group's name), where its ranks share a node and a strategy the choice may pick
+    stores its ring's blocks (`may_store`); elsewhere they travel by point-to-point sends. `holders`: the models
+    that hold it until `disable`."""
     from .sp.fabric import open_fabric
 
     if not groups.ring_within_node:
@@ -259,7 +260,7 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
         choice = resolve_backend(config.backend, groups.device)
         fabric = None
         holders = [id(model) for model in models]  # the models hold the fabrics until `disable`
-        if needs_fabric(choice, groups.device) and groups.ulysses_group is not None and groups.ring_degree == 1:
+        if groups.ulysses_group is not None and needs_fabric(choice, groups.device, ring=groups.ring_degree > 1):
             if groups.ulysses_within_node:
                 # symmetric memory is set up here, before the denoising loop: rendezvous is a collective
                 from .sp.fabric import open_fabric
@@ -269,7 +270,7 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
                 warn_once("xstage_dit: the Ulysses group spans nodes and symmetric memory spans one: its exchanges "
                           "run over NCCL (the reference and overlap backends), not the fused backend's stores")
         if groups.ring_degree > 1:
-            _open_ring_fabric(groups, needs_fabric(choice, groups.device), config.timeout_s, holders)
+            _open_ring_fabric(groups, needs_ring_fabric(choice, groups.device), config.timeout_s, holders)
     pairs = PairedCalls()
     for model in models:
         plan = patches.plan_for(model)

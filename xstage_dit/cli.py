@@ -18,7 +18,7 @@ from typing import Callable
 # and a bad argument answer at once; the planner and its calibrations are plain Python
 from .burst_gap.calibration import SHIPPED, SHIPPED_GPU, Calibration, calibration_dir, find_calibration
 from .burst_gap.planner import (INTERNODE_RATE, SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Nodes, Planner,
-                                RingBlocks, widest_ulysses)
+                                RingBlocks, RingTransport, widest_ulysses)
 
 
 def _version(package: str) -> str:
@@ -90,7 +90,7 @@ def plan_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes) ->
     best = splits[0]
     lines.append(f"  plan: Ulysses {best.ulysses} x ring {best.ring}, backend {best.backend}, "
                  f"{best.seconds * 1e3:.3f} ms predicted")
-    fused = next((split for split in splits if split.backend == "fused" and split.ring > 1), None)
+    fused = next((split for split in splits if split.transport is RingTransport.FUSED), None)
     if fused is not None:  # how the fastest X-Stage ring's blocks drain under its attention
         train = planner.ring_forward(RingBlocks.of(shape, fused.ring, fused.ulysses))
         lines.append(f"  fused ring's forward (Ulysses {fused.ulysses} x ring {fused.ring}): {train}")

@@ -45,11 +45,12 @@ merge (the first's with the text's) and V = 2 * B * U*L * H/U * D * e the block'
 
 The serial and overlap transports attend with the vendor's kernel.
 
-`layer_splits` predicts every U x R of a layer's ranks (U dividing the heads, within a node) with each backend
+`layer_splits` predicts every U x R of a layer's ranks (U dividing the heads, within a node) with each strategy
 that can run it, fastest first; `xstage-dit plan` prints them and the pick.
 
-The backends register which of these predictions is theirs (sp/attention/backends.py); `predict` takes that mapping of
-names to cost functions.
+The planner names no strategy: each registry entry (sp/attention/backends.py) hands it a `PlannedStrategy`, the
+prediction of its Ulysses call (a `Cost`) and the transport its ring's blocks take (a `RingTransport`, or None
+where it runs no ring). `predict`, `predict_ring` and `layer_splits` take that mapping of names to records.
 
 Mixture-of-experts layers (expert choice: each of E experts takes C tokens per sample, B * C rows), per rank:
 
@@ -267,13 +268,14 @@ class RingBlocks:
 
 @dataclass(frozen=True)
 class SplitPrediction:
-    """One way to run an attention layer over a sequence's ranks: Ulysses `ulysses` x ring `ring`, by `backend`
-    (with a ring: "reference", whose blocks travel by NCCL point-to-point, or "fused", the X-Stage ring)."""
+    """One way to run an attention layer over a sequence's ranks: Ulysses `ulysses` x ring `ring`, by strategy
+    `backend`; with a ring, its blocks moved by `transport` (None without a ring)."""
 
     ulysses: int
     ring: int
     backend: str
     seconds: float
+    transport: RingTransport | None = None
 
     def __str__(self) -> str:
         return f"Ulysses {self.ulysses} x ring {self.ring}, {self.backend}: {self.seconds * 1e3:.3f} ms predicted"
@@ -318,6 +320,16 @@ class ForwardTrain:
 
 # predicted seconds of one attention call of a shape, from the planner's pieces
 Cost = Callable[["Planner", AttentionShape], float]
+
+
+@dataclass(frozen=True)
+class PlannedStrategy:
+    """What the planner reads of one attention strategy: `call`, its predicted Ulysses call (ring degree 1), and
+    `ring`, how its ring's key/value blocks travel (None: it runs no ring). Strategies whose rings travel alike
+    are one ring prediction: the Ulysses exchange around a ring is modelled as the serial one."""
+
+    call: Cost
+    ring: RingTransport | None
 
 
 class Planner:
@@ -554,21 +566,27 @@ class Planner:
             ring = sum(passed) + len(passed) * self.ring_forward(blocks).added + last
         return self.ulysses_around_ring(blocks) + ring
 
-    def ring_transport(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int, nodes: Nodes | None = None
-                       ) -> RingTransport:
-        """The faster of the ring's runtime transports for `shape`: NCCL point-to-point (overlapped) or, where the
-        ring stays within a node, the fused ring (overlap on ties)."""
+    def predict_ring(self, shape: AttentionShape, ring_degree: int, ulysses_degree: int,
+                     strategies: Mapping[str, PlannedStrategy], nodes: Nodes | None = None) -> dict[str, float]:
+        """Predicted seconds of one ring call of `shape` per strategy that can run this ring: one per transport
+        (the first strategy of each names it), the fused ring only where the ring stays within a node."""
         nodes = nodes or Nodes(shape.degree)
-        if nodes.ring_crosses(ulysses_degree, ring_degree):
-            return RingTransport.OVERLAP
-        return min((RingTransport.OVERLAP, RingTransport.FUSED),
-                   key=lambda transport: self.ring_call(shape, ring_degree, ulysses_degree, transport, nodes))
+        crosses = nodes.ring_crosses(ulysses_degree, ring_degree)
+        found: dict[str, float] = {}
+        seen: set[RingTransport] = set()
+        for name, strategy in strategies.items():
+            transport = strategy.ring
+            if transport is None or transport in seen or (transport is RingTransport.FUSED and crosses):
+                continue
+            seen.add(transport)
+            found[name] = self.ring_call(shape, ring_degree, ulysses_degree, transport, nodes)
+        return found
 
-    def layer_splits(self, shape: AttentionShape, nodes: Nodes, ulysses_costs: Mapping[str, Cost]
+    def layer_splits(self, shape: AttentionShape, nodes: Nodes, strategies: Mapping[str, PlannedStrategy]
                      ) -> list[SplitPrediction]:
         """Every way to run `shape` over its shape.degree ranks, fastest first: Ulysses U (dividing the heads,
-        within a node) x ring R; at R = 1 by each backend of `ulysses_costs`, with a ring by the reference ring
-        (NCCL point-to-point, overlapped) and, where the ring stays within a node, the fused ring."""
+        within a node) x ring R; at R = 1 by each strategy's Ulysses call, with a ring by each ring transport of
+        the strategies (`predict_ring`)."""
         found = []
         for ulysses in range(1, min(shape.degree, nodes.ranks_per_node) + 1):
             if shape.degree % ulysses or shape.heads % ulysses:
@@ -576,15 +594,12 @@ class Planner:
             ring = shape.degree // ulysses
             if ring == 1:
                 found += [SplitPrediction(ulysses, 1, name, seconds)
-                          for name, seconds in self.predict(shape, ulysses_costs).items()]
+                          for name, seconds in self.predict(shape, strategies).items()]
                 continue
-            transports = {"reference": RingTransport.OVERLAP}
-            if not nodes.ring_crosses(ulysses, ring):
-                transports["fused"] = RingTransport.FUSED
-            found += [SplitPrediction(ulysses, ring, name, self.ring_call(shape, ring, ulysses, transport, nodes))
-                      for name, transport in transports.items()]
+            found += [SplitPrediction(ulysses, ring, name, seconds, strategies[name].ring)
+                      for name, seconds in self.predict_ring(shape, ring, ulysses, strategies, nodes).items()]
         return sorted(found, key=lambda split: split.seconds)
 
-    def predict(self, shape: AttentionShape, costs: Mapping[str, Cost]) -> dict[str, float]:
-        """Predicted seconds of one attention call per backend, from each backend's cost function."""
-        return {name: cost(self, shape) for name, cost in costs.items()}
+    def predict(self, shape: AttentionShape, strategies: Mapping[str, PlannedStrategy]) -> dict[str, float]:
+        """Predicted seconds of one Ulysses attention call per strategy, from each strategy's cost function."""
+        return {name: strategy.call(self, shape) for name, strategy in strategies.items()}

@@ -26,7 +26,7 @@ from torch import nn
 from ...cfg.plan import PAIRS, CfgPlan
 from ...hooks.module_forward import ReboundName
 from ...sp.attention import routing
-from ...sp.attention.ring import WholeKeys
+from ...sp.attention.layout import WholeKeys
 from ...sp.plan import FAMILY_CHANGES, JointText, PlanContext, SequenceParallelPlan, TextAndImage
 from ...sp.sharding import SequenceShard
 from .. import cfg_rules

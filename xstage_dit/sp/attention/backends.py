@@ -1,22 +1,25 @@
-"""One registry of Ulysses attention backends, one function per backend.
+"""One registry of attention strategies: one entry (`Strategy`) describes a whole strategy.
 
-A backend receives one rank's q, k, v as diffusers builds them for joint attention, (B, T + L, H, D), in the
-order `UlyssesLayout` describes, and returns the attention output in the same layout and shape. How the image
-tokens travel between ranks is the backend's business. `text_mask`, when given, masks text keys (padding of the
-prompt): (B, 1, 1, T), bool (True = attend) or additive (sp/attention/masks.py). `attend` is the attention of the
-gathered heads for backends that run a vendor kernel there: SDPA, or the backend the user chose for the model.
+An entry says how a strategy moves one rank's q, k, v (B, T + L, H, D) between the ranks of a Ulysses group and
+attends them (`ulysses`, and its exchange alone around another attention of the gathered heads: `exchange`), how
+the key/value blocks of a ring travel under it (`ring`: none, point-to-point sends, or stores from our attention
+kernel), what it runs at degree 1 (`local`), what calls it takes (`supports`: dtypes, head dims, devices, masks,
+pair biases, CUDA graphs; a call it does not take runs FALLBACK's, said once) and its cost for the planner
+(`cost`, and the ring transport the planner prices). The router (ulysses.py), the custom op (ops.py), the ring
+(ring.py), the planner (burst_gap/planner.py, through `costs_of`) and `enable` (which fabrics to open) read those
+fields; none of them compares a strategy's name.
 
-Each entry also says what the backend runs at degree 1, which of the planner's predictions is its cost, and what
-it needs (CUDA, the group's symmetric-memory fabric, inputs its kernels take). What `enable(backend=...)` names is
-a *choice*: a backend (which is its own choice), or a chooser such as "auto" (sp/attention/auto.py) that picks a backend
-per call.
+What `enable(backend=...)` names is a *choice*: a strategy (which is its own choice), or a chooser such as "auto"
+(sp/attention/auto.py) that picks a strategy per call among its candidates.
 
-The registry owns the list of modules that offer choices (`BACKEND_MODULES`) and imports them the first time it is
-asked: adding a backend is one module (its record as `CHOICE`) and one entry there."""
+Adding a strategy (FP8 attention, say) is one module under sp/attention/ with its kernel and its entry as
+`CHOICE`, and one line in BACKEND_MODULES: nothing else changes. The registry imports the modules the first time
+it is asked."""
 from __future__ import annotations
 
+import enum
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 import torch
@@ -24,7 +27,8 @@ import torch.distributed as dist
 
 from ...kernels.rotary_args import JointTokens
 from ...logging_utils import warn_once
-from ...burst_gap.planner import AttentionShape, Cost, Planner
+from ...burst_gap.planner import AttentionShape, Cost, PlannedStrategy, Planner, RingTransport
+from .exchange import GatheredAttention
 from .layout import UlyssesLayout
 
 FALLBACK = "reference"  # what runs where a chosen backend cannot: it runs everything
@@ -51,11 +55,15 @@ BACKEND_MODULES = (
     BackendModule("auto"),
 )
 
-# what a backend may say about its plan for a shape (`xstage-dit plan` prints it), or None
+# what a strategy may say about its plan for a shape (`xstage-dit plan` prints it), or None
 PlanDescription = Callable[[Planner, AttentionShape], str | None]
 
 
 class UlyssesBackend(Protocol):
+    """A strategy's whole Ulysses call: q, k, v exchanged, attended (by `attend`, where it runs a vendor kernel:
+    SDPA, or the attention backend the user set on the model), the output exchanged back. `text_mask`, when given,
+    masks text keys (padding of the prompt): (B, 1, 1, T), bool (True = attend) or additive (masks.py)."""
+
     def __call__(
         self,
         query: torch.Tensor,
@@ -69,9 +77,18 @@ class UlyssesBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class UlyssesExchange(Protocol):
+    """A strategy's Ulysses exchange alone, around `gathered`, any attention of this rank's gathered heads (a
+    ring's, or one that also attends keys every rank holds whole): q, k, v (B, T + L, H, D) in, the output in the
+    queries' layout and shape out."""
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                 group: dist.ProcessGroup, gathered: GatheredAttention) -> torch.Tensor: ...
+
+
 class JointUlyssesBackend(Protocol):
-    """A backend that takes q, k, v as the caller holds them (JointTokens: parts to join, with a norm and rotation
-    to apply on the way), and does that joining inside its own kernels."""
+    """A strategy's Ulysses call that takes q, k, v as the caller holds them (JointTokens: parts to join, with a
+    norm and rotation to apply on the way), and does that joining inside its own kernels."""
 
     def __call__(
         self,
@@ -92,91 +109,190 @@ class LocalAttention(Protocol):
                  attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor: ...
 
 
+class RingBlocks(enum.Enum):
+    """How a ring's key/value blocks travel between its steps under a strategy."""
+
+    NONE = "none"  # it runs no ring: a ring call runs FALLBACK's
+    POINT_TO_POINT = "point-to-point"  # sends over the ring group, the next block in flight while one attends
+    STORED = "stored"  # our attention kernel stores each key/value tile it loads into the next rank's slot
+
+    @property
+    def planned(self) -> RingTransport | None:
+        """The planner's model of this transport."""
+        return {RingBlocks.NONE: None, RingBlocks.POINT_TO_POINT: RingTransport.OVERLAP,
+                RingBlocks.STORED: RingTransport.FUSED}[self]
+
+
 @dataclass(frozen=True)
-class Backend:
+class Call:
+    """What a choice sees of one attention call before it picks: this rank's query; its `layout` (None: degree
+    1); whether the Ulysses group has its symmetric-memory fabric (`fabric_ready`, also where there is no group)
+    and the ring group its own (`ring_fabric_ready`); whether it carries a pair bias, a key-padding mask, keys
+    every rank holds whole."""
+
+    query: torch.Tensor
+    layout: UlyssesLayout | None = None
+    fabric_ready: bool = True
+    ring_fabric_ready: bool = False
+    pair_bias: bool = False
+    masked: bool = False
+    whole_keys: bool = False
+
+    @property
+    def ring(self) -> bool:
+        return self.layout is not None and self.layout.ring_degree > 1
+
+    @property
+    def own_call(self) -> bool:
+        """Whether the strategy's own Ulysses call (`Strategy.ulysses`) runs it: a degree above 1, no ring, no
+        pair bias and no whole keys (those run its exchange around another attention of the gathered heads)."""
+        return self.layout is not None and not (self.ring or self.pair_bias or self.whole_keys)
+
+
+@dataclass(frozen=True)
+class Supports:
+    """What calls a strategy takes. `dtypes` and `head_dims` (None: any) and `cuda_only` are its kernels'; a pair
+    bias (Chroma's query-key masks, masks.QueryKeyMasks.PAIR_BIAS), a key-padding mask, CUDA-graph capture.
+    `exchange_refused`: why it has no exchange that can hold another attention (None: it has one); a ring then
+    exchanges by FALLBACK's serial exchange around the ring, and a call over whole keys runs FALLBACK's."""
+
+    dtypes: tuple[torch.dtype, ...] | None = None
+    head_dims: tuple[int, ...] | None = None
+    cuda_only: bool = False
+    pair_bias: bool = False
+    key_padding_masks: bool = True
+    cuda_graphs: bool = True
+    exchange_refused: str | None = None
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One attention strategy, whole (the module's docstring). `name`: what `enable(backend=...)` accepts;
+    `ulysses`: its Ulysses call; `exchange`: its exchange alone (None where `supports.exchange_refused` says
+    why not); `joint`: its call for q, k, v as JointTokens (others get them joined first); `local`: its kernel
+    at degree 1; `ring`: how a ring's blocks travel under it; `cost`: its predicted Ulysses call (its ring's is
+    the planner's for `ring.planned`); `symmetric`: its exchange stores into the Ulysses group's fabric
+    (`enable` opens it; the output is a fabric buffer, which the custom op copies out); `own_attention`: it
+    attends with its own kernel, not the `attend` it is given (an attention backend set on the model cannot
+    apply, said once); `describe_plan`: what `xstage-dit plan` prints of its plan for a shape."""
+
     name: str
     ulysses: UlyssesBackend
-    local: LocalAttention  # what the backend runs at degree 1
-    cost: Cost  # its predicted time of one call (burst_gap/planner.py)
-    needs_cuda: bool = False
-    # runs on the group's symmetric-memory fabric (`enable` opens it); its output is a fabric buffer, which the
-    # custom op copies out
+    local: LocalAttention
+    cost: Cost
+    exchange: UlyssesExchange | None = None
+    ring: RingBlocks = RingBlocks.POINT_TO_POINT
+    supports: Supports = field(default_factory=Supports)
     symmetric: bool = False
-    # whether its kernels take these inputs (dtype, head_dim)
-    accepts: Callable[[torch.Tensor], bool] | None = None
-    # runs its own attention kernel, not the `attend` it is given (the user's choice cannot apply)
     own_attention: bool = False
-    # its entry for q, k, v as JointTokens (others get them joined first)
     joint: JointUlyssesBackend | None = None
     describe_plan: PlanDescription | None = None
 
-    def takes(self, query: torch.Tensor, fabric_ready: bool) -> bool:
-        """Whether this backend runs these inputs here; `fabric_ready`: the group has its fabric (or there is no
-        group: degree 1)."""
-        return ((query.is_cuda or not self.needs_cuda) and (fabric_ready or not self.symmetric)
-                and (self.accepts is None or self.accepts(query)))
+    def __post_init__(self) -> None:
+        if (self.exchange is None) == (self.supports.exchange_refused is None):
+            raise ValueError(f"strategy {self.name!r}: give its `exchange`, or say in `supports.exchange_refused` "
+                             "why it has none")
 
-    # a backend is the choice that always picks itself
-    def candidates(self) -> tuple[Backend, ...]:
+    def refusal(self, call: Call) -> str | None:
+        """Why this strategy does not take `call` here (None: it does)."""
+        query, supports = call.query, self.supports
+        if ((supports.cuda_only and not query.is_cuda) or query.dtype not in (supports.dtypes or (query.dtype,))
+                or query.shape[-1] not in (supports.head_dims or (query.shape[-1],))):
+            return f"does not take head_dim {query.shape[-1]} {query.dtype} on {query.device.type}"
+        if call.pair_bias and not supports.pair_bias:
+            return "does not take pair-bias attention masks (Chroma's)"
+        if call.masked and not supports.key_padding_masks:
+            return "does not take key-padding masks"
+        if call.ring and self.ring is RingBlocks.NONE:
+            return "runs no ring"
+        if call.ring and self.ring is RingBlocks.STORED and not call.ring_fabric_ready:
+            return "stores its ring's blocks into symmetric memory, which this ring group has not"
+        if call.whole_keys and not call.ring and self.exchange is None:
+            return f"takes no keys every rank holds whole: {supports.exchange_refused}"
+        uses_fabric = call.own_call or (call.layout is not None and self.exchange is not None)
+        if self.symmetric and uses_fabric and not call.fabric_ready:
+            return "stores into symmetric memory, which this Ulysses group has not"
+        return None
+
+    def exchange_around(self) -> UlyssesExchange:
+        """The exchange that runs around another attention of the gathered heads under this strategy: its own, or
+        FALLBACK's (`supports.exchange_refused` says why)."""
+        return self.exchange if self.exchange is not None else get_backend(FALLBACK).exchange
+
+    def stores_ring(self, call: Call) -> bool:
+        """Whether a ring call's blocks travel by our kernel's stores (else by point-to-point sends)."""
+        return call.ring and self.ring is RingBlocks.STORED
+
+    # a strategy is the choice that always picks itself
+    def candidates(self) -> tuple[Strategy, ...]:
         return (self,)
 
-    def pick(self, query: torch.Tensor, layout: UlyssesLayout | None, fabric_ready: bool) -> Backend:
-        if self.takes(query, fabric_ready or layout is None):
+    def pick(self, call: Call) -> Strategy:
+        why = self.refusal(call)
+        if why is None:
             return self
-        warn_once(f"xstage_dit backend {self.name!r} does not take head_dim {query.shape[-1]} {query.dtype} on "
-                  f"{query.device.type}; running {FALLBACK!r}")
+        if not torch.compiler.is_compiling():  # the compiler cannot trace logging
+            warn_once(f"xstage_dit backend {self.name!r} {why}; running {FALLBACK!r}")
         return get_backend(FALLBACK)
 
 
 class BackendChoice(Protocol):
-    """What `enable(backend=name)` runs: per call, one backend of its candidates."""
+    """What `enable(backend=name)` runs: per call, one strategy of its candidates."""
 
     name: str
 
-    def candidates(self) -> tuple[Backend, ...]: ...
+    def candidates(self) -> tuple[Strategy, ...]: ...
 
-    def pick(self, query: torch.Tensor, layout: UlyssesLayout | None, fabric_ready: bool) -> Backend:
-        """The backend for a call with this rank's query (layout None: degree 1); `fabric_ready`: the group has
-        its symmetric-memory fabric."""
+    def pick(self, call: Call) -> Strategy:
+        """The strategy for `call`."""
         ...
 
 
-_CHOICES: dict[str, BackendChoice] = {}  # by name, in BACKEND_MODULES' order
+_CHOICES: dict[str, BackendChoice] = {}  # by name, in the order of the modules loaded
 _UNAVAILABLE: dict[str, str] = {}  # a skipped module's name: why
 _loaded = False
 
 
-def _choices() -> dict[str, BackendChoice]:
-    """Every choice by name; the first call imports the modules of BACKEND_MODULES."""
+def load(modules: Iterable[BackendModule] = BACKEND_MODULES) -> None:
+    """The registry built from `modules`, in order: the first lookup loads BACKEND_MODULES. A test that adds a
+    strategy module loads its own list, and BACKEND_MODULES again when it is done."""
     global _loaded
+    _CHOICES.clear()
+    _UNAVAILABLE.clear()
+    for module in modules:
+        try:
+            imported = importlib.import_module(f".{module.name}", __package__)
+        except ImportError as error:
+            if not module.lacks_dependency(error):
+                raise
+            _UNAVAILABLE[module.name] = f"needs {module.optional_dependency}: {error}"
+            continue
+        _CHOICES[imported.CHOICE.name] = imported.CHOICE
+    _loaded = True
+
+
+def _choices() -> dict[str, BackendChoice]:
+    """Every choice by name."""
     if not _loaded:
-        for module in BACKEND_MODULES:
-            try:
-                imported = importlib.import_module(f".{module.name}", __package__)
-            except ImportError as error:
-                if not module.lacks_dependency(error):
-                    raise
-                _UNAVAILABLE[module.name] = f"needs {module.optional_dependency}: {error}"
-                continue
-            _CHOICES[imported.CHOICE.name] = imported.CHOICE
-        _loaded = True
+        load()
     return _CHOICES
 
 
-def backends() -> list[Backend]:
-    """Every backend (choosers excluded), in BACKEND_MODULES' order."""
-    return [choice for choice in _choices().values() if isinstance(choice, Backend)]
+def backends() -> list[Strategy]:
+    """Every strategy (choosers excluded), in BACKEND_MODULES' order."""
+    return [choice for choice in _choices().values() if isinstance(choice, Strategy)]
 
 
-def costs_of(candidates: Iterable[Backend]) -> dict[str, Cost]:
-    """The planner's cost function of each backend, by name (what Planner.predict takes)."""
-    return {backend.name: backend.cost for backend in candidates}
+def costs_of(candidates: Iterable[Strategy]) -> dict[str, PlannedStrategy]:
+    """What the planner reads of each strategy, by name (what Planner.predict, predict_ring and layer_splits
+    take)."""
+    return {strategy.name: PlannedStrategy(strategy.cost, strategy.ring.planned) for strategy in candidates}
 
 
-def get_backend(name: str) -> Backend:
-    backend = get_choice(name)
-    assert isinstance(backend, Backend), name
-    return backend
+def get_backend(name: str) -> Strategy:
+    strategy = get_choice(name)
+    assert isinstance(strategy, Strategy), name
+    return strategy
 
 
 def get_choice(name: str) -> BackendChoice:
@@ -188,30 +304,41 @@ def available_backends() -> list[str]:
     return sorted(_choices())
 
 
-def resolve_backend(name: str, device: torch.device) -> BackendChoice:
-    """The choice `name` stands for, checked against `device`; raises before any collective."""
+def resolve_backend(name: str, device: torch.device, cuda_graphs: bool = False) -> BackendChoice:
+    """The choice `name` stands for, checked against `device` and CUDA-graph capture; raises before any
+    collective."""
     choices = _choices()
     if name in _UNAVAILABLE:
         raise ValueError(f"xstage_dit backend {name!r} {_UNAVAILABLE[name]}")
     if name not in choices:
         raise ValueError(f"unknown xstage_dit backend {name!r}; choose one of {available_backends()}")
     choice = choices[name]
-    if isinstance(choice, Backend) and choice.needs_cuda and device.type != "cuda":
+    if isinstance(choice, Strategy) and choice.supports.cuda_only and device.type != "cuda":
         raise ValueError(f"xstage_dit backend {name!r} needs CUDA GPUs (symmetric memory, Triton kernels); "
                          f"this rank runs on {device}")
+    if cuda_graphs and not any(s.supports.cuda_graphs for s in choice.candidates()):
+        raise ValueError(f"xstage_dit backend {name!r} cannot run inside a CUDA graph: enable it with "
+                         "cuda_graphs=False")
     return choice
 
 
-def _runs_on(backend: Backend, device: torch.device) -> bool:
-    return device.type == "cuda" or not backend.needs_cuda
+def _runs_on(strategy: Strategy, device: torch.device) -> bool:
+    return device.type == "cuda" or not strategy.supports.cuda_only
 
 
-def needs_fabric(choice: BackendChoice, device: torch.device) -> bool:
-    """Whether `enable` must open the group's symmetric-memory fabric for `choice` on `device`: some backend it
-    may pick there runs on one."""
-    return any(b.symmetric and _runs_on(b, device) for b in choice.candidates())
+def needs_fabric(choice: BackendChoice, device: torch.device, ring: bool = False) -> bool:
+    """Whether `enable` must open the Ulysses group's symmetric-memory fabric for `choice` on `device`: some
+    strategy it may pick there exchanges through one (inside a ring (`ring`), where its exchange runs there)."""
+    return any(s.symmetric and _runs_on(s, device) and (not ring or s.exchange is not None)
+               for s in choice.candidates())
+
+
+def needs_ring_fabric(choice: BackendChoice, device: torch.device) -> bool:
+    """Whether `enable` opens the ring group's fabric for `choice` on `device`: some strategy it may pick there
+    stores its ring's blocks."""
+    return any(s.ring is RingBlocks.STORED and _runs_on(s, device) for s in choice.candidates())
 
 
 def may_take_joint_tokens(choice: BackendChoice, device: torch.device) -> bool:
-    """Whether some backend `choice` may pick on `device` takes q, k, v as JointTokens (`Backend.joint`)."""
-    return any(b.joint is not None and _runs_on(b, device) for b in choice.candidates())
+    """Whether some strategy `choice` may pick on `device` takes q, k, v as JointTokens (`Strategy.joint`)."""
+    return any(s.joint is not None and _runs_on(s, device) for s in choice.candidates())

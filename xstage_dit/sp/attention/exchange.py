@@ -37,6 +37,10 @@ class InFlight:
 # starts moving a send buffer (N, ...): chunk j to rank j; the receive buffer holds chunk j from rank j
 Transport = Callable[[torch.Tensor], InFlight]
 
+# the attention an exchange runs on what it gathered: this rank's q, k, v of head chunk `heads` (a slice of its
+# share of the heads) over the whole sequence, (B, T + N*L, h, D) text first, to its output of the queries' rows
+GatheredAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, slice], torch.Tensor]
+
 
 def all_to_all(group: dist.ProcessGroup, async_op: bool = False) -> Transport:
     def what() -> str:  # described only when the exchange fails: this runs twice per attention layer

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from ...kernels.all_to_all import store_heads
-from ...kernels.attention import accepts, flash_attention
+from ...kernels.attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, flash_attention
 from ...kernels.attention_hopper import HopperConfig
 from ...kernels.rotary_args import JointTokens
 from ...burst_gap.planner import AttentionShape, Planner, TileOrder
-from .backends import Backend, LocalAttention
+from .backends import LocalAttention, RingBlocks, Strategy, Supports
 from ..fabric import Fabric, Steps, View, fabric_of, run_in_lockstep
 from .layout import UlyssesLayout
 from .masks import keep_keys
@@ -38,11 +38,6 @@ from ..planner import attention_shape, planner_for
 # the query rows of the GPU kernels' output tiles (HopperConfig's; TileConfig's default is as tall): the store
 # bursts the planner models
 TILE_ROWS = HopperConfig().block_m
-
-
-def kernels_accept(query: torch.Tensor) -> bool:
-    """Our kernels' head dims and dtypes, on a GPU."""
-    return query.is_cuda and accepts(query)
 
 
 def flash_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -124,6 +119,10 @@ def fused_ulysses(
                                scale, text_mask)
 
 
-CHOICE = Backend("fused", ulysses=fused_ulysses, local=flash_attention_bshd, cost=predicted_seconds, needs_cuda=True,
-                 symmetric=True, accepts=kernels_accept, own_attention=True, joint=fused_joint_ulysses,
-                 describe_plan=describe_tile_order)
+CHOICE = Strategy(
+    "fused", ulysses=fused_ulysses, local=flash_attention_bshd, cost=predicted_seconds, ring=RingBlocks.STORED,
+    supports=Supports(
+        dtypes=SUPPORTED_DTYPES, head_dims=SUPPORTED_HEAD_DIMS, cuda_only=True,
+        exchange_refused="its attention kernel stores each output tile into the rank that owns those tokens, so no "
+                         "other attention can run between its exchanges"),
+    symmetric=True, own_attention=True, joint=fused_joint_ulysses, describe_plan=describe_tile_order)

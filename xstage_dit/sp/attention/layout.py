@@ -4,10 +4,15 @@ A rank holds q, k, v as diffusers builds them for joint attention, (B, T + L, H,
 and its L image/video tokens (padding included), text first or last. After the pre-attention all-to-all it holds
 H/N heads of the whole sequence, (B, T + N*L, H/N, D): [text, rank 0's tokens, rank 1's, ...]. Models whose text
 is only attended to, never attending (keys-only text), pass queries without the text rows: (B, L, H, D) in,
-(B, N*L, H/N, D) gathered, and the output has the queries' shape."""
+(B, N*L, H/N, D) gathered, and the output has the queries' shape.
+
+Besides its own tokens, a call may attend keys every rank holds whole (`WholeKeys`). (Its other input kinds: q, k,
+v as parts still to be normalised, joined and rotated are the kernels' record, `JointTokens` in
+kernels/rotary_args.py; key-padding and pair-bias masks are masks.py's.)"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -98,3 +103,20 @@ class UlyssesLayout:
             head0=self.rank * heads_per_rank,
             first_row=self.first_row(order),
         )
+
+
+class WholeKeys(NamedTuple):
+    """Keys and values every rank holds whole, (B, R, H, D): attended by every query, exchanged with nobody
+    (FLUX.2's cached reference-image keys)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    def heads(self, rank: int, degree: int, chunk: slice | None = None) -> "WholeKeys":
+        """This rank's heads of them, where a Ulysses group of `degree` ranks splits the heads; `chunk`: a chunk of
+        that share (an exchange that moves the heads in chunks)."""
+        share = self.key.shape[2] // degree
+        start, stop = rank * share, (rank + 1) * share
+        if chunk is not None:
+            start, stop = start + chunk.start, start + chunk.stop
+        return WholeKeys(*(t[:, :, start:stop] for t in self))

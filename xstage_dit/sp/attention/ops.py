@@ -19,6 +19,9 @@ takes the records and calls the op by keyword:
   text and image tokens and the rotation in one kernel (the op or the kernel, as for `rotary`)."""
 from __future__ import annotations
 
+import inspect
+import typing
+from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
 import torch
@@ -29,14 +32,104 @@ from ...kernels import triton_runs_on
 from ...kernels.rotary_args import JointTokens, NormedTokens, NormRope
 from ...logging_utils import warn_once
 from ...runtime.distributed import resolve_group, waiting_for
-from .backends import FALLBACK, Backend, LocalAttention, get_backend, get_choice
-from .exchange import all_to_all
+from .backends import Call, LocalAttention, Strategy, get_choice
 from ..fabric import fabric_of
-from .layout import UlyssesLayout
+from .layout import UlyssesLayout, WholeKeys
 from .local import diffusers_attention, sdpa_bshd
-from .reference import serial_exchange
-from .ring import WholeKeys, ring_exchange, ring_stores
+from .reference import over_gathered
+from .ring import ring_exchange
 from ..sharding import SequenceShard
+
+
+_LAYOUT_FIELDS = tuple(item.name for item in fields(UlyssesLayout))  # read once: a compiler traces the entry
+
+
+@dataclass(frozen=True)
+class UlyssesOpArgs:
+    """xstage::ulysses_attention's arguments, written once: the op's schema, its Python entry and its fake are made
+    from these fields. The tensors come first (a custom op takes no keyword-only tensors; the rest are keyword-only):
+    q's, k's and v's parts, q's and k's NormRope where `cos` is given, a text mask, whole keys; then the layout's
+    fields, the choice's name, the groups' names."""
+
+    query_parts: list[torch.Tensor]
+    key_parts: list[torch.Tensor]
+    value_parts: list[torch.Tensor]
+    query_norm_weights: list[torch.Tensor]
+    key_norm_weights: list[torch.Tensor]
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    text_mask: torch.Tensor | None
+    whole_key: torch.Tensor | None
+    whole_value: torch.Tensor | None
+    query_norm_eps: list[float]
+    key_norm_eps: list[float]
+    norm_across_heads: bool
+    text_len: int
+    seq_len: int
+    local_len: int
+    degree: int
+    rank: int
+    text_first: bool
+    text_queries: bool
+    ring_degree: int
+    ring_rank: int
+    backend: str
+    group_name: str
+    scale: float | None
+    attention_backend: str | None
+    pair_bias: bool
+    ring_group_name: str
+
+    @classmethod
+    def of(cls, query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
+           text_mask: torch.Tensor | None, backend: str, group: dist.ProcessGroup | None, scale: float | None,
+           attention_backend: str | None, pair_bias: bool, ring_group: dist.ProcessGroup | None,
+           whole: WholeKeys | None) -> UlyssesOpArgs:
+        query_norm, key_norm = query.norm_rope, key.norm_rope
+        return cls(
+            query_parts=list(query.parts), key_parts=list(key.parts), value_parts=list(value.parts),
+            query_norm_weights=[] if query_norm is None else list(query_norm.weights),
+            key_norm_weights=[] if key_norm is None else list(key_norm.weights),
+            cos=None if query_norm is None else query_norm.cos, sin=None if query_norm is None else query_norm.sin,
+            text_mask=text_mask, whole_key=None if whole is None else whole.key,
+            whole_value=None if whole is None else whole.value,
+            query_norm_eps=[] if query_norm is None else list(query_norm.eps),
+            key_norm_eps=[] if key_norm is None else list(key_norm.eps),
+            norm_across_heads=query_norm is not None and query_norm.across_heads,
+            **{name: getattr(layout, name) for name in _LAYOUT_FIELDS},
+            backend=backend, group_name="" if group is None else group.group_name, scale=scale,
+            attention_backend=attention_backend, pair_bias=pair_bias,
+            ring_group_name="" if ring_group is None else ring_group.group_name)
+
+    @property
+    def layout(self) -> UlyssesLayout:
+        return UlyssesLayout(**{name: getattr(self, name) for name in _LAYOUT_FIELDS})
+
+    def tokens(self) -> tuple[JointTokens, JointTokens, JointTokens]:
+        """q, k and v as their joint tokens (q's and k's with their NormRope where `cos` is given)."""
+        def joint(parts: list[torch.Tensor], weights: list[torch.Tensor], eps: list[float]) -> JointTokens:
+            return JointTokens(tuple(parts), None if self.cos is None else
+                               NormRope(tuple(weights), tuple(eps), self.cos, self.sin, self.norm_across_heads))
+
+        return (joint(self.query_parts, self.query_norm_weights, self.query_norm_eps),
+                joint(self.key_parts, self.key_norm_weights, self.key_norm_eps), JointTokens(tuple(self.value_parts)))
+
+    @property
+    def whole(self) -> WholeKeys | None:
+        return None if self.whole_key is None else WholeKeys(self.whole_key, self.whole_value)
+
+
+def _op_signature(record: type) -> inspect.Signature:
+    """A custom op's signature from a record's fields: its tensors positional, everything after them keyword-only
+    (torch.library infers the op's schema from it)."""
+    hints = typing.get_type_hints(record)
+    keyword_only = False
+    parameters = []
+    for item in fields(record):
+        keyword_only = keyword_only or "Tensor" not in str(hints[item.name])
+        kind = inspect.Parameter.KEYWORD_ONLY if keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        parameters.append(inspect.Parameter(item.name, kind, annotation=hints[item.name]))
+    return inspect.Signature(parameters, return_annotation=torch.Tensor)
 
 
 def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
@@ -45,109 +138,58 @@ def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, 
                       ring_group: dist.ProcessGroup | None = None, whole: WholeKeys | None = None) -> torch.Tensor:
     """Ulysses attention of q, k and v as their joint tokens (1 or 2 parts (B, rows, H, D) each), through
     xstage::ulysses_attention. Where q and k come with a NormRope (both, sharing the tables and `across_heads`:
-    a joint-attention processor's prologue), a backend with a joint entry (the fused one) applies it in its stores
+    a joint-attention processor's prologue), a strategy with a joint entry (the fused one) applies it in its stores
     and any other gets it applied first (the norm + RoPE kernel, a concatenation). `backend` names the choice
-    (sp/attention/backends.py) that picks the backend for this call; `attention_backend`, the diffusers attention
-    backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor of a pair
-    bias (masks.QueryKeyMasks.PAIR_BIAS), which only the reference backend attends with. `group`: the Ulysses
-    group (None at Ulysses degree 1); `ring_group`: the ring's, where `layout.ring_degree` is above 1 (ring.py);
-    `whole`: keys and values every rank holds whole, attended besides the sequence's (ring.py's path runs them)."""
-    query_norm, key_norm = query.norm_rope, key.norm_rope
-    return ulysses_attention_op(
-        query_parts=list(query.parts), key_parts=list(key.parts), value_parts=list(value.parts),
-        query_norm_weights=[] if query_norm is None else list(query_norm.weights),
-        query_norm_eps=[] if query_norm is None else list(query_norm.eps),
-        key_norm_weights=[] if key_norm is None else list(key_norm.weights),
-        key_norm_eps=[] if key_norm is None else list(key_norm.eps),
-        cos=None if query_norm is None else query_norm.cos, sin=None if query_norm is None else query_norm.sin,
-        whole_key=None if whole is None else whole.key, whole_value=None if whole is None else whole.value,
-        norm_across_heads=query_norm is not None and query_norm.across_heads, text_mask=text_mask,
-        text_len=layout.text_len, seq_len=layout.seq_len, local_len=layout.local_len, degree=layout.degree,
-        rank=layout.rank, text_first=layout.text_first, text_queries=layout.text_queries, backend=backend,
-        group_name="" if group is None else group.group_name, scale=scale, attention_backend=attention_backend,
-        pair_bias=pair_bias, ring_degree=layout.ring_degree, ring_rank=layout.ring_rank,
-        ring_group_name="" if ring_group is None else ring_group.group_name)
+    (sp/attention/backends.py) that picks the strategy for this call; `attention_backend`, the diffusers
+    attention backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor
+    of a pair bias (masks.QueryKeyMasks.PAIR_BIAS), which strategies that support it attend with. `group`: the
+    Ulysses group (None at Ulysses degree 1); `ring_group`: the ring's, where `layout.ring_degree` is above 1
+    (ring.py); `whole`: keys and values every rank holds whole, attended besides the sequence's."""
+    args = UlyssesOpArgs.of(query, key, value, layout, text_mask, backend, group, scale, attention_backend, pair_bias,
+                            ring_group, whole)
+    values = {name: getattr(args, name) for name in _ULYSSES_SIGNATURE.parameters}
+    return ulysses_attention_op(*[values.pop(name) for name in _ULYSSES_TENSORS], **values)
 
 
-@torch.library.custom_op("xstage::ulysses_attention", mutates_args=())
-def ulysses_attention_op(
-    query_parts: list[torch.Tensor],
-    key_parts: list[torch.Tensor],
-    value_parts: list[torch.Tensor],
-    query_norm_weights: list[torch.Tensor],
-    key_norm_weights: list[torch.Tensor],
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    text_mask: torch.Tensor | None,
-    whole_key: torch.Tensor | None,
-    whole_value: torch.Tensor | None,
-    *,
-    query_norm_eps: list[float],
-    key_norm_eps: list[float],
-    norm_across_heads: bool,
-    text_len: int,
-    seq_len: int,
-    local_len: int,
-    degree: int,
-    rank: int,
-    text_first: bool,
-    text_queries: bool,
-    backend: str,
-    group_name: str,
-    scale: float | None,
-    attention_backend: str | None,
-    pair_bias: bool,
-    ring_degree: int,
-    ring_rank: int,
-    ring_group_name: str,
-) -> torch.Tensor:
-    """`ulysses_attention` with its records as a custom op's arguments (tensors, scalars, lists): q's and k's
-    NormRope where `cos` is given, the layout's fields, the groups' names."""
-    layout = UlyssesLayout(text_len=text_len, seq_len=seq_len, local_len=local_len, degree=degree, rank=rank,
-                           text_first=text_first, text_queries=text_queries, ring_degree=ring_degree,
-                           ring_rank=ring_rank)
-
-    def tokens(parts: list[torch.Tensor], weights: list[torch.Tensor], eps: list[float]) -> JointTokens:
-        return JointTokens(tuple(parts), None if cos is None else NormRope(tuple(weights), tuple(eps), cos, sin,
-                                                                           norm_across_heads))
-
-    query = tokens(query_parts, query_norm_weights, query_norm_eps)
-    key = tokens(key_parts, key_norm_weights, key_norm_eps)
-    value = JointTokens(tuple(value_parts))
-    whole = None if whole_key is None else WholeKeys(whole_key, whole_value)
-    if ring_degree > 1 or whole is not None:
-        ring_group = resolve_group(ring_group_name) if ring_group_name else None
-        if backend not in (FALLBACK, "auto") and not (backend == "fused" and ring_group is not None):
-            why = "a ring degree above 1" if ring_degree > 1 else "keys every rank holds whole"
-            warn_once(f"xstage_dit: attention with {why} runs the ring's path, not backend {backend!r}")
-        stores = None if ring_group is None else ring_stores(backend, ring_group, query_parts[0], layout)
-        return ring_exchange(_joined(query), _joined(key), _joined(value), layout,
-                             resolve_group(group_name) if group_name else None, ring_group, scale,
-                             text_mask, text_factor=pair_bias, whole=whole, stores=stores)
-    chosen = get_choice(backend).pick(query_parts[0], layout, fabric_ready=fabric_of(group_name) is not None)
-    group = resolve_group(group_name)
-    if pair_bias:
-        say_pair_bias_fallback(chosen.name)
-        return serial_exchange(_joined(query), _joined(key), _joined(value), layout, all_to_all(group), scale,
-                               text_mask, gathered_attention(get_backend(FALLBACK), attention_backend),
-                               text_factor=True)
+def _ulysses_attention(*args: object, **kwargs: object) -> torch.Tensor:
+    """`ulysses_attention` inside the op, from its arguments (UlyssesOpArgs)."""
+    op = UlyssesOpArgs(*args, **kwargs)
+    layout, whole, (query, key, value) = op.layout, op.whole, op.tokens()
+    group = resolve_group(op.group_name) if op.group_name else None
+    ring_group = resolve_group(op.ring_group_name) if op.ring_group_name else None
+    ring_fabric = fabric_of(op.ring_group_name) if ring_group is not None and op.query_parts[0].is_cuda else None
+    call = Call(op.query_parts[0], layout, fabric_ready=fabric_of(op.group_name) is not None,
+                ring_fabric_ready=ring_fabric is not None, pair_bias=op.pair_bias, masked=op.text_mask is not None,
+                whole_keys=whole is not None)
+    chosen = get_choice(op.backend).pick(call)
+    scale, text_mask = op.scale, op.text_mask
+    if call.ring:
+        return ring_exchange(_joined(query), _joined(key), _joined(value), layout, group, ring_group, scale,
+                             text_mask, chosen.exchange_around(), text_factor=op.pair_bias, whole=whole,
+                             stores=ring_fabric if chosen.stores_ring(call) else None)
+    attend = gathered_attention(chosen, op.attention_backend)
+    if not call.own_call:  # its exchange around an attention that takes the pair bias or the whole keys
+        return chosen.exchange(_joined(query), _joined(key), _joined(value), layout, group,
+                               over_gathered(layout, scale, text_mask, attend, op.pair_bias, whole))
     if chosen.joint is not None:
         out = chosen.joint(query, key, value, layout, group, scale, text_mask)
     else:
-        out = chosen.ulysses(_joined(query), _joined(key), _joined(value), layout, group, scale, text_mask,
-                             gathered_attention(chosen, attention_backend))
-    # a custom op owns its output: a symmetric backend's is a reused fabric buffer
+        out = chosen.ulysses(_joined(query), _joined(key), _joined(value), layout, group, scale, text_mask, attend)
+    # a custom op owns its output: a symmetric strategy's is a reused fabric buffer
     return out.clone() if chosen.symmetric else out
 
 
-@ulysses_attention_op.register_fake
-def _(query_parts, key_parts, value_parts, query_norm_weights, key_norm_weights, cos, sin, text_mask, whole_key,
-      whole_value, *,
-      query_norm_eps, key_norm_eps, norm_across_heads, text_len, seq_len, local_len, degree, rank, text_first,
-      text_queries, backend, group_name, scale, attention_backend, pair_bias, ring_degree, ring_rank,
-      ring_group_name):
-    batch, _, heads, head_dim = query_parts[0].shape
-    return query_parts[0].new_empty(batch, sum(part.shape[1] for part in query_parts), heads, head_dim)
+def _ulysses_attention_fake(*args: object, **kwargs: object) -> torch.Tensor:
+    parts = UlyssesOpArgs(*args, **kwargs).query_parts
+    batch, _, heads, head_dim = parts[0].shape
+    return parts[0].new_empty(batch, sum(part.shape[1] for part in parts), heads, head_dim)
+
+
+_ULYSSES_SIGNATURE = _ulysses_attention.__signature__ = _op_signature(UlyssesOpArgs)
+_ULYSSES_TENSORS = tuple(name for name, parameter in _ULYSSES_SIGNATURE.parameters.items()
+                         if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+ulysses_attention_op = torch.library.custom_op("xstage::ulysses_attention", mutates_args=())(_ulysses_attention)
+ulysses_attention_op.register_fake(_ulysses_attention_fake)
 
 
 def _joined(tokens: JointTokens) -> torch.Tensor:
@@ -201,17 +243,9 @@ def _(query, key, value, *, seq_len, degree, rank, group_name, scale, attention_
     return torch.empty_like(query)
 
 
-def say_pair_bias_fallback(backend: str) -> None:
-    """Pair-bias masks (masks.QueryKeyMasks.PAIR_BIAS) run on the reference backend: say once that `backend`
-    falls back to it (not while a graph is traced: the compiler cannot trace logging)."""
-    if backend != FALLBACK and not torch.compiler.is_compiling():
-        warn_once(f"xstage_dit backend {backend!r} does not take pair-bias attention masks (Chroma's); running "
-                  f"{FALLBACK!r}")
-
-
-def gathered_attention(chosen: Backend, attention_backend: str | None) -> LocalAttention:
-    """What a backend attends the gathered heads with: the user's diffusers attention backend where one was
-    chosen (a backend with its own kernel says once that it replaces it), else SDPA."""
+def gathered_attention(chosen: Strategy, attention_backend: str | None) -> LocalAttention:
+    """What a strategy attends the gathered heads with: the user's diffusers attention backend where one was
+    chosen (a strategy with its own kernel says once that it replaces it), else SDPA."""
     if attention_backend is None:
         return sdpa_bshd
     if chosen.own_attention:
@@ -221,27 +255,28 @@ def gathered_attention(chosen: Backend, attention_backend: str | None) -> LocalA
 
 
 def local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                    backend: str, scale: float | None) -> torch.Tensor:
-    """Degree 1: attention of the whole sequence by the kernel of the backend that choice `backend` picks (a
-    model with an attention backend of the user's runs that instead: UlyssesAttention); through the custom op
-    where a graph is being compiled (which keeps the choice and our kernels opaque), else directly (eager calls
-    skip the op's dispatch)."""
+                    backend: str, scale: float | None, pair_bias: bool = False) -> torch.Tensor:
+    """Degree 1: attention of the whole sequence by the kernel of the strategy that choice `backend` picks (a
+    model with an attention backend of the user's runs that instead: UlyssesAttention); `pair_bias`: `attn_mask`
+    is a pair bias (masks.QueryKeyMasks.PAIR_BIAS). Through the custom op where a graph is being compiled (which
+    keeps the choice and our kernels opaque), else directly (eager calls skip the op's dispatch)."""
     if torch.compiler.is_compiling():
         return local_attention_op(query=query, key=key, value=value, attn_mask=attn_mask, backend=backend,
-                                  scale=scale)
-    return _local_attention(query, key, value, attn_mask, backend, scale)
+                                  scale=scale, pair_bias=pair_bias)
+    return _local_attention(query, key, value, attn_mask, backend, scale, pair_bias)
 
 
 def _local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                     backend: str, scale: float | None) -> torch.Tensor:
-    chosen = get_choice(backend).pick(query, None, fabric_ready=True)
+                     backend: str, scale: float | None, pair_bias: bool) -> torch.Tensor:
+    chosen = get_choice(backend).pick(Call(query, pair_bias=pair_bias,
+                                           masked=attn_mask is not None and not pair_bias))
     return chosen.local(query, key, value, attn_mask, scale)
 
 
 @torch.library.custom_op("xstage::local_attention", mutates_args=())
 def local_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                       *, backend: str, scale: float | None) -> torch.Tensor:
-    out = _local_attention(query, key, value, attn_mask, backend, scale)
+                       *, backend: str, scale: float | None, pair_bias: bool) -> torch.Tensor:
+    out = _local_attention(query, key, value, attn_mask, backend, scale, pair_bias)
     like = torch.empty_like(query)
     if out.stride() == like.stride():
         return out
@@ -250,7 +285,7 @@ def local_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @local_attention_op.register_fake
-def _(query, key, value, attn_mask, *, backend, scale):
+def _(query, key, value, attn_mask, *, backend, scale, pair_bias):
     return torch.empty_like(query)
 
 

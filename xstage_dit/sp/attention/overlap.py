@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .backends import Backend, LocalAttention
-from .exchange import Transport, all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
+from .backends import LocalAttention, RingBlocks, Strategy
+from .exchange import (GatheredAttention, Transport, all_to_all, finish_gather, finish_scatter, start_gather,
+                       start_scatter)
 from .layout import UlyssesLayout
 from .local import sdpa_bshd
-from .reference import attend_gathered
+from .reference import over_gathered
 
 # chunks per rank's head share: more hides more transfer behind compute, but shrinks each attention launch
 MAX_CHUNKS = 4
@@ -37,15 +38,21 @@ def overlap_ulysses(
     return chunked_exchange(query, key, value, layout, all_to_all(group, async_op=True), scale, text_mask, attend)
 
 
-CHOICE = Backend("overlap", ulysses=overlap_ulysses, local=sdpa_bshd,
-                 cost=lambda planner, shape: planner.overlap_call(shape, MAX_CHUNKS))
+def overlap_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                     group: dist.ProcessGroup, gathered: GatheredAttention) -> torch.Tensor:
+    return chunked_around(query, key, value, layout, all_to_all(group, async_op=True), gathered)
 
 
-def chunked_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                     transport: Transport, scale: float | None, text_mask: torch.Tensor | None,
-                     attend: LocalAttention = sdpa_bshd) -> torch.Tensor:
+# inside a ring, each head chunk runs the whole ring while the next chunk's exchange is in flight
+CHOICE = Strategy("overlap", ulysses=overlap_ulysses, local=sdpa_bshd,
+                  cost=lambda planner, shape: planner.overlap_call(shape, MAX_CHUNKS), exchange=overlap_exchange,
+                  ring=RingBlocks.POINT_TO_POINT)
+
+
+def chunked_around(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                   transport: Transport, gathered: GatheredAttention) -> torch.Tensor:
     """Head chunks over an asynchronous `transport`: chunk i+1's exchange and chunk i-1's way back are in flight
-    while chunk i attends."""
+    while chunk i's `gathered` attention runs."""
     qkv = (query, key, value)
     n_ranks = layout.degree
     chunks = head_chunks(query.shape[2] // n_ranks)
@@ -56,10 +63,16 @@ def chunked_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if i + 1 < len(chunks):
             incoming = start_scatter(qkv, layout, transport, chunks[i + 1])
         q, k, v = finish_scatter(current, qkv, layout, heads)
-        outgoing.append(start_gather(attend_gathered(q, k, v, layout, scale, text_mask, attend), layout,
-                                    transport))
+        outgoing.append(start_gather(gathered(q, k, v, heads), layout, transport))
     out = torch.empty_like(query)
     by_rank = out.unflatten(2, (n_ranks, -1))  # (B, T + L, N, H/N, D)
     for heads, flight in zip(chunks, outgoing):
         by_rank[:, :, :, heads] = finish_gather(flight, layout).unflatten(2, (n_ranks, -1))
     return out
+
+
+def chunked_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
+                     transport: Transport, scale: float | None, text_mask: torch.Tensor | None,
+                     attend: LocalAttention = sdpa_bshd) -> torch.Tensor:
+    """Head chunks over an asynchronous `transport`, each attended by `attend` over the gathered heads."""
+    return chunked_around(query, key, value, layout, transport, over_gathered(layout, scale, text_mask, attend))

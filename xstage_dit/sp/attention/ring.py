@@ -9,32 +9,30 @@ Only a block's true tokens travel (the padding sits at the tail of the whole seq
 block of padding alone is neither sent nor attended. A last all-to-all gives each rank its own tokens of every
 head back.
 
-The blocks travel one of two ways: point-to-point sends over the ring group (`ring_attention`, any backend choice,
-and across nodes), or, where `enable` opened the ring group's symmetric-memory fabric (its ranks share a node and
-the backend choice may store into a fabric), remote stores issued by the attention kernel itself: while it
-attends a block it forwards each key and value tile it loads into the next rank's buffer (`stored_ring_steps`,
-the X-Stage ring: the paper's piggyback applied to the ring).
+The blocks travel as the strategy's entry says (`Strategy.ring`, sp/attention/backends.py): point-to-point sends
+over the ring group (`ring_attention`, and across nodes), or, where `enable` opened the ring group's
+symmetric-memory fabric (its ranks share a node and a strategy the choice may pick stores its blocks), remote
+stores issued by the attention kernel itself: while it attends a block it forwards each key and value tile it
+loads into the next rank's buffer (`stored_ring_steps`, the X-Stage ring: the paper's piggyback applied to the
+ring). The Ulysses exchange around the ring is the strategy's own where it can hold another attention (the overlap
+strategy's head chunks each run the whole ring), else the serial one (`Strategy.exchange_around`).
 
-Keys and values that every rank holds whole, of every head (`WholeKeys`: FLUX.2's cached reference-image keys),
-need no exchange: each rank attends its heads of them once, merged like a ring block. This path runs such calls at
-any ring degree, 1 included."""
+Keys and values that every rank holds whole, of every head (layout.WholeKeys: FLUX.2's cached reference-image
+keys), need no exchange: each rank attends its heads of them once, merged like a ring block (at ring degree 1
+they are attended with the gathered keys, reference.attend_gathered, not here)."""
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ...burst_gap.planner import AttentionShape, Planner, RingTransport
 from ...kernels.attention_args import KeyForward, Running
-from ...logging_utils import warn_once
 from ...runtime.distributed import waiting_for
 from ...sizes import ceil_div
-from ..fabric import Fabric, Steps, View, fabric_of, run_in_lockstep
-from ..planner import planner_for, ring_shape
-from .exchange import all_to_all, finish_gather, finish_scatter, start_gather, start_scatter
-from .layout import UlyssesLayout
+from ..fabric import Fabric, Steps, View, run_in_lockstep
+from .backends import UlyssesExchange
+from .layout import UlyssesLayout, WholeKeys
 from .masks import pair_bias
 
 
@@ -69,18 +67,6 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
     return Partial(out.transpose(1, 2), lse.float())
-
-
-class WholeKeys(NamedTuple):
-    """Keys and values every rank holds whole, (B, R, H, D): attended by every query, exchanged with nobody."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-
-    def heads(self, rank: int, degree: int) -> "WholeKeys":
-        """This rank's heads of them, where a Ulysses group of `degree` ranks splits the heads."""
-        share = self.key.shape[2] // degree
-        return WholeKeys(*(t[:, :, rank * share:(rank + 1) * share] for t in self))
 
 
 class Merged:
@@ -172,11 +158,11 @@ def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) ->
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                   group: dist.ProcessGroup | None, scale: float | None, text_mask: torch.Tensor | None,
+                   group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None,
                    text_factor: bool = False, whole: WholeKeys | None = None) -> torch.Tensor:
     """Attention of this rank's gathered queries, (B, Tq + P, h, D) with P = layout.padded_len rows of its ring
     block, over the text keys, every ring block's keys (k and v (B, T + P, h_kv, D), text first) and this rank's
-    heads of the `whole` keys. The blocks travel by point-to-point sends over `group` (None at ring degree 1).
+    heads of the `whole` keys. The blocks travel by point-to-point sends over `group`.
     `text_factor`: `text_mask` is the text tokens' factor of a pair bias (masks.QueryKeyMasks.PAIR_BIAS)."""
     degree, rank = layout.ring_degree, layout.ring_rank
 
@@ -249,61 +235,25 @@ def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return out
 
 
-@lru_cache(maxsize=256)
-def _stores_predicted_faster(planner: Planner | None, shape: AttentionShape, ring_degree: int,
-                             ulysses_degree: int) -> bool:
-    """Whether the planner predicts the stored ring faster than point-to-point sends for `shape` (without a
-    calibration: no)."""
-    return planner is not None and planner.ring_transport(shape, ring_degree, ulysses_degree) is RingTransport.FUSED
-
-
-def ring_stores(backend: str, ring_group: dist.ProcessGroup, query: torch.Tensor,
-                layout: UlyssesLayout) -> Fabric | None:
-    """The fabric the ring's blocks travel over by stores, or None for point-to-point sends: the ring group's
-    fabric (opened by `enable` where its ranks share a node and the backend choice may store) under `fused`, and
-    under `auto` where the planner predicts the stores faster for this call's shape; never where our attention
-    kernel cannot take the call's head dim and dtype."""
-    fabric = fabric_of(ring_group.group_name) if query.is_cuda else None
-    if fabric is None:
-        return None
-    from ...kernels.attention import SUPPORTED_HEAD_DIMS, accepts  # Triton: imported where a fabric is in use
-
-    if not accepts(query):
-        if backend == "fused":
-            warn_once(f"xstage_dit: the fused ring's attention kernel takes head dims {SUPPORTED_HEAD_DIMS} in "
-                      f"bf16/fp16, not {query.shape[-1]} in {query.dtype}: the ring's blocks travel by "
-                      "point-to-point sends")
-        return None
-    if backend == "fused":
-        return fabric
-    ranks = layout.ring_degree * layout.degree
-    faster = _stores_predicted_faster(planner_for(query.device, ranks), ring_shape(query, layout),
-                                      layout.ring_degree, layout.degree)
-    return fabric if faster else None
-
-
 def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
-                  ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup | None,
-                  scale: float | None, text_mask: torch.Tensor | None, text_factor: bool = False,
-                  whole: WholeKeys | None = None, stores: Fabric | None = None) -> torch.Tensor:
-    """Ulysses inside each ring step: this rank's (B, T + L, H, D) q, k, v (text first or last) exchanged over
-    its Ulysses group (where the degree is above 1), ring attention over the ring group, exchanged back.
-    `text_factor`: `text_mask` is a pair bias's text factor (ring_masks); `whole`: keys every rank holds whole,
-    attended besides the sequence's; `stores`: the fabric the blocks travel over by stores (ring_stores), None for
-    point-to-point sends (`ring_group` None: ring degree 1)."""
-    qkv = (query, key, value)
+                  ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup,
+                  scale: float | None, text_mask: torch.Tensor | None, exchange: UlyssesExchange,
+                  text_factor: bool = False, whole: WholeKeys | None = None,
+                  stores: Fabric | None = None) -> torch.Tensor:
+    """Ulysses around the ring: this rank's (B, T + L, H, D) q, k, v (text first or last) exchanged over its
+    Ulysses group by `exchange` (where the degree is above 1), ring attention over the ring group of each head
+    chunk it gathers, exchanged back. `text_factor`: `text_mask` is a pair bias's text factor (ring_masks);
+    `whole`: keys every rank holds whole, attended besides the sequence's; `stores`: the ring group's fabric where
+    the blocks travel by stores, None for point-to-point sends."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice) -> torch.Tensor:
+        mine = None if whole is None else whole.heads(layout.rank, layout.degree, heads)
+        if stores is not None:
+            return stored_ring_attention(q, k, v, layout, stores, scale, text_mask, text_factor, mine)
+        return ring_attention(q, k, v, layout, ring_group, scale, text_mask, text_factor, mine)
+
     if layout.degree > 1:
-        transport = all_to_all(ulysses_group)
-        every_head = slice(0, query.shape[2] // layout.degree)
-        q, k, v = finish_scatter(start_scatter(qkv, layout, transport, every_head), qkv, layout, every_head)
-    else:
-        q, k, v = (torch.cat(layout.split(t), dim=1) for t in qkv)  # text first
-    if whole is not None:
-        whole = whole.heads(layout.rank, layout.degree)
-    if stores is not None:
-        out = stored_ring_attention(q, k, v, layout, stores, scale, text_mask, text_factor, whole)
-    else:
-        out = ring_attention(q, k, v, layout, ring_group, scale, text_mask, text_factor, whole)
-    if layout.degree > 1:
-        return finish_gather(start_gather(out, layout, transport), layout)
+        return exchange(query, key, value, layout, ulysses_group, attend)
+    q, k, v = (torch.cat(layout.split(t), dim=1) for t in (query, key, value))  # text first
+    out = attend(q, k, v, slice(0, query.shape[2]))
     return layout.join(out[:, :layout.query_text_len], out[:, layout.query_text_len:])

@@ -24,7 +24,7 @@ from ...kernels.rotary_args import JointTokens
 from ...hooks.diffusers_registries import register_like
 from ...hooks.module_forward import ReboundName, ReplacedForward
 from . import ops
-from .ring import WholeKeys
+from .layout import WholeKeys
 from .ulysses import GatheredKeysAttention, UlyssesAttention
 
 _active: UlyssesAttention | GatheredKeysAttention | None = None

@@ -4,13 +4,11 @@ from __future__ import annotations
 import torch
 
 from ...kernels.rotary_args import JointTokens
-from .backends import FALLBACK, BackendChoice, may_take_joint_tokens
-from .layout import UlyssesLayout
+from .backends import BackendChoice, may_take_joint_tokens
+from .layout import UlyssesLayout, WholeKeys
 from .local import diffusers_attention
 from .masks import QueryKeyMasks, text_key_mask
-from .ring import WholeKeys
-from .ops import (gathered_keys_attention, local_attention, prologue_kernels_run, say_pair_bias_fallback,
-    ulysses_attention)
+from .ops import gathered_keys_attention, local_attention, prologue_kernels_run, ulysses_attention
 from ...runtime.distributed import Axis
 from ..sharding import SequenceShard
 
@@ -63,19 +61,16 @@ class UlyssesAttention:
         attn_mask = _four_dims(attn_mask)
         pair_bias = attn_mask is not None and self.query_key_masks is QueryKeyMasks.PAIR_BIAS
         shard = self.shard
-        choice = self.choice.name
-        if pair_bias and shard.degree == 1:  # the model's own mask, which only SDPA takes
-            say_pair_bias_fallback(choice)
-            choice = FALLBACK
-        elif attn_mask is not None and self.query_key_masks is not None:  # the first (always valid) query's row
-            attn_mask = attn_mask[:, :, :1]
-        if shard.degree == 1:
+        if attn_mask is not None and self.query_key_masks is not None and not (pair_bias and shard.degree == 1):
+            attn_mask = attn_mask[:, :, :1]  # the first (always valid) query's row
+        if shard.degree == 1:  # a pair bias is the model's own mask, whole
             if attention_backend is not None:
                 return diffusers_attention(attention_backend)(query, key, value, attn_mask, scale)
-            return local_attention(query, key, value, attn_mask, backend=choice, scale=scale)
+            return local_attention(query, key, value, attn_mask, backend=self.choice.name, scale=scale,
+                                   pair_bias=pair_bias)
         layout = self._layout(query.shape[1], key.shape[1])
         return ulysses_attention(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout,
-                                 text_mask=text_key_mask(attn_mask, layout), backend=choice,
+                                 text_mask=text_key_mask(attn_mask, layout), backend=self.choice.name,
                                  group=self.ulysses.group, scale=scale, attention_backend=attention_backend,
                                  pair_bias=pair_bias, ring_group=self.ring.group)
 
@@ -94,8 +89,9 @@ class UlyssesAttention:
     def with_whole_keys(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, whole: WholeKeys,
                         scale: float | None = None) -> torch.Tensor | None:
         """Attention of q, k, v laid out as this attention's calls are, over keys and values every rank holds
-        whole (`whole`, of every head) besides the sequence's; None where the tokens are not split (the caller
-        attends over all the keys itself)."""
+        whole (`whole`, of every head) besides the sequence's (at ring degree 1 with the gathered keys, in a ring
+        merged like a block); None where the tokens are not split (the caller attends over all the keys
+        itself)."""
         if self.shard.degree == 1:
             return None
         layout = self._layout(query.shape[1], key.shape[1])
