@@ -100,7 +100,7 @@ def test_a_bad_argument_of_generate_is_refused_before_loading(args: list[str], m
 
 
 def test_an_input_image_for_a_pipeline_that_takes_none_is_refused_before_loading(tmp_path: Path) -> None:
-    import zoo
+    from xstage_dit.testing import zoo
 
     zoo.random_image(16, 16).save(tmp_path / "in.png")
     _assert_usage_error(_run(sys.executable, str(GENERATE), "--image", str(tmp_path / "in.png")), "generate.py",

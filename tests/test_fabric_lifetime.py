@@ -180,8 +180,9 @@ def _enabled_models_hold_the_fabric_and_disable_gives_it_back() -> None:
     xstage_dit.disable(second)
     assert fabrics._FABRICS == {} and _StandInFabric.closed == [opened] and symmetric_bytes_held() == 0
     assert opened.workspace.allocation is None
-    xstage_dit.enable(first, backend="reference", timeout_s=60)
-    assert fabrics.fabric_of(name) is not opened and fabrics.fabric_of(name).workspace.nbytes == 0  # a fresh one
+    xstage_dit.enable(first, backend="reference", timeout_s=60)  # the job's groups made anew, a fresh fabric
+    (fresh,) = fabrics._FABRICS.values()
+    assert fresh is not opened and fresh.workspace.nbytes == 0
     xstage_dit.disable(first)
     assert fabrics._FABRICS == {}
 

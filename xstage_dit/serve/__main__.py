@@ -21,7 +21,7 @@ from ..runtime.distributed import local_device
 from ..testing import zoo
 from . import cost, loading, media
 from .metrics import ServiceMetrics
-from .keys import KEYS_FILE_ENV, key_problem, read_keys
+from .intake import KEYS_FILE_ENV, key_problem, read_keys
 from .ranks import CallStatus, SideChannel
 from .schema import Limits, ModelCard
 from .service import Service, ServeOptions, follow

@@ -19,8 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .admission import Answer, Job, QueueFull
 from .errors import error_body, error_response, install_error_handlers
-from .intake import read_form, read_json
-from .keys import key_matches
+from .intake import key_matches, read_form, read_json
 from .schema import ImageBody, Uploads, VideoBody, check
 from .service import Service, State, Unavailable, past_deadline
 

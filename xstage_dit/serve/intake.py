@@ -1,12 +1,16 @@
-"""A request's body as rank 0's handlers take it: read up to the service's byte limit (413 from its Content-Length,
-or, for a body sent without one, as soon as the bytes read pass the limit: never read whole), parsed by its
-content type (JSON; a multipart form on the edits endpoint; 415 for another), then validated with strict types:
-400 for a body that does not parse or a field the endpoint does not have, 422 for a field of the wrong type."""
+"""What a request brings to rank 0's handlers: its API key (checked against the service's keys, from --api-key or a
+file named by $XSTAGE_API_KEYS_FILE, in constant time) and its body, as the handlers take it: read up to the
+service's byte limit (413 from its Content-Length, or, for a body sent without one, as soon as the bytes read pass
+the limit: never read whole), parsed by its content type (JSON; a multipart form on the edits endpoint; 415 for
+another), then validated with strict types: 400 for a body that does not parse or a field the endpoint does not
+have, 422 for a field of the wrong type."""
 from __future__ import annotations
 
+import hmac
 import json
 import re
 import typing
+from pathlib import Path
 from typing import AsyncIterator
 
 from pydantic import BaseModel, ValidationError
@@ -133,3 +137,32 @@ async def _limited(request: Request, limit: int) -> AsyncIterator[bytes]:
         if size > limit:
             raise too_large
         yield chunk
+
+
+KEYS_FILE_ENV = "XSTAGE_API_KEYS_FILE"  # names a file of keys, one a line (# starts a comment)
+
+
+def read_keys(path: str) -> list[str]:
+    """The keys of a file, one a line; blank lines and lines starting with # are skipped."""
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def key_problem(key: str) -> str | None:
+    """Why `key` cannot be an API key (None: it can): a header carries it, so printable ASCII without spaces."""
+    if not key:
+        return "a key is empty"
+    if not key.isascii() or not key.isprintable() or " " in key:
+        return "a key must be printable ASCII without spaces"
+    return None
+
+
+def key_matches(authorization: bytes | None, keys: tuple[bytes, ...]) -> bool:
+    """Whether an Authorization header carries one of `keys` as its bearer token, compared with every key in
+    constant time (no key's prefix shows in how long the answer takes)."""
+    scheme, _, token = (authorization or b"").partition(b" ")
+    token = token.strip() if scheme.lower() == b"bearer" else b""
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(token, key)
+    return matched

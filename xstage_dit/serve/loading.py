@@ -257,9 +257,8 @@ def requested_class(model: str | None, config: str) -> type | None:
         return pipeline_class(model)
     import diffusers
 
-    models = zoo()
-    entry = models.ZOO[config]
-    return getattr(diffusers, entry.pipeline or models.FAMILIES[entry.family].pipeline)
+    entry = zoo.ZOO[config]
+    return getattr(diffusers, entry.pipeline or zoo.FAMILIES[entry.family].pipeline)
 
 
 def _class_name(model: str) -> str:
