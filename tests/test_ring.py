@@ -73,6 +73,9 @@ def _mesh_worker() -> None:
             if group is not None:
                 assert dist.get_process_group_ranks(group) == ranks, (name, cfg, ring, ulysses)
                 assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=37)
+    # the mesh's groups are made by their members alone: a rank done early must not take the store, which rank 0
+    # hosts, away from ranks still making theirs
+    dist.barrier()
 
 
 def test_the_groups_come_from_one_device_mesh_with_enables_timeout() -> None:
