@@ -19,8 +19,7 @@ _EXPORTS = {"enable": "api", "disable": "api", "installed_layers": "api", "is_ma
             "cuda_graph_use": "api", "local_device": "runtime.distributed",
             "available_backends": "sp.attention.backends", "XStageConfig": "config"}
 
-__all__ = ["enable", "disable", "installed_layers", "is_main_process", "cuda_graph_use", "local_device",
-           "available_backends", "XStageConfig"]
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
 
