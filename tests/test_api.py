@@ -246,6 +246,25 @@ def test_a_config_checks_itself_as_it_is_made():
         xstage_dit.XStageConfig(cfg_degree=3)
 
 
+def test_the_fp8_knob_reads_as_the_parts_in_one_order_and_refuses_others_in_words():
+    """`fp8` takes None, "all", a part's name or several, kept as a tuple in FP8_PARTS' order (so that ranks that
+    were given the same parts in another order agree); `fp8_full_precision_steps` is a step count."""
+    config = xstage_dit.XStageConfig
+    assert config().fp8 == () and config(fp8=()).fp8 == ()
+    assert config(fp8="all").fp8 == ("attention", "linear", "payloads")
+    assert config(fp8=["payloads", "attention"]) == config(fp8=("attention", "payloads"))
+    assert config(fp8="linear").fp8 == ("linear",)
+    for bad in ("fp16", 3, ["attention", "payload"]):
+        with pytest.raises(ValueError, match=r"fp8 must be None, \"all\" or parts among 'attention', 'linear', "
+                                             r"'payloads', got"):
+            config(fp8=bad)
+    with pytest.raises(ValueError, match=r"fp8_full_precision_steps must be an int >= 0, got -1"):
+        config(fp8_full_precision_steps=-1)
+    for bad in (True, 1.0):
+        with pytest.raises(TypeError, match=r"fp8_full_precision_steps must be an int >= 0"):
+            config(fp8_full_precision_steps=bad)
+
+
 def test_enable_takes_a_config_whole_or_its_knobs_as_keywords(flux_pipe, world):
     """`enable(pipe, knob=v)` is `enable(pipe, config=XStageConfig(knob=v))`; keywords replace a config's fields;
     an unknown keyword names the knobs."""

@@ -171,6 +171,9 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
     degrees = _degrees(world_size, config, [plan.num_heads(model) for model, plan in zip(models, plans)])
     for model, plan in zip(models, plans):
         _check_heads(model, plan.num_heads(model), degrees)
+    if config.fp8:
+        raise NotImplementedError(f"fp8={config.fp8!r}: xstage_dit has no FP8 path yet; a model quantized with "
+                                  f"torchao (or GGUF) runs under enable as it is")
     cuda_graphs = _cuda_graphs(config.cuda_graphs, local_device())
     resolve_backend(config.backend, local_device(), cuda_graphs)
     degree = degrees.ulysses * degrees.ring

@@ -11,6 +11,26 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+FP8_PARTS = ("attention", "linear", "payloads")
+
+
+def fp8_parts(value: Any) -> tuple[str, ...]:
+    """`XStageConfig.fp8` as given (None, "all", one part's name or several) as the parts in FP8_PARTS' order;
+    anything else raises in words."""
+    if value is None:
+        return ()
+    names = FP8_PARTS if value == "all" else (value,) if isinstance(value, str) else value
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = (value,)
+    unknown = [name for name in names if not isinstance(name, str) or name not in FP8_PARTS]
+    if unknown:
+        raise ValueError(f"fp8 must be None, \"all\" or parts among {', '.join(map(repr, FP8_PARTS))}, got "
+                         f"{value!r}")
+    return tuple(part for part in FP8_PARTS if part in names)
+
+
 @dataclass(frozen=True)
 class XStageConfig:
     """What `xstage_dit.enable` runs with. Made by the user (`enable(pipe, config=XStageConfig(...))`) or from
@@ -39,6 +59,12 @@ class XStageConfig:
         supported.
     expert_parallel: mixture-of-experts layers keep E/N experts per rank of the Ulysses group (True), every
         expert on every rank (False), or every expert with the mode picked per call by the planner (None).
+    fp8: what runs in FP8 (e4m3 with float32 scales): any of "attention" (the attention kernel's two products),
+        "linear" (the transformer's projections; layers the model keeps in float32 stay out) and "payloads" (the
+        all-to-all and ring payloads, quantized where they are stored and dequantized where they are read), or
+        "all"; None (default) or () runs everything in the model's dtype. Stored as a tuple in FP8_PARTS' order.
+    fp8_full_precision_steps: the first and last this many denoising steps of a pipeline call run without FP8
+        (the steps that set the layout and the fine detail are the ones most sensitive to rounding).
     """
 
     ulysses_degree: int | None = None
@@ -52,6 +78,8 @@ class XStageConfig:
     cuda_graphs: bool | None = None
     parallel_vae: bool | None = None
     expert_parallel: bool | None = None
+    fp8: tuple[str, ...] | str | None = None
+    fp8_full_precision_steps: int = 0
 
     def __post_init__(self) -> None:
         # a value of the wrong type raises TypeError, one of the right type out of range ValueError
@@ -81,6 +109,12 @@ class XStageConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be None ({default}), True or False, got {value!r}")
+        object.__setattr__(self, "fp8", fp8_parts(self.fp8))
+        steps = self.fp8_full_precision_steps
+        if not _is_int(steps):
+            raise TypeError(f"fp8_full_precision_steps must be an int >= 0, got {steps!r}")
+        if steps < 0:
+            raise ValueError(f"fp8_full_precision_steps must be an int >= 0, got {steps!r}")
 
     def sequence_ranks(self, world_size: int) -> int:
         """The ranks that split one sequence in a job of `world_size` ranks (world_size / cfg_degree), with the
