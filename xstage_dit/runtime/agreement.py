@@ -24,8 +24,8 @@ class Fingerprint:
 
     def add(self, name: str, value: object) -> None:
         self.names.append(name)
-        if value is None or isinstance(value, str):
-            self.values.append(float(zlib.crc32(str(value).encode())))
+        if value is None or isinstance(value, (str, tuple)):
+            self.values.append(float(zlib.crc32(repr(value).encode())))
         else:
             self.values.append(float(value))  # type: ignore[arg-type]
 
