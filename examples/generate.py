@@ -21,27 +21,22 @@ import argparse
 import logging
 import statistics
 from pathlib import Path
-from typing import NoReturn
-
-import PIL.Image
-import torch
+from typing import TYPE_CHECKING, NoReturn
 
 import xstage_dit
 from xstage_dit.cli import positive_int
+from xstage_dit.launcher import launched
 from xstage_dit.serve import loading, media
 from xstage_dit.serve.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from xstage_dit.testing.catalog import CONFIGS
 
 from provenance import OUTPUT_DIR
-from step_timer import StepTimer, reporting_steps
 
+if TYPE_CHECKING:
+    import PIL.Image
 
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are printed once for the job, not once per rank."""
-
-    def error(self, message: str) -> NoReturn:
-        if not xstage_dit.is_main_process():
-            raise SystemExit(2)
-        super().error(message)
+# torch, diffusers and the zoo (seconds) are imported once the arguments are checked: --help and a bad argument
+# answer at once, and every rank of a job refused on its arguments ends before any of them imports torch
 
 
 def refuse(message: str) -> NoReturn:
@@ -49,8 +44,8 @@ def refuse(message: str) -> NoReturn:
     build_parser().error(message)
 
 
-def build_parser() -> Parser:
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> loading.JobParser:
+    parser = loading.JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     loading.add_pipeline_arguments(parser)
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
     parser.add_argument("--negative-prompt", help="--model only (a config's negative embeddings are random)")
@@ -78,24 +73,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_size(args: argparse.Namespace, loaded: loading.LoadedPipeline) -> None:
-    """--height and --width are multiples of what the loaded pipeline takes (as the service checks its
-    requests), before it runs."""
-    multiple = loading.size_multiple(loaded.pipe)
-    for name in ("height", "width"):
-        value = getattr(args, name)
+def check_size(args: argparse.Namespace, multiple: int, name: str) -> None:
+    """--height and --width are multiples of what pipeline `name` takes (as the service checks its requests)."""
+    for side in ("height", "width"):
+        value = getattr(args, side)
         if value is not None and value % multiple:
-            refuse(f"argument --{name}: {loaded.name} takes multiples of {multiple}, got {value}")
+            refuse(f"argument --{side}: {name} takes multiples of {multiple}, got {value}")
+
+
+def check_image_input(args: argparse.Namespace, pipeline: str, image_input: str) -> None:
+    """An --image only for a pipeline that takes one (`image_input` as loading.image_input says)."""
+    if args.image is not None and image_input == "none":
+        refuse(f"argument --image: {pipeline} takes no input image")
 
 
 def output_path(args: argparse.Namespace, is_video: bool) -> Path:
-    """The file to write, checked before anything is loaded or generated (and --num-frames, for videos only)."""
+    """The file to write, checked before anything is loaded or generated (and --num-frames, for videos only). What
+    only the main rank needs, since it writes the file, only it checks: another node may lack the folder."""
     if args.num_frames is not None and not is_video:
         refuse(f"argument --num-frames: {args.model or args.config} makes images")
     output = args.output or OUTPUT_DIR / ("output.gif" if is_video else "output.png")
     suffixes = VIDEO_SUFFIXES if is_video else IMAGE_SUFFIXES
     if output.suffix.lower() not in suffixes:
         refuse(f"--output {output}: {'a video' if is_video else 'an image'} is written as {', '.join(suffixes)}")
+    if not launched().is_main:
+        return output
     if output.suffix.lower() == ".mp4" and not media.can_write_mp4():
         refuse(f"--output {output}: MP4 needs imageio, imageio-ffmpeg and PyAV (pip install 'xstage_dit[video]'); "
                f"or write a .gif")
@@ -108,6 +110,8 @@ def input_image(path: Path | None) -> PIL.Image.Image | None:
     """The --image file as RGB, read before anything is loaded."""
     if path is None:
         return None
+    import PIL.Image
+
     try:
         with PIL.Image.open(path) as image:
             return image.convert("RGB")
@@ -119,23 +123,39 @@ def input_image(path: Path | None) -> PIL.Image.Image | None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    output = None
+    if not args.model:  # a zoo config: what its pipeline takes is listed, known before torch is imported
+        listing = CONFIGS[args.config]
+        output = output_path(args, listing.video)
+        check_image_input(args, listing.pipeline, listing.image)
+        check_size(args, listing.size_multiple, args.config)
+    image = input_image(args.image)
+    run(args, output, image)
+
+
+def run(args: argparse.Namespace, output: Path | None, image: PIL.Image.Image | None) -> None:
+    """Load the pipeline, enable xstage_dit on it, run it and write its output (on the main rank)."""
+    import torch
+
+    from step_timer import StepTimer, reporting_steps
+
     logging.basicConfig(level=logging.INFO if xstage_dit.is_main_process() else logging.WARNING)
     loading.quiet_libraries()
     device = xstage_dit.local_device()
     family = loading.family_of(args.model, args.config)
-    # a pipeline class the zoo does not know: video or not is known once loaded
-    output = output_path(args, is_video=family.video) if family else None
-    pipeline_cls = loading.requested_class(args.model, args.config)
-    if args.image is not None and pipeline_cls is not None and loading.image_input(pipeline_cls) == "none":
-        refuse(f"argument --image: {pipeline_cls.__name__} takes no input image")
-    image = input_image(args.image)
+    if args.model:  # a checkpoint's class is read from its config; video or not, from the zoo's family if it knows it
+        output = output_path(args, family.video) if family else None
+        pipeline_cls = loading.pipeline_class(args.model)
+        if pipeline_cls is not None:
+            check_image_input(args, pipeline_cls.__name__, loading.image_input(pipeline_cls))
     if args.negative_prompt is not None and not args.model:
         logging.getLogger(__name__).warning("--negative-prompt needs --model: a config's negative embeddings are "
                                             "random")
     loaded = loading.load_pipeline(args.model, args.config, family, device, loading.default_dtype(args, device))
     pipe = loaded.pipe
     output = output or output_path(args, is_video=loaded.is_video)
-    check_size(args, loaded)
+    if args.model:  # what sizes a checkpoint takes its VAE tells, once loaded
+        check_size(args, loading.size_multiple(pipe), loaded.name)
     call = loaded.call_kwargs(loading.Generation((args.prompt,), loading.CallOptions(
         negative_prompt=args.negative_prompt if args.model else None, height=args.height, width=args.width,
         num_frames=args.num_frames, steps=args.steps, guidance=args.guidance, image=image)))

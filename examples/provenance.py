@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 import xstage_dit
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -106,6 +104,8 @@ def provenance() -> dict[str, str]:
     """This process's card (its rank's GPU, or "cpu"), today's date, the code's commit, the whole command as
     launched (`launch_command`; paths relative to the repository and to $OUT) and the versions of torch, CUDA,
     Triton, diffusers and xstage_dit."""
+    import torch  # here, not at import: generate.py takes OUTPUT_DIR from this module and answers --help at once
+
     device = xstage_dit.local_device()
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     return {

@@ -34,8 +34,8 @@ from xstage_dit.serve.__main__ import model_card  # noqa: E402
 from xstage_dit.serve.app import create_app  # noqa: E402
 from xstage_dit.serve.metrics import ServiceMetrics  # noqa: E402
 from xstage_dit.serve.ranks import SideChannel  # noqa: E402
-from xstage_dit.serve.schema import ModelCard  # noqa: E402
-from xstage_dit.serve.service import ServeOptions, Service  # noqa: E402
+from xstage_dit.serve.schema import ModelCard, ServeOptions  # noqa: E402
+from xstage_dit.serve.service import Service  # noqa: E402
 
 QUEUE_BOUND, MAX_BATCH, TIMEOUT_S = 5, 4, 60  # four clients at once all wait behind a running call
 REPOSITORY = Path(__file__).resolve().parents[1]

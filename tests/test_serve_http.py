@@ -24,7 +24,7 @@ from service_client import (TIMEOUT_S, VIDEO_EXTRA, ServiceJob, decoded_pixels, 
                             launch_service, pipeline_free_service, serve_in_process, stub_card, wait_until_ready)
 from xstage_dit.serve.app import create_app  # noqa: E402
 from xstage_dit.serve.intake import KEYS_FILE_ENV  # noqa: E402
-from xstage_dit.serve.service import ServeOptions  # noqa: E402
+from xstage_dit.serve.schema import ServeOptions  # noqa: E402
 
 KEY, FILED_KEY = "sk-test-one", "sk-test-two"  # on the command line; in the keys file
 BODY_LIMIT = 2**18  # --max-body-mb 0.25

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         from .serve.__main__ import exit_now
         from .serve.__main__ import main as serve
 
-        exit_now(serve(argv[1:]))
+        exit_now(serve(argv[1:], prog="xstage-dit serve"))
     parser = argparse.ArgumentParser(prog="xstage-dit", description=__doc__)
     parser.add_argument("--version", action="version", version=f"xstage-dit {_version('xstage_dit')}")
     commands = parser.add_subparsers(dest="command", required=True)

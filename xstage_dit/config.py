@@ -1,6 +1,7 @@
 """The one record of user-facing knobs: what `xstage_dit.enable` is asked for, checked when it is made."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 from dataclasses import dataclass, fields
@@ -12,6 +13,17 @@ def _is_int(value: Any) -> bool:
 
 
 FP8_PARTS = ("attention", "linear", "payloads")
+# `backend`'s values, each the name of its module in sp/attention/, with the package it needs besides the package's
+# own dependencies (None: none); the registry (sp/attention/backends.py) loads them in this order, and the command
+# lines offer them without importing the registry (torch and the kernels)
+BACKENDS: dict[str, str | None] = {"reference": None, "overlap": None, "fused": "triton", "auto": None}
+
+
+def installed_backends() -> list[str]:
+    """The backends whose packages are installed, as `xstage_dit.available_backends()` lists them, found without
+    importing anything."""
+    return sorted(name for name, package in BACKENDS.items()
+                  if package is None or importlib.util.find_spec(package) is not None)
 
 
 def fp8_parts(value: Any) -> tuple[str, ...]:
@@ -43,7 +55,7 @@ class XStageConfig:
         travel around the ring, sp/attention/ring.py), the Ulysses groups innermost (consecutive ranks, one node);
         None with ulysses_degree None: the planner picks both from the world, the heads and the node size (Ulysses
         as wide as divides the heads within a node, the ring for the rest), else world / cfg_degree / ulysses.
-    backend: how Ulysses moves data; see `xstage_dit.available_backends()`.
+    backend: how Ulysses moves data: one of BACKENDS; see `xstage_dit.available_backends()`.
     timeout_s: bound on every cross-rank wait; a wait past it raises instead of hanging.
     fuse_rope: the patched attention's diffusers `apply_rotary_emb` calls run our one-pass RoPE kernel (GPU); in
         Flux and Chroma the q/k RMSNorms before it run in the same pass (patches/image/flux.py NormRopeProcessor),

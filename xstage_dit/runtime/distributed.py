@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ..launcher import launched
 from ..logging_utils import logger, warn_once
 
 
@@ -80,7 +81,7 @@ def world_from_env() -> tuple[int, int]:
     """(world size, rank) of the running job: the live default group, else the launcher's variables, else (1, 0)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    return launched()
 
 
 def local_device() -> torch.device:

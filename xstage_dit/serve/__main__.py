@@ -15,25 +15,27 @@ import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from ..api import enable, is_main_process
-from ..runtime.distributed import local_device
-from ..testing import zoo
+from ..launcher import launched
+from ..testing.catalog import CONFIGS
 from . import cost, loading, media
-from .metrics import ServiceMetrics
 from .intake import KEYS_FILE_ENV, key_problem, read_keys
-from .ranks import CallStatus, SideChannel
-from .schema import Limits, ModelCard
-from .service import Service, ServeOptions, follow
+from .schema import Limits, ModelCard, ServeOptions
+
+if TYPE_CHECKING:
+    from .ranks import SideChannel
+
+# torch, diffusers and the service's modules that import them (seconds) are imported by the functions that run the
+# job, once its arguments are checked: --help and a bad argument answer at once
 
 logger = logging.getLogger(__name__)
 
 STARTUP_S = 60.0  # how long rank 0 waits for its HTTP server to listen
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="xstage_dit.serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None, prog: str = "xstage_dit.serve") -> argparse.Namespace:
+    parser = loading.JobParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     loading.add_pipeline_arguments(parser)
     defaults, limits = ServeOptions(), Limits()
     parser.add_argument("--host", default=defaults.host)
@@ -69,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--timeout-s and --max-timeout-s must be positive")
     if not args.max_body_mb > 0:
         parser.error("--max-body-mb must be positive")
-    if os.environ.get(KEYS_FILE_ENV):
+    if os.environ.get(KEYS_FILE_ENV) and launched().is_main:  # the main rank alone answers HTTP
         try:
             args.api_key += read_keys(os.environ[KEYS_FILE_ENV])
         except OSError as error:
@@ -83,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def model_card(loaded: loading.LoadedPipeline, model_id: str) -> ModelCard:
     """What the served pipeline takes: sizes in multiples of its VAE's downsampling times its 2 x 2 patches, its
     input images, and the request fields it has no argument for."""
+    from ..testing import zoo
+
     pipe = loaded.pipe
     multiple = loading.size_multiple(pipe)
     entry = zoo.ZOO[loaded.config] if loaded.config is not None else None
@@ -108,8 +112,15 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "xstage_dit.serve") -> int:
+    args = parse_args(argv, prog)
+    if not args.model:  # a zoo config makes videos or not, known before it loads
+        _check_video_writer(CONFIGS[args.config].video, args.config)
+    from ..api import enable, is_main_process
+    from ..runtime.distributed import local_device
+    from .ranks import CallStatus, SideChannel
+    from .service import follow
+
     logging.basicConfig(level=logging.INFO if is_main_process() else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loading.quiet_libraries()
@@ -120,9 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     device = local_device()
     family = loading.family_of(args.model, args.config)
     loaded = loading.load_pipeline(args.model, args.config, family, device, loading.default_dtype(args, device))
-    if loaded.is_video and not media.can_write_mp4():
-        raise SystemExit(f"xstage_dit.serve: {args.model or args.config} makes videos, answered as MP4s: that needs "
-                         f"imageio, imageio-ffmpeg and PyAV (pip install 'xstage_dit[video]')")
+    if args.model:
+        _check_video_writer(loaded.is_video, args.model)
     loaded.pipe.set_progress_bar_config(disable=True)  # progress is the service's (SSE, metrics)
     enable(loaded.pipe, timeout_s=args.timeout_s, **loading.enable_knobs(args))
     channel = SideChannel(args.timeout_s)
@@ -132,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     if channel.rank == 0:
         return _serve(loaded, args, channel)
     return follow(loaded, channel, args.timeout_s)
+
+
+def _check_video_writer(is_video: bool, name: str) -> None:
+    """A video model's answers are MP4s: the packages that write them are installed."""
+    if is_video and not media.can_write_mp4():
+        raise SystemExit(f"xstage_dit.serve: {name} makes videos, answered as MP4s: that needs imageio, "
+                         f"imageio-ffmpeg and PyAV (pip install 'xstage_dit[video]')")
 
 
 def _check_inputs(model: str) -> None:
@@ -158,6 +175,8 @@ def _serve(loaded: loading.LoadedPipeline, args: argparse.Namespace, channel: Si
 
     from .app import create_app
     from .errors import uvicorn_protocol
+    from .metrics import ServiceMetrics
+    from .service import Service
 
     options = ServeOptions(host=args.host, port=args.port, queue_bound=args.queue_bound, max_batch=args.max_batch,
                            timeout_s=args.timeout_s,

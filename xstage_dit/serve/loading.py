@@ -1,25 +1,28 @@
 """The pipeline a job generates with, loaded the same way by the generation example and the service: a diffusers
 checkpoint (`--model`) or a random-weight config of the package's zoo (`xstage_dit.testing.zoo`, `--config`: no
 download, the prompt seeds random text embeddings since such configs have no text encoder), and the command-line
-arguments of both: what to load and `enable`'s knobs."""
+arguments of both: what to load and `enable`'s knobs, parsed and checked once for the job.
+
+The command lines parse and check their arguments with this module before anything heavy loads, so torch, diffusers
+and the zoo (which imports both: seconds) are imported by the functions that load or call a pipeline, not here."""
 from __future__ import annotations
 
 import argparse
 import inspect
 import logging
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
-import PIL.Image
-import torch
+from ..config import XStageConfig, installed_backends
+from ..launcher import launched
+from ..testing.catalog import CONFIGS
 
-from ..api import is_main_process
-from ..config import XStageConfig
-from ..runtime.distributed import world_from_env
-from ..sp.attention.backends import available_backends
-from ..testing import zoo
+if TYPE_CHECKING:
+    import PIL.Image
+    import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> the torch dtype's name
 EXPERT_PARALLEL = {"auto": None, "on": True, "off": False}  # --expert-parallel -> enable(expert_parallel=...)
 ZOO_STEPS = 4  # random weights: a few steps show the run; more add nothing
 DEFAULT_CONFIG = "tiny-flux"
@@ -39,6 +42,8 @@ def quiet_libraries() -> None:
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
+    from ..api import is_main_process
+
     logging.getLogger("transformers.utils.import_utils").addFilter(
         lambda record: "requires torchvision (not installed)" not in record.getMessage())
     if not is_main_process():
@@ -46,14 +51,28 @@ def quiet_libraries() -> None:
         diffusers_logging.set_verbosity_error()
 
 
+class JobParser(argparse.ArgumentParser):
+    """argparse for a command line that every rank of a job runs: a usage error is said once for the job.
+
+    Every rank parses the same arguments against the same launcher environment, so each meets the same error, before
+    anything heavy is imported. The main rank says it and exits 2, which torchrun reports as the job's; the others
+    exit 0 at once and say nothing. Were they to exit 2, torchrun would stop the other workers as soon as one of
+    them failed, the main rank among them, possibly before it had printed."""
+
+    def error(self, message: str) -> NoReturn:
+        if not launched().is_main:
+            sys.exit(0)
+        super().error(message)
+
+
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """--model, --config, --dtype and `enable`'s knobs."""
     parser.add_argument("--model", help="hub id or local path of a diffusers pipeline with real weights")
-    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(zoo.ZOO), metavar="NAME",
+    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(CONFIGS), metavar="NAME",
                         help="random-weight config of xstage_dit.testing.zoo used when --model is not given "
                              f"(default: {DEFAULT_CONFIG})")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
-    parser.add_argument("--backend", default="auto", choices=available_backends())
+    parser.add_argument("--backend", default="auto", choices=installed_backends())
     parser.add_argument("--ulysses-degree", type=int,
                         help="default: as wide as divides the heads within a node (the rest of a CFG group's ranks "
                              "form a ring)")
@@ -76,7 +95,7 @@ def check_enable_knobs(parser: argparse.ArgumentParser, args: argparse.Namespace
     """`enable`'s knobs checked as `enable` checks them (XStageConfig's own checks, and the degrees against the
     launcher's WORLD_SIZE), before anything loads: a usage error now, not a traceback after the loading."""
     try:
-        XStageConfig(**enable_knobs(args)).sequence_ranks(world_from_env()[0])
+        XStageConfig(**enable_knobs(args)).sequence_ranks(launched().world_size)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
 
@@ -88,7 +107,11 @@ def size_multiple(pipe: Any) -> int:
 
 
 def default_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
-    return DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    import torch
+
+    if args.dtype:
+        return getattr(torch, DTYPES[args.dtype])
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 @dataclass(frozen=True)
@@ -171,6 +194,8 @@ class LoadedPipeline:
         return call
 
     def _config_call(self, generation: Generation) -> dict[str, Any]:
+        from ..testing import zoo
+
         options = generation.options
         entry = zoo.ZOO[self.config]
         call = zoo.call_kwargs(
@@ -184,6 +209,10 @@ class LoadedPipeline:
     def _config_text(self, prompts: tuple[str, ...]) -> dict[str, Any]:
         """Each prompt's random embeddings (seeded by the prompt alone, so an image does not depend on the batch it
         ran in), joined along each input's batch dimension."""
+        import torch
+
+        from ..testing import zoo
+
         drawn = [zoo.text_embeddings(self.config, 1, zoo.prompt_seed(p), device=self.device, dtype=self.dtype)
                  for p in prompts]
         if len(drawn) == 1:
@@ -199,6 +228,8 @@ class LoadedPipeline:
     def batch_dims(self) -> dict[str, int]:
         """Which dimension of each text input is the batch (HiDream's Llama states lead with the layer)."""
         if self._batch_dims is None:
+            from ..testing import zoo
+
             one, two = (zoo.text_embeddings(self.config, b, 0) for b in (1, 2))
             self._batch_dims = {name: next(d for d, (a, b) in enumerate(zip(t.shape, two[name].shape)) if a != b)
                                 for name, t in one.items() if not isinstance(t, list)}
@@ -236,6 +267,8 @@ def uncarried_inputs(pipeline_cls: type) -> list[str]:
 
 def family_of(model: str | None, config: str) -> Any:
     """The zoo family of the pipeline asked for (None for a pipeline class the zoo does not know)."""
+    from ..testing import zoo
+
     if not model:
         return zoo.FAMILIES[zoo.ZOO[config].family]
     class_name = _class_name(model)
@@ -250,17 +283,6 @@ def pipeline_class(model: str) -> type | None:
     return getattr(diffusers, _class_name(model), None)
 
 
-def requested_class(model: str | None, config: str) -> type | None:
-    """The diffusers pipeline class of `model`, else of zoo config `config`, known before anything loads (None: a
-    class diffusers does not have)."""
-    if model:
-        return pipeline_class(model)
-    import diffusers
-
-    entry = zoo.ZOO[config]
-    return getattr(diffusers, entry.pipeline or zoo.FAMILIES[entry.family].pipeline)
-
-
 def _class_name(model: str) -> str:
     from diffusers import DiffusionPipeline
 
@@ -271,6 +293,10 @@ def load_pipeline(model: str | None, config: str, family: Any, device: torch.dev
                   ) -> LoadedPipeline:
     """The pipeline on `device`: `model`'s weights (VAEs that diffusers keeps in float32, Wan's, stay in float32),
     or `config`'s random ones."""
+    import torch
+
+    from ..testing import zoo
+
     if model:
         from diffusers import DiffusionPipeline
 

@@ -1,5 +1,6 @@
 """What a client may ask for, checked on rank 0 before anything reaches the ranks: the HTTP bodies (OpenAI's image
-fields and ours), the model's limits, and the checked request every rank runs."""
+fields and ours), the model's limits, and the checked request every rank runs; the service's knobs (its command
+line)."""
 from __future__ import annotations
 
 import base64
@@ -7,8 +8,8 @@ import binascii
 import io
 import re
 import secrets
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import PIL.Image
 from pydantic import BaseModel, ConfigDict, Field
@@ -61,6 +62,27 @@ class Limits:
     max_pixels: int = 2048 * 2048
     max_frames: int = 257
     max_timeout_s: float = 600.0  # the longest deadline a request may ask for, and the deadline of one without
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The service's knobs (its command line; `enable`'s are applied before it starts)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    queue_bound: int = 16
+    max_batch: int = 1
+    timeout_s: float = 600.0
+    limits: Limits = Limits()
+    enable: dict[str, Any] = field(default_factory=dict)  # what `enable` was given, for /v1/models to report
+    max_body_bytes: int = 8 * 2**20  # a request's body, its images included
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key needed
+    open_metrics: bool = False  # /metrics needs no key (for a Prometheus scraper)
+
+    def describe(self, ranks: int) -> dict[str, Any]:
+        return {"ranks": ranks, "queue_bound": self.queue_bound, "max_batch": self.max_batch,
+                "timeout_s": self.timeout_s, "max_timeout_s": self.limits.max_timeout_s,
+                "max_body_bytes": self.max_body_bytes, "keys": bool(self.api_keys), "enable": self.enable}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
@@ -26,7 +25,7 @@ from .calls import Cancelled, Outputs, StepReport, run_batch
 from .loading import CallOptions, LoadedPipeline
 from .metrics import ServiceMetrics
 from .ranks import IDLE_S, CallStatus, Command, Liveness, RanksOutOfStep, SideChannel, silence_bound
-from .schema import GenerationRequest, Limits, ModelCard
+from .schema import GenerationRequest, ModelCard, ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -34,27 +33,6 @@ FAIL_GRACE_S = 1.0  # a failed service's answers get this long to reach their cl
 WARMUP_STEPS = 2  # steps of each warm-up call
 WARMUP_CALLS = 3  # the first one warms up (compilation, caches); the fastest of the others prices a step
 GONE = "the client went away"
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """The service's knobs (its command line; `enable`'s are applied before it starts)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    queue_bound: int = 16
-    max_batch: int = 1
-    timeout_s: float = 600.0
-    limits: Limits = Limits()
-    enable: dict[str, Any] = field(default_factory=dict)  # what `enable` was given, for /v1/models to report
-    max_body_bytes: int = 8 * 2**20  # a request's body, its images included
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key needed
-    open_metrics: bool = False  # /metrics needs no key (for a Prometheus scraper)
-
-    def describe(self, ranks: int) -> dict[str, Any]:
-        return {"ranks": ranks, "queue_bound": self.queue_bound, "max_batch": self.max_batch,
-                "timeout_s": self.timeout_s, "max_timeout_s": self.limits.max_timeout_s,
-                "max_body_bytes": self.max_body_bytes, "keys": bool(self.api_keys), "enable": self.enable}
 
 
 class State(Enum):

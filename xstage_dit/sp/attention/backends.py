@@ -13,7 +13,7 @@ What `enable(backend=...)` names is a *choice*: a strategy (which is its own cho
 (sp/attention/auto.py) that picks a strategy per call among its candidates.
 
 Adding a strategy (FP8 attention, say) is one module under sp/attention/ with its kernel and its entry as
-`CHOICE`, and one line in BACKEND_MODULES: nothing else changes. The registry imports the modules the first time
+`CHOICE`, and one line in config.BACKENDS: nothing else changes. The registry imports the modules the first time
 it is asked."""
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ...kernels.rotary_args import JointTokens
 from ...logging_utils import warn_once
 from ...burst_gap.planner import AttentionShape, Cost, PlannedStrategy, Planner, RingTransport
+from ...config import BACKENDS
 from .exchange import GatheredAttention
 from .layout import UlyssesLayout
 
@@ -48,12 +49,7 @@ class BackendModule:
 
 
 # in the order `backends()` lists their backends
-BACKEND_MODULES = (
-    BackendModule("reference"),
-    BackendModule("overlap"),
-    BackendModule("fused", optional_dependency="triton"),
-    BackendModule("auto"),
-)
+BACKEND_MODULES = tuple(BackendModule(name, package) for name, package in BACKENDS.items())
 
 # what a strategy may say about its plan for a shape (`xstage-dit plan` prints it), or None
 PlanDescription = Callable[[Planner, AttentionShape], str | None]
