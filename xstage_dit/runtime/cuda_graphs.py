@@ -16,9 +16,10 @@ tensor nor a plain value (an object that may hold tensors or state) runs eagerly
 Where a model's forward synchronises the host (most do it before their blocks: a mask or an index built on the
 host) or cannot be captured, each of its repeated blocks is captured and replayed the same way instead, its
 whole call (hooks, compiled code, forward); the forward runs eagerly around them. A block's signature includes
-the host state it reads besides its arguments (the token split, the step's precision). The blocks of one class run one after another,
-so their graphs of one signature share one set of static inputs and outputs (each graph copies its outputs into
-the shared ones and leaves its own to the pool): the memory they hold does not grow with the depth.
+the host state it reads besides its arguments (the token split, the step's precision). The blocks of one class
+run one after another, so their graphs of one signature share one set of static inputs and outputs (each graph
+copies its outputs into the shared ones and leaves its own to the pool): the memory they hold does not grow with
+the depth.
 
 A graph replays the model as it was at its capture: the adapters' scales and which adapters run are baked into
 it, and parameters given other storage are not read. Before each forward the model's state is read
