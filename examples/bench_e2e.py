@@ -17,6 +17,16 @@ A variant is stock or xstage-BACKEND in one of the --modes: eager; compiled (the
 Stock has no graphs mode. Variants are enabled anew for every call, so a graphs variant's call includes its
 warm-up steps and its capture: they count in the end-to-end time, while its per-step figures are over the steps
 that only replayed (`replayed_steps` in the record; every step where none did).
+FP8: a backend name ending in +fp8-PARTS runs enable(fp8=PARTS) (e.g. reference+fp8-linear, +fp8-all: every step
+in FP8); --torchao-fp8 adds stock-torchao-fp8 in the stock modes: a copy of the transformer with every Linear
+quantized by torchao's `quantize_` with the config fp8="linear" uses (float8 rowwise), as users quantize a model.
+torchao's `quantize_` would also turn on its recommended inductor settings for the whole process, which would
+then apply to every variant compiled after it; neither path does here: every variant compiles with torch's
+defaults. --errors adds each variant's relative L2 error against stock eager (the latents of one more call,
+seeded alike, after the timed ones).
+
+    python examples/bench_e2e.py --config flux-dev --modes compiled compiled+graphs \
+        --backend reference reference+fp8-linear --torchao-fp8 --errors --out docs/benchmarks/fp8-linear
 Writes OUT.json (appending records), OUT.md (table) and OUT.png (plot) on the main rank; with --profile also
 OUT-profile.json and OUT-profile.md (GPU time per step by kernel, variants side by side; rank 0's, in
 OUT-nN-profile.* for N ranks)."""
@@ -24,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -32,6 +44,7 @@ import torch
 
 import xstage_dit
 from xstage_dit import patches
+from xstage_dit.precision.linear import quantization_config
 from xstage_dit.runtime import world_from_env
 
 from xstage_dit.testing import zoo
@@ -42,6 +55,8 @@ from step_timer import StepTimer, reporting_steps
 DIFFUSERS_ROPE = "+diffusers-rope"  # backend-name suffix: that backend with enable(fuse_rope=False)
 DIFFUSERS_MLP = "+diffusers-mlp"  # backend-name suffix: that backend with enable(fuse_mlp=False)
 EXPERT_PARALLEL = "+expert-parallel"  # backend-name suffix: that backend with enable(expert_parallel=True)
+FP8 = re.compile(r"\+fp8-(\w+)")  # backend-name suffix: that backend with enable(fp8=<parts>)
+TORCHAO_FP8 = "stock-torchao-fp8"
 MODES = ["eager", "compiled", "graphs", "compiled+graphs"]
 
 
@@ -58,13 +73,19 @@ def parse_args() -> argparse.Namespace:
                         help="xstage_dit backends to time; a name ending in " + DIFFUSERS_ROPE + " runs that backend "
                              "with diffusers' own RoPE code (enable(fuse_rope=False)), one ending in "
                              + DIFFUSERS_MLP + " with diffusers' feed-forward code (enable(fuse_mlp=False)), one "
-                             "ending in " + EXPERT_PARALLEL + " with its experts split (enable(expert_parallel=True))")
+                             "ending in " + EXPERT_PARALLEL + " with its experts split (enable(expert_parallel=True)), "
+                             "one ending in +fp8-PARTS with enable(fp8=PARTS) (linear, attention, payloads or all)")
     parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES,
                         help="how each variant runs (stock: eager and compiled only)")
     parser.add_argument("--diffusers-cp", action="store_true",
                         help="with several ranks on GPUs, also time diffusers' own "
                              "ContextParallelConfig(ulysses_degree=N) on its cuDNN attention backend (a fresh copy "
                              "of the pipeline, timed after the other variants)")
+    parser.add_argument("--torchao-fp8", action="store_true",
+                        help="also time stock diffusers with its transformer quantized by torchao's quantize_ "
+                             "(float8 rowwise, every Linear), in the stock modes")
+    parser.add_argument("--errors", action="store_true",
+                        help="each variant's relative L2 error against stock eager (one more call per variant)")
     parser.add_argument("--decode", action="store_true", help="include the VAE decode in end-to-end time")
     parser.add_argument("--profile", action="store_true",
                         help="on a GPU, also run one call per variant under torch.profiler: GPU time by kernel per "
@@ -101,10 +122,32 @@ def time_call(pipe, call: dict, device: torch.device, graphs: bool = False) -> S
     return timer
 
 
-def variant_names(backends: list[str], modes: list[str], world_size: int) -> list[str]:
-    stock = [f"stock{'' if mode == 'eager' else '+' + mode}" for mode in modes if "graphs" not in mode]
+def variant_names(backends: list[str], modes: list[str], world_size: int, torchao_fp8: bool = False) -> list[str]:
+    stocks = ["stock", TORCHAO_FP8] if torchao_fp8 else ["stock"]
+    stock = [f"{base}{'' if mode == 'eager' else '+' + mode}" for base in stocks for mode in modes
+             if "graphs" not in mode]
     xstage = [f"xstage-{b}{'' if mode == 'eager' else '+' + mode}" for b in backends for mode in modes]
     return (stock if world_size == 1 else []) + xstage
+
+
+_TORCHAO_COPIES: dict[int, torch.nn.Module] = {}  # the quantized copy of a pipeline's transformer, made once
+
+
+@contextlib.contextmanager
+def torchao_fp8_transformer(pipe):
+    """The pipeline with a copy of its transformer whose Linear layers torchao's `quantize_` quantized (all of
+    them, float8 rowwise), undone on exit."""
+    from torchao.quantization import quantize_
+
+    if id(pipe) not in _TORCHAO_COPIES:
+        quantized = copy.deepcopy(pipe.transformer)
+        quantize_(quantized, quantization_config())
+        _TORCHAO_COPIES[id(pipe)] = quantized
+    original, pipe.transformer = pipe.transformer, _TORCHAO_COPIES[id(pipe)]
+    try:
+        yield
+    finally:
+        pipe.transformer = original
 
 
 @contextlib.contextmanager
@@ -123,20 +166,24 @@ def compiled_blocks(pipe):
 
 @contextlib.contextmanager
 def variant_of(pipe, variant: str):
-    """The pipeline as `variant` runs it: "xstage-<backend>[+diffusers-rope][+diffusers-mlp][+expert-parallel]"
-    enables xstage_dit for the block, "+compiled" compiles the repeated blocks, "+graphs" captures the
-    transformers' forwards."""
-    name = variant
+    """The pipeline as `variant` runs it: "xstage-<backend>[+diffusers-rope][+diffusers-mlp][+expert-parallel]
+    [+fp8-<parts>]" enables xstage_dit for the block, "stock-torchao-fp8" runs a torchao-quantized copy of the
+    transformer, "+compiled" compiles the repeated blocks, "+graphs" captures the transformers' forwards."""
+    fp8 = FP8.search(variant)
+    name = FP8.sub("", variant)
     for suffix in (DIFFUSERS_ROPE, DIFFUSERS_MLP, EXPERT_PARALLEL):
         name = name.replace(suffix, "")
     base, *modes = name.split("+")
     with contextlib.ExitStack() as stack:
+        if base == TORCHAO_FP8:
+            stack.enter_context(torchao_fp8_transformer(pipe))
         if "compiled" in modes:
             stack.enter_context(compiled_blocks(pipe))
         if base.startswith("xstage-"):
             xstage_dit.enable(pipe, backend=base.removeprefix("xstage-"), fuse_rope=DIFFUSERS_ROPE not in variant,
                               fuse_mlp=DIFFUSERS_MLP not in variant,
-                              cuda_graphs="graphs" in modes, expert_parallel=EXPERT_PARALLEL in variant)
+                              cuda_graphs="graphs" in modes, expert_parallel=EXPERT_PARALLEL in variant,
+                              fp8=fp8.group(1) if fp8 else None)
             stack.callback(xstage_dit.disable, pipe)
         yield
 
@@ -167,6 +214,21 @@ def measure(pipe, variants: list[str], call: dict, device: torch.device, repeats
                 if device.type == "cuda":
                     samples[variant]["peak"].append(torch.cuda.max_memory_allocated(device) / 2**30)
     return samples
+
+
+def output_errors(pipe, variants: list[str], call: dict) -> dict[str, float]:
+    """Each variant's relative L2 error against stock eager: the latents of one call per variant (its enable's
+    warm-up included, as in the timed calls), its noise seeded alike."""
+    def latents() -> torch.Tensor:
+        seeded = {**call, "output_type": "latent", "generator": torch.Generator().manual_seed(1)}
+        return pipe(**seeded, return_dict=False)[0].double()
+
+    reference = latents()
+    errors = {}
+    for variant in variants:
+        with variant_of(pipe, variant):
+            errors[variant] = ((latents() - reference).norm() / reference.norm()).item()
+    return errors
 
 
 def profile_variants(pipe, variants: list[str], call: dict, name: str, steps: int) -> list[dict]:
@@ -208,13 +270,15 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
     call.update(generator=torch.Generator().manual_seed(0), output_type="pil" if args.decode else "latent")
 
     tokens = CountTokens(pipe.transformer)
-    variants = variant_names(args.backend, args.modes, world_size)
+    variants = variant_names(args.backend, args.modes, world_size, args.torchao_fp8)
     samples = measure(pipe, variants, call, device, args.repeats)
     tokens.remove()
+    errors = output_errors(pipe, variants, call) if args.errors else {}
     profiles = []
     if args.profile and device.type == "cuda":  # torch.profiler's kernel times need a GPU
         profiles = profile_variants(pipe, variants, call, name, args.steps)
     has_cp_plan = getattr(pipe.transformer, "_cp_plan", None) is not None
+    _TORCHAO_COPIES.pop(id(pipe), None)
     del pipe
     if args.diffusers_cp and world_size > 1 and not has_cp_plan and xstage_dit.is_main_process():
         print(f"{name}: diffusers has no context-parallel plan (_cp_plan) for this model")
@@ -249,6 +313,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
             "decode_s": statistics.median(samples[variant]["after_loop"]) if args.decode else None,
             "peak_gib": max(samples[variant]["peak"], default=None),
             "ratio_to_first_variant": step / baseline, "first_variant": variants[0],
+            "rel_l2_vs_stock_eager": errors.get(variant),
             **provenance(),
         })
     return records, profiles
@@ -269,8 +334,9 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
         "run), and that speedup divided by the ranks.",
         "",
         "| config | size (h×w×frames) | tokens | ranks | variant | per step (ms) | host (ms) | ratio "
-        "| end to end (s) | of which decode (s) | peak (GiB) | speedup vs 1-GPU stock | efficiency | command at commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| end to end (s) | of which decode (s) | peak (GiB) | speedup vs 1-GPU stock | efficiency "
+        "| rel. L2 vs stock eager | command at commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
@@ -279,11 +345,12 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
         speedup = scaling(r, rows)
         scaled = f"{speedup:.2f}x | {speedup / r['world_size']:.0%}" if speedup else "- | -"
         replayed = f" ({r['replayed_steps']} replayed steps)" if r.get("replayed_steps") is not None else ""
+        error = f"{r['rel_l2_vs_stock_eager']:.2e}" if r.get("rel_l2_vs_stock_eager") is not None else "-"
         lines.append(
             f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['tokens']} | {r['world_size']} | "
             f"{r['variant']}{replayed} | {r['step_ms']:.1f} | {host} | "
             f"{r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
-            f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | `{r['command']}` at {r.get('commit', '-')} |"
+            f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | {error} | `{r['command']}` at {r.get('commit', '-')} |"
         )
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, prefix.with_suffix(".png"))
@@ -343,7 +410,9 @@ def main() -> None:
         for r in records:
             print(f"{r['config']:>9} {r['variant']:>30} ranks={r['world_size']} step {r['step_ms']:8.1f} ms "
                   f"host {r['host_ms']:7.1f} ms "
-                  f"ratio {r['ratio_to_first_variant']:.3f} e2e {r['e2e_s']:.2f} s peak {r['peak_gib']} GiB")
+                  f"ratio {r['ratio_to_first_variant']:.3f} e2e {r['e2e_s']:.2f} s peak {r['peak_gib']} GiB"
+                  + (f" rel. L2 vs stock eager {r['rel_l2_vs_stock_eager']:.3e}"
+                     if r["rel_l2_vs_stock_eager"] is not None else ""))
 
 
 if __name__ == "__main__":

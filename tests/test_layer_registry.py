@@ -21,7 +21,9 @@ from xstage_dit.hooks.layers import stack_of
 from xstage_dit.layers import MODEL_LAYERS, PIPELINE_LAYERS, layer_names
 from xstage_dit.sp.plan import FAMILY_LAYERS, SequenceParallelPlan
 
-GPU_ONLY = {"CUDA graphs"}  # installs only where there is a GPU (tests/test_cuda_graphs.py checks its removal)
+# install only where there is a GPU (tests/test_cuda_graphs.py checks the graphs' removal, tests/test_fp8.py the
+# FP8 layers')
+GPU_ONLY = {"CUDA graphs", "FP8 linear", "FP8 steps"}
 BOOKKEEPING = {"_xstage_dit_applied", "_xstage_dit_layers"}  # enable's own records, gone after disable
 
 

@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "xstage_dit"
 FLOORS = {
     "config": 0, "launcher": 0, "logging_utils": 0, "hooks": 0, "sizes": 0, "testing": 0,
     "runtime": 1, "burst_gap": 1, "kernels": 1, "fusions": 1,
-    "cfg": 2, "vae": 2,
+    "cfg": 2, "vae": 2, "precision": 2,
     "sp": 3,
     "patches": 4, "probing": 4,
     "layers": 5,

@@ -19,6 +19,8 @@ from .hooks.layers import attach_stack, detach_stack, stack_of
 from .layers import MODEL_LAYERS, PIPELINE_LAYERS, Layer, ModelJob, PipelineJob
 from .logging_utils import logger, warn_once
 from .patches.vaes import supported_vaes, vae_rule_for
+from .precision.linear import check_fp8_linear
+from .precision.steps import StepPrecision, takes_step_callbacks
 from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weight_kinds, weights_checksum
 from .runtime.cuda_graphs import GraphUse
@@ -159,6 +161,26 @@ def _config_of(config: XStageConfig | None, knobs: dict[str, Any]) -> XStageConf
     return dataclasses.replace(config, **knobs) if config is not None else XStageConfig(**knobs)
 
 
+def _check_fp8(pipe: Any, models: list[nn.Module], config: XStageConfig) -> None:
+    """The FP8 parts asked for must have a path that runs on this job's device and models; the full-precision steps
+    are counted by a pipeline's step callback."""
+    missing = [part for part in config.fp8 if part != "linear"]
+    if missing:
+        raise NotImplementedError(f"fp8={config.fp8!r}: xstage_dit has no FP8 path for {', '.join(missing)} yet")
+    if "linear" in config.fp8:
+        if config.expert_parallel:
+            raise ValueError("fp8='linear' quantizes the experts' Linear layers, which expert_parallel=True cannot "
+                             "shard: enable with one or the other")
+        for model in models:
+            check_fp8_linear(model, local_device())
+    if config.fp8 and config.fp8_full_precision_steps and (isinstance(pipe, ModelMixin)
+                                                           or not takes_step_callbacks(pipe)):
+        what = "a bare transformer" if isinstance(pipe, ModelMixin) else \
+            f"a {type(pipe).__name__}, whose call takes no callback_on_step_end"
+        raise ValueError(f"fp8_full_precision_steps={config.fp8_full_precision_steps} counts the steps of a "
+                         f"pipeline call through its callback_on_step_end; enable was given {what}")
+
+
 def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStageConfig:
     """The config with every default that depends on the job filled in, checked against the job and the models,
     before any collective."""
@@ -171,9 +193,7 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
     degrees = _degrees(world_size, config, [plan.num_heads(model) for model, plan in zip(models, plans)])
     for model, plan in zip(models, plans):
         _check_heads(model, plan.num_heads(model), degrees)
-    if config.fp8:
-        raise NotImplementedError(f"fp8={config.fp8!r}: xstage_dit has no FP8 path yet; a model quantized with "
-                                  f"torchao (or GGUF) runs under enable as it is")
+    _check_fp8(pipe, models, config)
     cuda_graphs = _cuda_graphs(config.cuda_graphs, local_device())
     resolve_backend(config.backend, local_device(), cuda_graphs)
     degree = degrees.ulysses * degrees.ring
@@ -242,6 +262,9 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     device and the others on the host until `disable`); `False` keeps every expert on every rank, each running
     the experts on its own tokens; the default (None) keeps every expert on every rank and runs each MoE layer
     call in the mode the Burst-Gap planner predicts fastest (sp/moe/modes.py).
+    `fp8="linear"` runs the Linear layers of the transformers' blocks as torchao's FP8 GEMMs (precision/linear.py;
+    a GPU of compute capability 8.9 or above, a bfloat16 model); `fp8_full_precision_steps=k` keeps the first and
+    last k steps of each pipeline call without FP8 (precision/steps.py).
 
     A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
     arguments: its calls then take part in the CFG split too; other arguments are refused."""
@@ -282,10 +305,11 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
                                      ulysses=groups.ulysses, ring=groups.ring,
                                      local_cross_attention=plan.local_cross_attention)
         experts = ExpertModes.resolve(config.expert_parallel, shard.degree, fabric_ready=fabric is not None)
+        precision = StepPrecision(config.fp8)
         job = ModelJob(model=model, plan=plan, config=config, groups=groups, shard=shard, attention=attention,
-                       experts=experts, fabric=fabric, pairs=pairs)
+                       experts=experts, fabric=fabric, pairs=pairs, precision=precision)
         _install(model, MODEL_LAYERS, job)
-        setattr(model, _STATE_ATTR, Enabled(config, pairs, [id(pipe)]))
+        setattr(model, _STATE_ATTR, Enabled(config, pairs, [id(pipe)], precision))
     _enable_pipeline(pipe, models, config, pairs)
     logger.info(
         "xstage_dit enabled on %s: ulysses_degree=%d, ring_degree=%d, cfg_degree=%d, backend=%s, layers: %s",
@@ -310,11 +334,13 @@ def _install(target: Any, table: tuple[Layer, ...], job: Any) -> None:
 @dataclass
 class Enabled:
     """What `enable` did to one transformer besides its layers: the resolved config, the CFG schedule it shares with
-    its pipelines, and the ids of the pipeline objects enabled on it."""
+    its pipelines, the ids of the pipeline objects enabled on it, and the record of whether the current step runs
+    its FP8 parts."""
 
     config: XStageConfig
     pairs: PairedCalls
     pipelines: list[int]
+    precision: StepPrecision
 
 
 def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, pairs: PairedCalls) -> None:
@@ -327,8 +353,9 @@ def _enable_pipeline(pipe: Any, models: list[nn.Module], config: XStageConfig, p
         return
     world_size, rank = world_from_env()
     named = {name: getattr(pipe, name) for name in _TRANSFORMER_ATTRS if getattr(pipe, name, None) in models}
+    precisions = [getattr(model, _STATE_ATTR).precision for model in models]
     _install(pipe, PIPELINE_LAYERS, PipelineJob(pipe=pipe, models=named, plan=plan, config=config, pairs=pairs,
-                                                world_size=world_size, rank=rank))
+                                                world_size=world_size, rank=rank, precisions=precisions))
 
 
 def _attach(pipe: Any, models: list[nn.Module], enabled: list[Enabled | None], config: XStageConfig) -> Any:

@@ -21,6 +21,8 @@ from .hooks.layers import Change
 from .hooks.pipeline_call import WrappedPipelineCall
 from .logging_utils import warn_once
 from .patches.vaes import vae_rule_for
+from .precision.linear import Fp8Linears
+from .precision.steps import FullPrecisionSteps, StepPrecision
 from .runtime import ParallelGroups
 from .runtime.agreement import call_fingerprint, check_agreement
 from .runtime.cuda_graphs import CrossRankWork, GraphedForward, repeated_blocks
@@ -41,7 +43,8 @@ from .vae.decode import ParallelDecode
 class ModelJob:
     """What one transformer's layers are installed from: the model and its family's plan, the resolved config,
     the job's groups, the model's token split and attention, the modes its MoE layers may run, the Ulysses group's
-    symmetric-memory fabric (or None), and the CFG schedule the model shares with its pipelines."""
+    symmetric-memory fabric (or None), the CFG schedule the model shares with its pipelines, and the record of
+    whether the current step runs its FP8 parts (which every FP8 part reads, precision/steps.py)."""
 
     model: nn.Module
     plan: SequenceParallelPlan
@@ -52,6 +55,7 @@ class ModelJob:
     experts: ExpertModes
     fabric: Any
     pairs: PairedCalls
+    precision: StepPrecision
 
     @property
     def context(self) -> PlanContext:
@@ -66,7 +70,8 @@ class ModelJob:
 @dataclass(frozen=True)
 class PipelineJob:
     """What a pipeline's own layers are installed from: the pipeline, its enabled transformers by attribute name and
-    their family plan, the resolved config, the CFG schedule and the job's world size."""
+    their family plan, the resolved config, the CFG schedule, the job's world size, and the step-precision
+    records of all its enabled models (ControlNets' too)."""
 
     pipe: Any
     models: dict[str, nn.Module]
@@ -75,6 +80,7 @@ class PipelineJob:
     pairs: PairedCalls
     world_size: int
     rank: int
+    precisions: list[StepPrecision]
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,12 @@ def _family(layer: str) -> Callable[[ModelJob], list[Change]]:
         return job.plan.changes(layer, job.model, job.context)
 
     return install
+
+
+def _fp8_linear(job: ModelJob) -> list[Change]:
+    if "linear" not in job.config.fp8:
+        return []
+    return [Fp8Linears(job.model, job.precision, keep_full_precision=job.config.fp8_full_precision_steps > 0)]
 
 
 def _input_checks(job: ModelJob) -> list[Change]:
@@ -168,8 +180,9 @@ def _cross_rank_work(job: ModelJob) -> CrossRankWork | None:
 def _cuda_graphs(job: ModelJob) -> list[Change]:
     if not (job.config.cuda_graphs and _capturable(job.groups)):
         return []
+    precision, split_key = job.precision.key, job.shard.split_key
     return [GraphedForward(job.model, job.groups.device, _cross_rank_work(job), stateful_hooks,
-                           repeated_blocks(job.model), job.shard.split_key)]
+                           repeated_blocks(job.model), lambda: (split_key(), precision()), precision)]
 
 
 def _cfg_split(job: ModelJob) -> list[Change]:
@@ -182,6 +195,9 @@ MODEL_LAYERS: tuple[Layer, ...] = (
     Layer(FAMILY_CHANGES, _family(FAMILY_CHANGES),
           "first: a family's own modules and helpers (embeddings on the device, sync-free text lengths, its own "
           "hooks) are what every later layer runs"),
+    Layer("FP8 linear", _fp8_linear,
+          "before the MoE layers and the fusions, which take the Linear weights as they find them, and before "
+          "graphs capture"),
     Layer(MOE_EXPERTS, _family(MOE_EXPERTS),
           "before anything that runs the blocks: the MoE layers' weights and forwards are set once"),
     Layer(PROCESSORS, _family(PROCESSORS), "attention processors of ours, on the modules routing marks next"),
@@ -248,6 +264,11 @@ def _pipeline_call(job: PipelineJob) -> list[Change]:
     return [WrappedPipelineCall(pipe, around), *watched]
 
 
+def _fp8_steps(job: PipelineJob) -> list[Change]:
+    steps = job.config.fp8_full_precision_steps
+    return [FullPrecisionSteps(job.pipe, job.precisions, steps)] if job.config.fp8 and steps else []
+
+
 def _parallel_vae(job: PipelineJob) -> list[Change]:
     vae = getattr(job.pipe, "vae", None)
     if not job.config.parallel_vae or job.world_size == 1 or ParallelDecode.splits(vae):
@@ -265,6 +286,9 @@ def _main_rank_progress(job: PipelineJob) -> list[Change]:
 PIPELINE_LAYERS: tuple[Layer, ...] = (
     Layer("pipeline call", _pipeline_call,
           "around every call of the pipeline object: the ranks' agreement on the arguments, then the CFG schedule"),
+    Layer("FP8 steps", _fp8_steps,
+          "outside the pipeline call's checks: they see the call as it runs, with its step callback (ours, around "
+          "the caller's)"),
     Layer("parallel VAE", _parallel_vae, "the decode split by rows across all ranks, after the denoising loop"),
     Layer("main-rank progress", _main_rank_progress, "progress bars on the main rank only"),
 )

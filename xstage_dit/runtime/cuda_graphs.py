@@ -1,8 +1,9 @@
 """A module's forward captured in CUDA graphs, one per input signature, replayed from then on: a step then
 costs the host a few copies and one launch instead of thousands of kernel launches.
 
-The signature of a call is the structure of its arguments, each tensor's shape, dtype and device, and the value
-of every other argument. A signature's first calls run eagerly: the first warms up what is created lazily
+The signature of a call is the structure of its arguments, each tensor's shape, dtype and device, the value
+of every other argument, and the host state the forward reads besides them (whether the step runs FP8). A
+signature's first calls run eagerly: the first warms up what is created lazily
 (Triton kernels, compiled graphs, communicators, symmetric buffers), the second is watched for operations that
 synchronise with the host, which a graph cannot hold (such a forward stays eager, with one warning naming the
 operation's place; so does one whose caller names host decisions, e.g. a cache's). The third is captured, with
@@ -15,9 +16,10 @@ tensor nor a plain value (an object that may hold tensors or state) runs eagerly
 Where a model's forward synchronises the host (most do it before their blocks: a mask or an index built on the
 host) or cannot be captured, each of its repeated blocks is captured and replayed the same way instead, its
 whole call (hooks, compiled code, forward); the forward runs eagerly around them. A block's signature includes
-the host state it reads besides its arguments (the token split). The blocks of one class run one after another,
-so their graphs of one signature share one set of static inputs and outputs (each graph copies its outputs into
-the shared ones and leaves its own to the pool): the memory they hold does not grow with the depth.
+the host state it reads besides its arguments (the token split, the step's precision). The blocks of one class
+run one after another, so their graphs of one signature share one set of static inputs and outputs (each graph
+copies its outputs into the shared ones and leaves its own to the pool): the memory they hold does not grow with
+the depth.
 
 A graph replays the model as it was at its capture: the adapters' scales and which adapters run are baked into
 it, and parameters given other storage are not read. Before each forward the model's state is read
@@ -401,13 +403,15 @@ class GraphedBlocks:
 
 
 class GraphedForward:
-    """`model.forward` captured per input signature; where it synchronises the host or cannot be captured,
-    `blocks` (its repeated blocks) are captured one by one instead, their calls keyed with `block_state` (the
-    host state they read besides their arguments). `remove()` restores the forward that was there."""
+    """`model.forward` captured per input signature, its calls keyed with `state` (the host state it reads besides
+    its arguments); where it synchronises the host or cannot be captured, `blocks` (its repeated blocks) are
+    captured one by one instead, their calls keyed with `block_state`. `remove()` restores the forward that was
+    there."""
 
     def __init__(self, model: nn.Module, device: torch.device, cross_rank: CrossRankWork | None = None,
                  host_decisions: Callable[[nn.Module], str | None] | None = None,
-                 blocks: list[nn.Module] | None = None, block_state: Callable[[], Hashable] | None = None) -> None:
+                 blocks: list[nn.Module] | None = None, block_state: Callable[[], Hashable] | None = None,
+                 state: Callable[[], Hashable] | None = None) -> None:
         """`host_decisions(module)` names what in a module decides on the host from call to call (checked before
         each capture of the model and of a block), which keeps it eager."""
         self._blocks = GraphedBlocks(blocks or [], device, cross_rank, host_decisions, block_state)
@@ -415,7 +419,7 @@ class GraphedForward:
         self._replaced = ReplacedForward(model, lambda *args, **kwargs: self._call(*args, **kwargs))
         self._graphs = SignatureGraphs(type(model).__name__, self._replaced.inner, device, cross_rank,
                                        functools.partial(host_decisions, model) if host_decisions else None,
-                                       instead=self._capture_blocks)
+                                       state, instead=self._capture_blocks)
         functools.update_wrapper(model.forward, self._replaced.inner)  # the model's signature, for layers around it
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
