@@ -43,7 +43,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xstage_dit.kernels.all_to_all import store_heads
-from xstage_dit.kernels.attention import TileConfig, flash_attention
+from xstage_dit.kernels.attention import FP8_CONFIG, TileConfig, flash_attention
 from xstage_dit.kernels.attention_hopper import HopperConfig, split_tail
 from xstage_dit.kernels.rotary import norm_rotate, rotary_interleaved
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens
@@ -146,29 +146,31 @@ def record(kernel: str, shape, ms: float, baseline: str, baseline_ms: float | No
 TUNING_SHAPES = [(1, 24, 4608, 128), (1, 24, 16896, 128)]  # (B, H, S, D): the short lengths, where we trail most
 
 
-def tune_attention() -> list[dict]:
-    """Time candidate configs at each tuning shape, side by side with the library's default (on Hopper the Gluon
-    kernel's HopperConfig()): its persistence, key tile, ring depth and ping-pong, and the Triton kernel's
-    configurations (64-row tiles with one warpgroup double the grid: less wave quantization at short lengths)."""
-    candidates = [HopperConfig(), HopperConfig(persistent=False), HopperConfig(pingpong=False),
-                  HopperConfig(stages=2)] + [
+def tune_attention(candidates: list | None = None, fp8: bool = False) -> list[dict]:
+    """Time candidate configs at each tuning shape side by side (with `fp8`, of FP8 attention). By default the
+    library's default (on Hopper the Gluon kernel's HopperConfig()) against its persistence, key tile, ring depth
+    and ping-pong, and the Triton kernel's configurations (64-row tiles with one warpgroup double the grid: less
+    wave quantization at short lengths)."""
+    candidates = candidates or [HopperConfig(), HopperConfig(persistent=False), HopperConfig(pingpong=False),
+                                HopperConfig(stages=2)] + [
         HopperConfig(block_n=64, stages=stages, pingpong=False) for stages in (3, 4)] + [
         TileConfig(128, block_n, 8, 3, tma=True) for block_n in (64, 128)] + [
         TileConfig(64, 64, 4, 3, tma=True), TileConfig(128, 128, 8, 3, tma=True, warp_specialize=True)]
+    kind = "xstage_attention_fp8_tuning" if fp8 else "xstage_attention_tuning"
     results = []
     for b, h, s, d in TUNING_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         runs = {}
         for cfg in candidates:
             try:
-                flash_attention(q, k, v, config=cfg)
+                flash_attention(q, k, v, config=cfg, fp8=fp8)
             except Exception as error:  # out of shared memory, unsupported on this chip: skip the config
                 print(f"config {cfg} failed: {type(error).__name__}: {str(error)[:200]}")
                 continue
-            runs[cfg] = functools.partial(flash_attention, q, k, v, config=cfg)
+            runs[cfg] = functools.partial(flash_attention, q, k, v, config=cfg, fp8=fp8)
         for cfg, ms in compare_ms(runs).items():
-            print(f"tuning {(b, s, h, d)} {cfg}: {ms:.3f} ms")
-            results.append({"kernel": "xstage_attention_tuning", "shape": [b, s, h, d],
+            print(f"{kind} {(b, s, h, d)} {cfg}: {ms:.3f} ms")
+            results.append({"kernel": kind, "shape": [b, s, h, d],
                             "config": {"kernel": type(cfg).__name__, **vars(cfg)}, "ms": ms, "baseline": "none",
                             "baseline_ms": None})
     return results
@@ -217,24 +219,8 @@ def bench_fp8_attention() -> list[dict]:
     """FP8 attention as flash_attention(fp8=True) runs it (quantization pass and kernel) vs our bf16 kernel (its
     default config: the Gluon kernel on Hopper) and cuDNN bf16, with the relative error of each against float32 on
     SAMPLED_ROWS query rows spread over the sequence; and FP8 tile configurations side by side."""
-    records = []
-    candidates = [TileConfig(128, 128, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 64, 8, 4),
-                  TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 2)]
-    for b, h, s, d in TUNING_SHAPES:
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        runs = {}
-        for cfg in candidates:
-            try:
-                flash_attention(q, k, v, fp8=True, config=cfg)
-            except Exception as error:  # out of shared memory: skip the config
-                print(f"FP8 config {cfg} failed: {type(error).__name__}: {str(error)[:200]}")
-                continue
-            runs[cfg] = functools.partial(flash_attention, q, k, v, fp8=True, config=cfg)
-        for cfg, ms in compare_ms(runs).items():
-            print(f"FP8 tuning {(b, s, h, d)} {cfg}: {ms:.3f} ms")
-            records.append({"kernel": "xstage_attention_fp8_tuning", "shape": [b, s, h, d],
-                            "config": {"kernel": type(cfg).__name__, **vars(cfg)}, "ms": ms, "baseline": "none",
-                            "baseline_ms": None})
+    records = tune_attention([FP8_CONFIG, TileConfig(128, 64, 4, 3), TileConfig(128, 64, 8, 4),
+                              TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 2)], fp8=True)
     for b, h, s, d in FP8_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         calls = {"fp8": lambda: flash_attention(q, k, v, fp8=True), "bf16": lambda: flash_attention(q, k, v),
