@@ -134,9 +134,12 @@ def test_e4m3_conversion_rounds_as_torch_does_interpreted():
     assert torch.equal(out.float(), x.to(torch.float8_e4m3fn).float())
 
 
-def test_each_strategy_has_an_fp8_variant_that_only_the_knob_reaches():
+def test_each_strategy_has_an_fp8_variant_that_only_the_knob_reaches(monkeypatch):
     """Every strategy's FP8 variant is an entry of its own (the op finds it by name, auto picks among them), not a
-    backend name: enable's fp8 knob resolves a choice to its variant."""
+    backend name: enable's fp8 knob resolves a choice to its variant. Where Triton does not run, the knob is
+    refused, and a call that reaches a variant there runs the reference."""
+    from xstage_dit.sp.attention import backends as registry
+
     natives = [strategy.name for strategy in backends()]
     assert [strategy.name for strategy in backends(Precision.FP8)] == [f"{name}+fp8" for name in natives]
     assert available_backends() == ["auto", "fused", "overlap", "reference"]
@@ -153,6 +156,10 @@ def test_each_strategy_has_an_fp8_variant_that_only_the_knob_reaches():
         resolve_backend("reference+fp8", cpu)
     with pytest.raises(ValueError, match="needs CUDA GPUs"):
         resolve_backend("fused", cpu, fp8=True)
+    monkeypatch.setattr(registry, "triton_runs_on", lambda device: False)
+    with pytest.raises(ValueError, match=r"fp8=\"attention\" runs our Triton attention kernel"):
+        resolve_backend("reference", cpu, fp8=True)
+    assert get_choice("reference+fp8").pick(registry.Call(torch.randn(1, 8, 2, 64))).name == "reference"
 
 
 def _router_worker(ulysses: int, ring: int) -> None:
@@ -214,6 +221,8 @@ def test_enable_runs_fp8_attention_where_asked_and_refuses_the_parts_without_a_p
     for part in ("linear", "payloads"):
         with pytest.raises(NotImplementedError, match=rf"no FP8 path for \['{part}'\] yet"):
             xstage_dit.enable(pipe, fp8=("attention", part))
+    with pytest.raises(NotImplementedError, match="fp8_full_precision_steps: every denoising step runs in FP8"):
+        xstage_dit.enable(pipe, fp8="attention", fp8_full_precision_steps=1)
     calls = []
     original = kernel.flash_attention
     kernel.flash_attention = lambda *args, **kwargs: calls.append(kwargs.get("fp8")) or original(*args, **kwargs)
