@@ -126,7 +126,8 @@ def _attention_kernel(
     elements further on (KeyForward), where its head is the first of its key head's group. With MERGE, Out and Lse
     hold a running float32 output and log-sum-exp that the tile's rows are merged into, in place. With FP8, the
     products read `fp8`, a QuantizedOperands record (kernels/attention_fp8.py; None without), and Q, K, V only as
-    the keys and values to forward; ROUND_FIRST: convert to e4m3 as Triton's CPU interpreter needs (attention_fp8.to_e4m3)."""
+    the keys and values to forward; ROUND_FIRST: convert to e4m3 as Triton's CPU interpreter needs
+    (attention_fp8.to_e4m3)."""
     # the schedule knob: programs start at Q tile `tile_shift` and wrap around (see Scatter.first_row)
     pid_m = (tl.program_id(0) + scatter.tile_shift) % tl.num_programs(0)
     pid_bh = tl.program_id(1)

@@ -47,7 +47,7 @@ class Precision(enum.Enum):
     """What a strategy's attention computes its two products (q·kᵀ, p·v) in."""
 
     NATIVE = "native"  # the inputs' dtype (SDPA, or our kernel)
-    FP8 = "fp8"  # our kernel's FP8 attention: INT8 q·kᵀ, e4m3 p·v, float32 scales and sums (kernels/attention_fp8.py)
+    FP8 = "fp8"  # our kernel's FP8 attention: INT8 q·kᵀ, e4m3 p·v, float32 sums (kernels/attention_fp8.py)
 
 
 @dataclass(frozen=True)
