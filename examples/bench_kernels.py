@@ -10,6 +10,9 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
 - host time per call (GPU kept busy) of our degree-1 attention entry and routed RoPE vs what they replace;
 - own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
   sweep of tile configurations; at the e2e benchmark's attention shapes also vs cuDNN back to back (no L2 flush);
+- FP8 attention (fp8=True: INT8 q·kᵀ, e4m3 p·v, its quantization pass included) vs our bf16 kernel and cuDNN's bf16
+  SDPA at Flux's one-GPU shape, 16k tokens and Wan 14B 720p's 75.6k (12 heads), TFLOP/s and each one's relative
+  error against float32 on sampled query rows, after a sweep of FP8 tile configurations (`--parts fp8`);
 - the attention kernel with its last round of tiles cut over the keys vs whole tiles only, at one rank's shapes,
   and vs cuDNN in CUDA graphs (the GPU's time alone: a short call timed on its own also times its launch);
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
@@ -40,14 +43,15 @@ from diffusers.models.embeddings import apply_rotary_emb
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xstage_dit.kernels.all_to_all import store_heads
-from xstage_dit.kernels.attention import TileConfig, flash_attention
+from xstage_dit.kernels.attention import FP8_CONFIG, TileConfig, flash_attention
 from xstage_dit.kernels.attention_hopper import HopperConfig, split_tail
 from xstage_dit.kernels.rotary import norm_rotate, rotary_interleaved
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens
 from xstage_dit.sp.attention import ops
 from xstage_dit.sp.attention.exchange import InFlight
 from xstage_dit.sp.fabric import LoopbackFabric, View
-from xstage_dit.sp.attention.fused import TILE_ROWS, flash_attention_bshd, fused_exchange, fused_steps
+from xstage_dit.sp.attention.fused import TILE_ROWS, fused_exchange, fused_steps
+from xstage_dit.sp.attention.local import flash_attention_bshd
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.sp.attention.overlap import MAX_CHUNKS, chunked_exchange
 from xstage_dit.sp.attention.reference import serial_exchange
@@ -67,7 +71,7 @@ LOOPBACK_SEQ = [8192, 16384, 32768, 65536]
 
 ROUNDS = 8
 # the row groups (--parts runs them in its order)
-PARTS = ("tuning", "attention", "tail", "rotary", "stores", "host", "loopback")
+PARTS = ("tuning", "attention", "fp8", "tail", "rotary", "stores", "host", "loopback")
 
 
 def back_to_back_ms(fn, calls: int = 10) -> float:
@@ -142,29 +146,31 @@ def record(kernel: str, shape, ms: float, baseline: str, baseline_ms: float | No
 TUNING_SHAPES = [(1, 24, 4608, 128), (1, 24, 16896, 128)]  # (B, H, S, D): the short lengths, where we trail most
 
 
-def tune_attention() -> list[dict]:
-    """Time candidate configs at each tuning shape, side by side with the library's default (on Hopper the Gluon
-    kernel's HopperConfig()): its persistence, key tile, ring depth and ping-pong, and the Triton kernel's
-    configurations (64-row tiles with one warpgroup double the grid: less wave quantization at short lengths)."""
-    candidates = [HopperConfig(), HopperConfig(persistent=False), HopperConfig(pingpong=False),
-                  HopperConfig(stages=2)] + [
+def tune_attention(candidates: list | None = None, fp8: bool = False) -> list[dict]:
+    """Time candidate configs at each tuning shape side by side (with `fp8`, of FP8 attention). By default the
+    library's default (on Hopper the Gluon kernel's HopperConfig()) against its persistence, key tile, ring depth
+    and ping-pong, and the Triton kernel's configurations (64-row tiles with one warpgroup double the grid: less
+    wave quantization at short lengths)."""
+    candidates = candidates or [HopperConfig(), HopperConfig(persistent=False), HopperConfig(pingpong=False),
+                                HopperConfig(stages=2)] + [
         HopperConfig(block_n=64, stages=stages, pingpong=False) for stages in (3, 4)] + [
         TileConfig(128, block_n, 8, 3, tma=True) for block_n in (64, 128)] + [
         TileConfig(64, 64, 4, 3, tma=True), TileConfig(128, 128, 8, 3, tma=True, warp_specialize=True)]
+    kind = "xstage_attention_fp8_tuning" if fp8 else "xstage_attention_tuning"
     results = []
     for b, h, s, d in TUNING_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         runs = {}
         for cfg in candidates:
             try:
-                flash_attention(q, k, v, config=cfg)
+                flash_attention(q, k, v, config=cfg, fp8=fp8)
             except Exception as error:  # out of shared memory, unsupported on this chip: skip the config
                 print(f"config {cfg} failed: {type(error).__name__}: {str(error)[:200]}")
                 continue
-            runs[cfg] = functools.partial(flash_attention, q, k, v, config=cfg)
+            runs[cfg] = functools.partial(flash_attention, q, k, v, config=cfg, fp8=fp8)
         for cfg, ms in compare_ms(runs).items():
-            print(f"tuning {(b, s, h, d)} {cfg}: {ms:.3f} ms")
-            results.append({"kernel": "xstage_attention_tuning", "shape": [b, s, h, d],
+            print(f"{kind} {(b, s, h, d)} {cfg}: {ms:.3f} ms")
+            results.append({"kernel": kind, "shape": [b, s, h, d],
                             "config": {"kernel": type(cfg).__name__, **vars(cfg)}, "ms": ms, "baseline": "none",
                             "baseline_ms": None})
     return results
@@ -193,6 +199,44 @@ def bench_attention(planner: Planner | None) -> list[dict]:
         records.append(record("xstage_attention (back to back)", (b, s, h, d), ms["ours"],
                               "cudnn_sdpa (back to back)", ms["cudnn"], tflops=flops / ms["ours"] / 1e9,
                               baseline_tflops=flops / ms["cudnn"] / 1e9))
+    return records
+
+
+FP8_SHAPES = [(1, 24, 4608, 128), (1, 24, 16384, 128), (1, 12, 75600, 128)]  # (B, H, S, D)
+SAMPLED_ROWS = 512  # query rows per shape whose output is checked against float32
+
+
+def sampled_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Attention of query rows `rows` over every key in float32, (B, rows, H, D), one head at a time."""
+    out = []
+    for h in range(q.shape[2]):
+        scores = torch.einsum("brd,bkd->brk", q[:, rows, h].float(), k[:, :, h].float()) * q.shape[-1] ** -0.5
+        out.append(torch.einsum("brk,bkd->brd", scores.softmax(-1), v[:, :, h].float()))
+    return torch.stack(out, dim=2)
+
+
+def bench_fp8_attention() -> list[dict]:
+    """FP8 attention as flash_attention(fp8=True) runs it (quantization pass and kernel) vs our bf16 kernel (its
+    default config: the Gluon kernel on Hopper) and cuDNN bf16, with the relative error of each against float32 on
+    SAMPLED_ROWS query rows spread over the sequence; and FP8 tile configurations side by side."""
+    records = tune_attention([FP8_CONFIG, TileConfig(128, 64, 4, 3), TileConfig(128, 64, 8, 4),
+                              TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 2)], fp8=True)
+    for b, h, s, d in FP8_SHAPES:
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        calls = {"fp8": lambda: flash_attention(q, k, v, fp8=True), "bf16": lambda: flash_attention(q, k, v),
+                 "cudnn": lambda: cudnn(q, k, v)}
+        ms = compare_ms(calls)
+        rows = torch.linspace(0, s - 1, SAMPLED_ROWS, device="cuda").long()
+        want = sampled_reference(q, k, v, rows)
+        errors = {name: ((call()[:, rows].float() - want).norm() / want.norm()).item() for name, call in calls.items()}
+        flops = AttentionShape(b, s, 0, h, d, 1).flops()
+        print(f"FP8 attention {(b, s, h, d)}: " + ", ".join(
+            f"{name} {ms[name]:.3f} ms {flops / ms[name] / 1e9:.0f} TFLOP/s error {errors[name]:.2e}"
+            for name in calls))
+        for name, baseline in (("bf16", "xstage_attention"), ("cudnn", "cudnn_sdpa")):
+            records.append(record("xstage_attention_fp8", (b, s, h, d), ms["fp8"], baseline, ms[name],
+                                  tflops=flops / ms["fp8"] / 1e9, baseline_tflops=flops / ms[name] / 1e9,
+                                  error=errors["fp8"], baseline_error=errors[name]))
     return records
 
 
@@ -438,8 +482,9 @@ def write(records: list[dict], prefix: Path, calibration: Calibration | None) ->
              "| kernel | shape (B, S, H, D) | ms | baseline | baseline ms | ratio | TFLOP/s (ours / baseline) "
              "| predicted ms | error |",
              "|---|---|---|---|---|---|---|---|---|"]
+    tables = ("xstage_attention_tuning", "xstage_attention_fp8_tuning", "xstage_attention_fp8")
     for r in records:
-        if r["kernel"] == "xstage_attention_tuning":
+        if r["kernel"] in tables:
             continue
         name = r["kernel"] + (f" N={r['n_ranks']}" if "n_ranks" in r else "") + (
             f" ({r['tile_order']})" if "tile_order" in r else "")
@@ -454,6 +499,20 @@ def write(records: list[dict], prefix: Path, calibration: Calibration | None) ->
         lines += ["", "Attention configurations (bf16; the table above runs the default, HopperConfig() on an H200):",
                   "", "| shape (B, S, H, D) | config | ms |", "|---|---|---|"]
         lines += [f"| {tuple(r['shape'])} | {r['config']} | {r['ms']:.3f} |" for r in tuning]
+    fp8 = [r for r in records if r["kernel"] == "xstage_attention_fp8"]
+    if fp8:
+        lines += ["", "FP8 attention (flash_attention(fp8=True), its quantization pass included) vs bf16, relative "
+                  f"error against float32 on {SAMPLED_ROWS} sampled query rows:", "",
+                  "| shape (B, S, H, D) | baseline | TFLOP/s FP8 / baseline | ms FP8 / baseline "
+                  "| error FP8 / baseline |", "|---|---|---|---|---|"]
+        lines += [f"| {tuple(r['shape'])} | {r['baseline']} | {r['tflops']:.0f} / {r['baseline_tflops']:.0f} "
+                  f"| {r['ms']:.3f} / {r['baseline_ms']:.3f} | {r['error']:.2e} / {r['baseline_error']:.2e} |"
+                  for r in fp8]
+    fp8_tuning = [r for r in records if r["kernel"] == "xstage_attention_fp8_tuning"]
+    if fp8_tuning:
+        lines += ["", "FP8 attention configurations (the table above runs the default, FP8_CONFIG):", "",
+                  "| shape (B, S, H, D) | config | ms |", "|---|---|---|"]
+        lines += [f"| {tuple(r['shape'])} | {r['config']} | {r['ms']:.3f} |" for r in fp8_tuning]
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -471,7 +530,8 @@ def main() -> None:
     calibration = (Calibration.load(args.calibration) if args.calibration
                    else find_calibration(card, 1, "loopback"))
     planner = Planner.from_calibration(calibration) if calibration else None
-    parts = {"tuning": tune_attention, "attention": lambda: bench_attention(planner), "tail": bench_tail_split,
+    parts = {"tuning": tune_attention, "attention": lambda: bench_attention(planner), "fp8": bench_fp8_attention,
+             "tail": bench_tail_split,
              "rotary": bench_rotary, "stores": bench_stores,
              "host": bench_host, "loopback": lambda: bench_loopback(args.ranks, args.heads, planner)}
     records = [row for part in args.parts for row in parts[part]()]

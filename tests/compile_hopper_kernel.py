@@ -6,7 +6,9 @@ once; grouped keys forwarded, with and without the merge into a running output: 
 call), the RoPE
 kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and with the norm + RoPE) for bf16 at
 head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code does),
-and the MoE expert kernel, whose matmuls must be Hopper's wgmma.
+the MoE expert kernel, whose matmuls must be Hopper's wgmma, and FP8 attention (the Triton attention kernel and its
+quantization kernel, head_dim 64 and 128, with the key mask, LSE and scatter, and the ring's forward and merge),
+whose products must be wgmma's INT8 and e4m3 ones.
 Exits non-zero on the first failure."""
 from __future__ import annotations
 
@@ -119,6 +121,32 @@ def main() -> None:
     (ptx,) = Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_experts_kernel.ptx")
     assert "wgmma" in ptx.read_text(), "the expert kernel's matmuls do not run on Hopper's tensor-core instructions"
     print("compiled the expert kernel (wgmma)")
+
+    from xstage_dit.kernels import attention
+    from xstage_dit.kernels.attention_fp8 import quantize
+
+    config = attention.FP8_CONFIG
+    for head_dim, ring in ((64, False), (128, False), (128, True)):
+        q = torch.empty(batch, seq, heads, head_dim, dtype=torch.bfloat16)
+        kv = torch.empty(batch, seq, 1, head_dim, dtype=torch.bfloat16)
+        operands = quantize(q, kv, kv, seq, config.block_m, config.block_n, warmup=True)
+        if ring:  # the X-Stage ring's step: grouped keys forwarded, merged into a running float32 output
+            call = AttentionCall(q, kv, kv, torch.empty(batch, seq, heads, head_dim), 0.1, seq, None,
+                                 torch.empty(batch, heads, seq), None, KeyForward(kv.data_ptr(), kv.data_ptr()),
+                                 merge=True)
+        else:
+            call = AttentionCall(q, kv, kv, q, 0.1, seq, torch.empty(batch, 8, dtype=torch.int8),
+                                 torch.empty(batch, heads, seq),
+                                 Scatter(torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250,
+                                         text_row0=0, image_row0=7, head0=0))
+        attention.launch_triton(call, config, use_tma=False, fp8=operands, warmup=True)
+    # the Gluon kernel shares the name: FP8 attention's are the PTX with e4m3 in it
+    ptx = [path.read_text() for path in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_attention_kernel.ptx")]
+    fp8 = [text for text in ptx if "e4m3" in text]
+    assert len(fp8) == 3 and all("wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in text
+                                 and ".f32.e4m3.e4m3" in text for text in fp8), \
+        "FP8 attention's products do not run on Hopper's INT8 and e4m3 wgmma"
+    print("compiled FP8 attention (wgmma INT8 q·kᵀ, e4m3 p·v)")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
 
 
 def same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
-                     expert_parallel: bool | None = None, degrees: dict | None = None) -> None:
+                     expert_parallel: bool | None = None, degrees: dict | None = None, fp8: bool = False) -> None:
     # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness;
     # symmetric memory's CUDA backend maps the ranks' buffers into each other on the shared GPU
     share_one_gpu()
@@ -56,7 +56,8 @@ def same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
     pipe = zoo.build_pipeline(name, device="cuda", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     stock = generate(pipe, name, SIZES[name], batch=2)
-    xstage_dit.enable(pipe, backend=backend, timeout_s=60, expert_parallel=expert_parallel, **(degrees or {}))
+    xstage_dit.enable(pipe, backend=backend, timeout_s=60, expert_parallel=expert_parallel,
+                      fp8="attention" if fp8 else None, **(degrees or {}))
     error = relative_error(generate(pipe, name, SIZES[name], batch=2), stock)
     world = dist.get_world_size()
     assert error < PIPELINE_TOLERANCE, f"{name}, {backend}, {world} ranks on one GPU: relative error {error:.2e}"

@@ -1,7 +1,8 @@
 """Own kernels against float64 references on fresh random inputs: the attention kernel (key-length and key
 masks, log-sum-exp; on Hopper also over (B, H, S, D) memory) and the fused backend's own steps over a loopback
 fabric (N simulated ranks on one device: pre-all-to-all store kernel, attention with its scatter epilogue), with
-every output element checked written.
+every output element checked written. The key forward, the merge and the fused steps run in FP8 attention too,
+within its bounds (numerics.FP8_ATTENTION_ERROR; its own tests: test_fp8_attention.py).
 
 On CPU they run in Triton's interpreter (float32, small shapes); on a GPU (marked) in bf16 at real sizes."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from numerics import relative_error
+from numerics import FP8_ATTENTION_ERROR, FP8_LSE_ERROR, attention_reference as _reference, relative_error
 
 pytest.importorskip("triton", reason="triton is not installed: the fused extra (CUDA builds of torch bring it)")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
@@ -26,14 +27,9 @@ from xstage_dit.burst_gap.planner import TileOrder  # noqa: E402
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
 
 
-def _reference(q, k, v, kv_len, key_mask=None):
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k[:, :kv_len].double()) * q.shape[-1] ** -0.5
-    if key_mask is not None:
-        keep = torch.ones(q.shape[0], kv_len, dtype=torch.bool, device=q.device)
-        keep[:, : key_mask.shape[1]] = key_mask
-        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v[:, :kv_len].double())
-    return out, torch.logsumexp(scores, -1)
+def _bounds(dtype: torch.dtype, fp8: bool) -> tuple[float, float]:
+    """The output's relative error and the log-sum-exp's largest error a call may have."""
+    return (FP8_ATTENTION_ERROR, FP8_LSE_ERROR) if fp8 else (TOLERANCE[dtype], 1e-3)
 
 
 def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_dim, masked, config=None,
@@ -61,9 +57,10 @@ def test_attention_interpreted(head_dim, masked, heads_major):
 
 
 def _check_key_forward(device, dtype, batch, q_len, kv_rows, kv_len, heads, kv_heads, config=None,
-                       heads_major=False):
+                       heads_major=False, fp8=False):
     """Grouped keys attended and forwarded (the X-Stage ring's call): the output and LSE against the reference,
-    and every key and value row [0, kv_len) of every key head stored into the destination buffers, unchanged."""
+    and every key and value row [0, kv_len) of every key head stored into the destination buffers, unchanged (in
+    FP8 attention too: the keys and values as given)."""
     def make(rows, n_heads):
         if heads_major:
             return torch.randn(batch, n_heads, rows, 128, device=device, dtype=dtype).transpose(1, 2)
@@ -72,11 +69,11 @@ def _check_key_forward(device, dtype, batch, q_len, kv_rows, kv_len, heads, kv_h
     q, k, v = make(q_len, heads), make(kv_rows, kv_heads), make(kv_rows, kv_heads)
     k_to, v_to = (torch.full_like(t, float("nan")) for t in (k, v))
     out, lse = flash_attention(q, k, v, kv_len=kv_len, return_lse=True, config=config,
-                               forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()))
-    group = heads // kv_heads
-    ref, ref_lse = _reference(q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), kv_len)
-    assert relative_error(out, ref) < TOLERANCE[dtype]
-    assert (lse.double() - ref_lse).abs().max().item() < 1e-3
+                               forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()), fp8=fp8)
+    ref, ref_lse = _reference(q, k, v, kv_len)
+    tolerance, lse_tolerance = _bounds(dtype, fp8)
+    assert relative_error(out, ref) < tolerance
+    assert (lse.double() - ref_lse).abs().max().item() < lse_tolerance
     assert torch.equal(k_to[:, :kv_len], k[:, :kv_len]) and torch.equal(v_to[:, :kv_len], v[:, :kv_len])
 
 
@@ -87,10 +84,11 @@ def test_attention_forwards_its_keys_interpreted(q_len, kv_rows, kv_len, kv_head
     _check_key_forward("cpu", torch.float32, 2, q_len, kv_rows, kv_len, 3, kv_heads)
 
 
-def _check_merge(device, dtype, batch, q_len, first_keys, keys, heads, kv_heads, config=None):
+def _check_merge(device, dtype, batch, q_len, first_keys, keys, heads, kv_heads, config=None, fp8=False):
     """A call that merges into a running result (the X-Stage ring's step, forwarding its keys too): over a fresh
     one (-inf log-sum-exp), then over the result of an earlier call on other keys, against one attention over
     every key."""
+    tolerance, lse_tolerance = _bounds(dtype, fp8)
     def make(rows, n_heads):
         return torch.randn(batch, rows, n_heads, 128, device=device, dtype=dtype)
 
@@ -99,22 +97,48 @@ def _check_merge(device, dtype, batch, q_len, first_keys, keys, heads, kv_heads,
     running = Running.empty(q)
     k_to, v_to = torch.empty_like(k1), torch.empty_like(v1)
     for k, v in ((k1, v1), (k2, v2)):
-        flash_attention(q, k, v, merge=running, config=config, forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()))
+        flash_attention(q, k, v, merge=running, config=config, forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()),
+                        fp8=fp8)
         if k is k1:
-            ref, _ = _reference(q, k1.repeat_interleave(heads // kv_heads, 2),
-                                v1.repeat_interleave(heads // kv_heads, 2), first_keys)
-            assert relative_error(running.out, ref) < TOLERANCE[dtype]
+            ref, _ = _reference(q, k1, v1, first_keys)
+            assert relative_error(running.out, ref) < tolerance
             assert torch.equal(k_to, k1) and torch.equal(v_to, v1)
-    every_k, every_v = (torch.cat([a, b], dim=1).repeat_interleave(heads // kv_heads, 2)
-                        for a, b in ((k1, k2), (v1, v2)))
+    every_k, every_v = (torch.cat([a, b], dim=1) for a, b in ((k1, k2), (v1, v2)))
     ref, ref_lse = _reference(q, every_k, every_v, first_keys + keys)
-    assert relative_error(running.out, ref) < TOLERANCE[dtype]
-    assert (running.lse.double() - ref_lse).abs().max().item() < 1e-3
+    assert relative_error(running.out, ref) < tolerance
+    assert (running.lse.double() - ref_lse).abs().max().item() < lse_tolerance
 
 
 @pytest.mark.parametrize("kv_heads", [3, 1])
 def test_attention_merges_into_a_running_result_interpreted(kv_heads):
     _check_merge("cpu", torch.float32, 2, 37, 45, 20, 3, kv_heads)
+
+
+@pytest.mark.parametrize("q_len, kv_rows, kv_len", [(37, 45, 41), (10, 60, 53)], ids=["uneven", "more-key-tiles"])
+def test_fp8_attention_forwards_its_keys_interpreted(q_len, kv_rows, kv_len):
+    _check_key_forward("cpu", torch.float32, 2, q_len, kv_rows, kv_len, 3, 1, fp8=True)
+
+
+def test_fp8_attention_merges_into_a_running_result_interpreted():
+    _check_merge("cpu", torch.float32, 2, 37, 45, 20, 4, 2, fp8=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(4096, 4096, 4096), (1000, 1100, 300), (8000, 700, 613)],
+                         ids=["ring-block", "uneven", "many-work-tiles"])
+def test_fp8_attention_merges_into_a_running_result_on_gpu(lengths):
+    _check_merge("cuda", torch.bfloat16, 2, *lengths, 6, 2, fp8=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(4096, 4096, 4096), (1000, 1100, 1031), (300, 4000, 3999)],
+                         ids=["ring-block", "uneven", "more-key-tiles"])
+@pytest.mark.parametrize("kv_heads", [6, 2])
+@pytest.mark.parametrize("heads_major", [False, True])
+def test_fp8_attention_forwards_its_keys_on_gpu(lengths, kv_heads, heads_major):
+    q_len, kv_rows, kv_len = lengths
+    _check_key_forward("cuda", torch.bfloat16, 2, q_len, kv_rows, kv_len, 6, kv_heads, heads_major=heads_major,
+                       fp8=True)
 
 
 @pytest.mark.gpu
@@ -274,10 +298,10 @@ def _norm_rope_reference(x, weight, eps, cos, sin):
 
 
 def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first, order,
-                    text_queries=True, norm_rope=False):
+                    text_queries=True, norm_rope=False, fp8=False):
     """`text_queries=False`: the text is keys only, the queries are the image tokens. `norm_rope`: q and k reach
     the store kernels as raw text and image parts with their RMSNorm weights and RoPE tables, v as two parts (a
-    joint-attention processor's JointTokens); else each as one joined tensor."""
+    joint-attention processor's JointTokens); else each as one joined tensor. `fp8`: FP8 attention."""
     local = -(-seq_len // n_ranks)
 
     def chunks(image):
@@ -324,7 +348,7 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
                for rank in range(n_ranks)]
     outs = run_in_lockstep(
         [fused_steps(*(t[rank] for t in tokens), layouts[rank], fabric.rank(rank), None, key_mask[:, None, None, :],
-                     order) for rank in range(n_ranks)],
+                     order, fp8) for rank in range(n_ranks)],
         fabric.rank(0).barrier)
 
     keep = torch.cat([key_mask, torch.ones(batch, seq_len, dtype=torch.bool, device=device)], dim=1)
@@ -334,7 +358,7 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
     for rank in range(n_ranks):
         out = valid_rows(outs[rank], rank)
         assert not out.isnan().any(), f"rank {rank}: unwritten output rows"
-        assert relative_error(out, valid_rows(expected[rank], rank)) < TOLERANCE[dtype], f"rank {rank}"
+        assert relative_error(out, valid_rows(expected[rank], rank)) < _bounds(dtype, fp8)[0], f"rank {rank}"
 
 
 @pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19), (4, 13)])
@@ -342,6 +366,13 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
 @pytest.mark.parametrize("order", list(TileOrder))
 def test_fused_loopback_interpreted(n_ranks, seq_len, text_first, order):
     _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, order)
+
+
+@pytest.mark.parametrize("n_ranks, seq_len, text_first", [(2, 20, True), (3, 19, False)])
+def test_fused_loopback_in_fp8_interpreted(n_ranks, seq_len, text_first):
+    """The scatter epilogue of FP8 attention: every rank's rows land where the bf16 kernel's do."""
+    _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, TileOrder.ROTATED,
+                    fp8=True)
 
 
 @pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19)])
@@ -448,6 +479,15 @@ def test_fused_loopback_with_a_norm_across_heads_on_gpu(n_ranks, seq_len, heads)
 def test_fused_loopback_on_gpu(n_ranks, text_first, order, text_queries, norm_rope):
     _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, order, text_queries,
                     norm_rope)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_ranks", [2, 8])
+@pytest.mark.parametrize("text_first", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_loopback_in_fp8_on_gpu(n_ranks, text_first, head_dim):
+    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, head_dim, text_first,
+                    TileOrder.ROTATED, fp8=True)
 
 
 def _one_key_per_query(batch, query_rows, key_rows, kv_len, heads, head_dim, device):

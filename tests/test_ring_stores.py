@@ -1,6 +1,7 @@
 """The X-Stage ring (sp/attention/ring.py `stored_ring_steps`): N simulated ring ranks over a LoopbackFabric,
 their key blocks forwarded by the attention kernel's stores, against one attention over every key (float32 on CPU in
-Triton's interpreter: < 1e-4; bf16 on a GPU against float32: < 2e-2)."""
+Triton's interpreter: < 1e-4; bf16 on a GPU against float32: < 2e-2; FP8 attention within its bound,
+numerics.FP8_ATTENTION_ERROR)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from dist_harness import run_on_ranks
 from gpu_checks import same_gpu_worker
+from numerics import FP8_ATTENTION_ERROR
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.sp.attention.ring import attention_with_lse, stored_ring_steps
 from xstage_dit.sp.attention.masks import pair_bias, with_image_keys
@@ -16,8 +18,9 @@ from xstage_dit.sp.fabric import LoopbackFabric, run_in_lockstep
 
 def _check_stored_ring(device: str, dtype: torch.dtype, degree: int, seq_len: int, text_len: int, heads: int,
                        kv_heads: int, tolerance: float, batch: int = 2, head_dim: int = 64,
-                       text_factor: bool = False) -> None:
-    """`text_factor`: the text mask is a pair bias's 0/1 factor (Chroma's), else a key-padding mask."""
+                       text_factor: bool = False, fp8: bool = False) -> None:
+    """`text_factor`: the text mask is a pair bias's 0/1 factor (Chroma's), else a key-padding mask; `fp8`: every
+    partial attention in FP8."""
     block = -(-seq_len // degree)  # each rank's block, the sequence tail-padded
     gen = torch.Generator().manual_seed(degree * 100 + seq_len)
 
@@ -41,7 +44,7 @@ def _check_stored_ring(device: str, dtype: torch.dtype, degree: int, seq_len: in
         rows = slice(rank * block, (rank + 1) * block)
         q, k, v = (torch.cat([text, image[:, rows]], dim=1).to(dtype)
                    for text, image in ((q_text, q_image), (k_text, k_image), (v_text, v_image)))
-        ranks.append(stored_ring_steps(q, k, v, layout, fabric.rank(rank), None, text_mask, text_factor))
+        ranks.append(stored_ring_steps(q, k, v, layout, fabric.rank(rank), None, text_mask, text_factor, fp8=fp8))
         every_key = slice(0, text_len + seq_len)
         keys, values = (torch.cat([text, image], dim=1)[:, every_key] for text, image in
                         ((k_text, k_image), (v_text, v_image)))
@@ -66,11 +69,26 @@ def test_stored_ring_equals_one_attention_interpreted(degree, seq_len, text_len,
                        text_factor=text_factor)
 
 
+@pytest.mark.parametrize("degree, seq_len, text_len", [(3, 19, 0), (4, 10, 4)])
+def test_stored_ring_in_fp8_interpreted(degree, seq_len, text_len):
+    """FP8 attention's forward and merge epilogues around the ring: each block quantized (and its keys smoothed)
+    on its own, the steps merged by their float32 log-sum-exps."""
+    _check_stored_ring("cpu", torch.float32, degree, seq_len, text_len, heads=4, kv_heads=2,
+                       tolerance=FP8_ATTENTION_ERROR, fp8=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("degree, seq_len, text_len", [(2, 4096, 77), (4, 3001, 0), (8, 8190, 512)])
 def test_stored_ring_equals_one_attention_on_gpu(degree, seq_len, text_len):
     _check_stored_ring("cuda", torch.bfloat16, degree, seq_len, text_len, heads=8, kv_heads=8, tolerance=2e-2,
                        head_dim=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("degree, seq_len, text_len", [(2, 4096, 77), (8, 8190, 512)])
+def test_stored_ring_in_fp8_on_gpu(degree, seq_len, text_len):
+    _check_stored_ring("cuda", torch.bfloat16, degree, seq_len, text_len, heads=8, kv_heads=2,
+                       tolerance=FP8_ATTENTION_ERROR, head_dim=128, fp8=True)
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ from .runtime.agreement import Fingerprint, check_agreement, weight_kinds, weigh
 from .runtime.cuda_graphs import GraphUse
 from .runtime.distributed import ParallelGroups, every_rank_joining, forget_groups, local_device, world_group
 from .sp.attention.backends import needs_fabric, needs_ring_fabric, resolve_backend
-from .sp.attention.ulysses import UlyssesAttention
+from .sp.attention.ulysses import FP8Attention, UlyssesAttention
 from .sp.cache_dit_hooks import refuse_other_sequence_parallelism
 from .sp.moe.modes import ExpertModes
 from .sp.planner import forget_planners
@@ -164,7 +164,7 @@ def _config_of(config: XStageConfig | None, knobs: dict[str, Any]) -> XStageConf
 def _check_fp8(pipe: Any, models: list[nn.Module], config: XStageConfig) -> None:
     """The FP8 parts asked for must have a path that runs on this job's device and models; the full-precision steps
     are counted by a pipeline's step callback."""
-    missing = [part for part in config.fp8 if part != "linear"]
+    missing = [part for part in config.fp8 if part not in ("attention", "linear")]
     if missing:
         raise NotImplementedError(f"fp8={config.fp8!r}: xstage_dit has no FP8 path for {', '.join(missing)} yet")
     if "linear" in config.fp8:
@@ -195,7 +195,7 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
         _check_heads(model, plan.num_heads(model), degrees)
     _check_fp8(pipe, models, config)
     cuda_graphs = _cuda_graphs(config.cuda_graphs, local_device())
-    resolve_backend(config.backend, local_device(), cuda_graphs)
+    resolve_backend(config.backend, local_device(), cuda_graphs, fp8="attention" in config.fp8)
     degree = degrees.ulysses * degrees.ring
     return dataclasses.replace(config, ulysses_degree=degrees.ulysses, ring_degree=degrees.ring,
                                cuda_graphs=cuda_graphs,
@@ -263,7 +263,8 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     the experts on its own tokens; the default (None) keeps every expert on every rank and runs each MoE layer
     call in the mode the Burst-Gap planner predicts fastest (sp/moe/modes.py).
     `fp8="linear"` runs the Linear layers of the transformers' blocks as torchao's FP8 GEMMs (precision/linear.py;
-    a GPU of compute capability 8.9 or above, a bfloat16 model); `fp8_full_precision_steps=k` keeps the first and
+    a GPU of compute capability 8.9 or above, a bfloat16 model); `fp8="attention"` attends with the FP8 variant of
+    the backend (our FP8 attention kernel, kernels/attention.py); `fp8_full_precision_steps=k` keeps the first and
     last k steps of each pipeline call without FP8 (precision/steps.py).
 
     A pipeline that shares enabled transformers (e.g. one made by `from_pipe`) is enabled with the same
@@ -284,6 +285,8 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
         groups = build_groups(config.cfg_degree, config.ulysses_degree, config.timeout_s, config.ring_degree)
         _move_to_rank_device(pipe, models, groups.device)
         choice = resolve_backend(config.backend, groups.device)
+        # the FP8 variant attends the steps that run attention in FP8; it keeps the choice's exchange and fabrics
+        fp8_choice = resolve_backend(config.backend, groups.device, fp8=True) if "attention" in config.fp8 else None
         fabric = None
         holders = [id(model) for model in models]  # the models hold the fabrics until `disable`
         if groups.ulysses_group is not None and needs_fabric(choice, groups.device, ring=groups.ring_degree > 1):
@@ -301,11 +304,12 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
     for model in models:
         plan = patches.plan_for(model)
         shard = SequenceShard(groups.sequence_degree, groups.sequence_rank, groups.sequence_group)
+        precision = StepPrecision(config.fp8)
         attention = UlyssesAttention(shard, choice, text_first=plan.text_first, query_key_masks=plan.query_key_masks,
                                      ulysses=groups.ulysses, ring=groups.ring,
-                                     local_cross_attention=plan.local_cross_attention)
+                                     local_cross_attention=plan.local_cross_attention,
+                                     fp8=FP8Attention(fp8_choice, precision) if fp8_choice is not None else None)
         experts = ExpertModes.resolve(config.expert_parallel, shard.degree, fabric_ready=fabric is not None)
-        precision = StepPrecision(config.fp8)
         job = ModelJob(model=model, plan=plan, config=config, groups=groups, shard=shard, attention=attention,
                        experts=experts, fabric=fabric, pairs=pairs, precision=precision)
         _install(model, MODEL_LAYERS, job)

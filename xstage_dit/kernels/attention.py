@@ -25,20 +25,29 @@ import triton.language as tl
 
 from ..logging_utils import warn_once
 from . import attention_hopper
-from .attention_args import AttentionCall, KeyForward, Running, Scatter, Strides
+from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionCall, KeyForward,
+                             QuantizedOperands, Running, Scatter, Strides)
+from .attention_fp8 import E4M3_MAX, INTERPRETED, quantize, to_e4m3
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
 from .tables import ALIGN_ELEMENTS
 
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr):
+def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr, FP8: tl.constexpr,
+                 ROUND_FIRST: tl.constexpr):
     """One key tile of the online softmax: k is (HEAD_DIM, BLOCK_N), v is (BLOCK_N, HEAD_DIM).
 
     The scale is applied to the row maximum and folded into the exponent's argument (one fused multiply-add
     per score instead of a multiply and a subtract: the softmax, not the tensor cores, bounds this loop).
     Masked scores get a large finite negative, not -inf, so a tile whose keys are all masked cannot produce
-    (-inf) - (-inf); its weights vanish once a real key raises the row maximum."""
+    (-inf) - (-inf); its weights vanish once a real key raises the row maximum.
+    FP8: q and k are INT8 and v e4m3 (qk_scale includes q's and k's scales); p, at most 1 once its row's maximum
+    is subtracted, is scaled onto e4m3's range (the caller divides that out with v's scales), and the tile's p·v
+    is added to the float32 accumulator here rather than summed across tiles in the tensor cores' narrower FP8
+    accumulator."""
     scores = tl.dot(q, k)
+    if FP8:
+        scores = _int_to_float(scores)
     if MASKED:
         scores = tl.where(key_ok[None, :], scores, -1.0e30)
     m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
@@ -46,15 +55,34 @@ def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr)
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    if FP8:
+        acc = acc + tl.dot(to_e4m3(p * E4M3_MAX, ROUND_FIRST), v)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 
 @triton.jit
+def _int_to_float(x):
+    """int32 x, |x| < 2^22, as float32, exactly, with an integer add and a float subtract: x's bits added to those
+    of 1.5 * 2^23 make the float 1.5 * 2^23 + x. (q·kᵀ of INT8 q and k over 128 channels stays below 2^21.)"""
+    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _key_tile_scale(qk_scale, k_scales, start_n, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+    """The scores' scale for the key tile at `start_n`: with FP8, times that tile's key scale."""
+    if FP8:
+        return qk_scale * tl.load(k_scales + start_n // BLOCK_N)
+    return qk_scale
+
+
+@triton.jit
 def _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv_len,
-               k_desc, v_desc, kv_row0, head_col, USE_TMA: tl.constexpr):
+               k_desc, v_desc, kv_row0, head_col, USE_TMA: tl.constexpr, V_BY_CHANNEL: tl.constexpr):
     """Key tile (HEAD_DIM, BLOCK_N) and value tile (BLOCK_N, HEAD_DIM) at key `start_n`. Through TMA, rows past
-    this batch's keys belong to the next batch (or are zero past the tensor): callers mask them as keys."""
+    this batch's keys belong to the next batch (or are zero past the tensor): callers mask them as keys.
+    V_BY_CHANNEL: the values are stored channel-major, `stride_vs` apart (FP8 operands)."""
     if USE_TMA:
         k = k_desc.load([kv_row0 + start_n, head_col]).T
         v = v_desc.load([kv_row0 + start_n, head_col])
@@ -62,7 +90,10 @@ def _load_keys(k_base, v_base, start_n, stride_ks, stride_vs, offs_n, offs_d, kv
         rows = start_n + offs_n
         ok = rows < kv_len
         k = tl.load(k_base + rows[None, :] * stride_ks + offs_d[:, None], mask=ok[None, :], other=0.0)
-        v = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if V_BY_CHANNEL:
+            v = tl.load(v_base + rows[:, None] + offs_d[None, :] * stride_vs, mask=ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=ok[:, None], other=0.0)
     return k, v
 
 
@@ -82,17 +113,21 @@ def _forward_keys(k_base, v_base, k_to, v_to, first_tile, tile_step, kv_len, str
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, Out, Lse, KeyMask, Dest, q_desc, k_desc, v_desc,
+    Q, K, V, Out, Lse, KeyMask, Dest, q_desc, k_desc, v_desc, fp8,
     sm_scale, q_len, kv_rows, kv_len, kv_full_end, key_mask_len, stride_mb,
     q_strides, k_strides, v_strides, o_strides, heads, kv_group, scatter, k_to, v_to,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FORWARD: tl.constexpr, MERGE: tl.constexpr, ALIGN: tl.constexpr,
+    FP8: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
     """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py). With FORWARD, the
     program of query tile i also stores key tiles i, i + #query tiles, ... of its key head `k_to` and `v_to`
     elements further on (KeyForward), where its head is the first of its key head's group. With MERGE, Out and Lse
-    hold a running float32 output and log-sum-exp that the tile's rows are merged into, in place."""
+    hold a running float32 output and log-sum-exp that the tile's rows are merged into, in place. With FP8, the
+    products read `fp8`, a QuantizedOperands record (kernels/attention_fp8.py; None without), and Q, K, V only as
+    the keys and values to forward; ROUND_FIRST: convert to e4m3 as Triton's CPU interpreter needs
+    (attention_fp8.to_e4m3)."""
     # the schedule knob: programs start at Q tile `tile_shift` and wrap around (see Scatter.first_row)
     pid_m = (tl.program_id(0) + scatter.tile_shift) % tl.num_programs(0)
     pid_bh = tl.program_id(1)
@@ -107,43 +142,72 @@ def _attention_kernel(
     # (TMA coordinates are 32-bit)
     kv_row0 = (pid_bh // heads) * kv_rows
     kv_head = h // kv_group
+    kv_bh = batch * (heads // kv_group) + kv_head
     head_col = kv_head * HEAD_DIM
+    # what the products read: the inputs, or their FP8 operands
+    if FP8:
+        Qx, Kx, Vx = fp8.q, fp8.k, fp8.v
+        qx_strides, kx_strides, vx_strides = fp8.q_strides, fp8.k_strides, fp8.v_strides
+    else:
+        Qx, Kx, Vx = Q, K, V
+        qx_strides, kx_strides, vx_strides = q_strides, k_strides, v_strides
     if USE_TMA:
         q = q_desc.load([(pid_bh // heads) * q_len + pid_m * BLOCK_M, h * HEAD_DIM])
     else:
-        q = tl.load(Q + batch * q_strides.batch + h * q_strides.head + offs_m[:, None] * q_strides.seq
+        q = tl.load(Qx + batch * qx_strides.batch + h * qx_strides.head + offs_m[:, None] * qx_strides.seq
                     + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    k_base = K + batch * k_strides.batch + kv_head * k_strides.head
-    v_base = V + batch * v_strides.batch + kv_head * v_strides.head
+    k_base = Kx + batch * kx_strides.batch + kv_head * kx_strides.head
+    v_base = Vx + batch * vx_strides.batch + kv_head * vx_strides.head
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+    scores_scale = qk_scale  # with FP8, times the query tile's scale (and in the loop each key tile's)
+    k_scales = None
+    if FP8:
+        scores_scale = qk_scale * tl.load(fp8.q_scale + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m)
+        k_scales = fp8.k_scale + kv_bh * tl.cdiv(kv_len, BLOCK_N)
 
     if HAS_KEY_MASK:
         # the mask may reject keys anywhere in its range: every tile is masked
         for start_n in range(0, kv_len, BLOCK_N):
-            k, v = _load_keys(k_base, v_base, start_n, k_strides.seq, v_strides.seq, offs_n, offs_d, kv_len,
-                              k_desc, v_desc, kv_row0, head_col, USE_TMA)
+            k, v = _load_keys(k_base, v_base, start_n, kx_strides.seq, vx_strides.seq, offs_n, offs_d, kv_len,
+                              k_desc, v_desc, kv_row0, head_col, USE_TMA, FP8)
             keys = start_n + offs_n
             allowed = tl.load(KeyMask + batch * stride_mb + keys, mask=keys < key_mask_len, other=1)
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, (keys < kv_len) & (allowed != 0), True)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v,
+                                         _key_tile_scale(scores_scale, k_scales, start_n, BLOCK_N, FP8),
+                                         (keys < kv_len) & (allowed != 0), True, FP8, ROUND_FIRST)
     else:
         # full tiles unmasked, then the partial tail tile masked
         full_end = kv_full_end
         for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            k, v = _load_keys(k_base, v_base, start_n, k_strides.seq, v_strides.seq, offs_n, offs_d, kv_len,
-                              k_desc, v_desc, kv_row0, head_col, USE_TMA)
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, offs_n, False)
+            k, v = _load_keys(k_base, v_base, start_n, kx_strides.seq, vx_strides.seq, offs_n, offs_d, kv_len,
+                              k_desc, v_desc, kv_row0, head_col, USE_TMA, FP8)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v,
+                                         _key_tile_scale(scores_scale, k_scales, start_n, BLOCK_N, FP8), offs_n, False,
+                                         FP8, ROUND_FIRST)
         if full_end < kv_len:
-            k, v = _load_keys(k_base, v_base, full_end, k_strides.seq, v_strides.seq, offs_n, offs_d, kv_len,
-                              k_desc, v_desc, kv_row0, head_col, USE_TMA)
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, full_end + offs_n < kv_len, True)
+            k, v = _load_keys(k_base, v_base, full_end, kx_strides.seq, vx_strides.seq, offs_n, offs_d, kv_len,
+                              k_desc, v_desc, kv_row0, head_col, USE_TMA, FP8)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v,
+                                         _key_tile_scale(scores_scale, k_scales, full_end, BLOCK_N, FP8),
+                                         full_end + offs_n < kv_len, True, FP8, ROUND_FIRST)
+
+    if FP8:
+        # p's e4m3 range and v's channel scales out of the output, and what the smoothing took back in: the values'
+        # mean (acc / l_i gains it) and each query's q · mean key (its log-sum-exp's, in base 2)
+        at_channels = kv_bh * HEAD_DIM + offs_d
+        acc = (acc * (tl.load(fp8.v_scale + at_channels) / E4M3_MAX)[None, :]
+               + l_i[:, None] * tl.load(fp8.v_mean + at_channels)[None, :])
+        m_i += tl.load(fp8.q_shift + pid_bh.to(tl.int64) * q_len + offs_m, mask=row_ok, other=0.0) * qk_scale
 
     if FORWARD:
         if h % kv_group == 0:
-            _forward_keys(k_base, v_base, k_to, v_to, tl.program_id(0), tl.num_programs(0), kv_len, k_strides.seq,
-                          v_strides.seq, offs_n, offs_d, BLOCK_N)
+            # the keys and values as given (with FP8, not the operands the products read)
+            _forward_keys(K + batch * k_strides.batch + kv_head * k_strides.head,
+                          V + batch * v_strides.batch + kv_head * v_strides.head, k_to, v_to, tl.program_id(0),
+                          tl.num_programs(0), kv_len, k_strides.seq, v_strides.seq, offs_n, offs_d, BLOCK_N)
 
     if MERGE:
         # base-2 statistics; Lse holds natural logs
@@ -189,13 +253,19 @@ class TileConfig:
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
-    tma: bool = False  # load through Hopper's tensor memory accelerator (contiguous inputs on CUDA only)
+    tma: bool = False  # load through Hopper's tensor memory accelerator (contiguous inputs on CUDA only; not FP8)
     warp_specialize: bool = False
 
 
-def _default_config(q: torch.Tensor, hopper_runs: bool) -> TileConfig | HopperConfig:
+# FP8 operands load through pointers (their tiles are contiguous: attention_fp8.quantize lays them out)
+FP8_CONFIG = TileConfig()
+
+
+def _default_config(q: torch.Tensor, hopper_runs: bool, fp8: bool) -> TileConfig | HopperConfig:
     if q.device.type == "cpu":  # Triton's interpreter
         return TileConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if fp8:
+        return FP8_CONFIG
     if hopper_runs:
         return HopperConfig()
     if attention_hopper.is_available(q):
@@ -217,13 +287,9 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileCon
     return describe(q, cfg.block_m), describe(k, cfg.block_n), describe(v, cfg.block_n)
 
 
-SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # and float32 in Triton's interpreter
-
-
-def accepts(q: torch.Tensor) -> bool:
-    """Whether flash_attention takes inputs of q's head_dim and dtype on its device."""
-    dtypes = SUPPORTED_DTYPES + ((torch.float32,) if q.device.type == "cpu" else ())
+def accepts(q: torch.Tensor, fp8: bool = False) -> bool:
+    """Whether flash_attention takes inputs of q's head_dim and dtype on its device (with FP8 products: `fp8`)."""
+    dtypes = FP8_DTYPES if fp8 else SUPPORTED_DTYPES + ((torch.float32,) if q.device.type == "cpu" else ())
     return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in dtypes
 
 
@@ -240,6 +306,7 @@ def flash_attention(
     return_lse: bool = False,
     forward: KeyForward | None = None,
     merge: Running | None = None,
+    fp8: bool = False,
     config: TileConfig | HopperConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale) v over the first `kv_len` keys, for (B, S, H, D) tensors (last dim contiguous); k
@@ -249,12 +316,15 @@ def flash_attention(
     out: (B, Sq, H, D) output (allocated like q if None). With `scatter`, `out` gives the destination buffers'
     shape and strides and receives nothing unless it is one of them. `forward`: the kernel also stores the keys
     and values it reads there (KeyForward). `merge`: the result is merged into that running output and
-    log-sum-exp, in place, instead (Running). Returns out (and the natural-log log-sum-exp, (B, H, Sq) float32, if
-    `return_lse`); with `merge`, its output."""
+    log-sum-exp, in place, instead (Running). `fp8`: both products in FP8 (kernels/attention_fp8.py: e4m3
+    operands with float32 scales, float32 accumulation; the log-sum-exp in float32 as without it), through the
+    Triton kernel. Returns out (and the natural-log log-sum-exp, (B, H, Sq) float32, if `return_lse`); with
+    `merge`, its output."""
     batch, q_len, heads, head_dim = q.shape
-    if not accepts(q):
-        raise ValueError(f"flash_attention supports head_dim {SUPPORTED_HEAD_DIMS} in bf16/fp16 (fp32 in Triton's "
-                         f"interpreter), got {head_dim}, {q.dtype}")
+    if not accepts(q, fp8):
+        dtypes = "bf16/fp16/fp32" if fp8 else "bf16/fp16 (fp32 in Triton's interpreter)"
+        raise ValueError(f"flash_attention{' with fp8' if fp8 else ''} supports head_dim {SUPPORTED_HEAD_DIMS} in "
+                         f"{dtypes}, got {head_dim}, {q.dtype}")
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("flash_attention needs the head_dim axis contiguous")
@@ -280,14 +350,19 @@ def flash_attention(
     # checked once per call: TMA loads (the Hopper kernel's, the Triton kernel's option) need row-viewable inputs
     rows = tma_rows(q, k, v)
     hopper_runs = rows is not None and attention_hopper.is_available(q)
-    cfg = config or _default_config(q, hopper_runs)
-    if isinstance(cfg, HopperConfig):
+    cfg = config or _default_config(q, hopper_runs, fp8)
+    if fp8:
+        if isinstance(cfg, HopperConfig) or cfg.tma:
+            raise ValueError("flash_attention with fp8 runs the Triton kernel with pointer loads: give a TileConfig "
+                             "with tma=False")
+        launch_triton(call, cfg, use_tma=False, fp8=quantize(q, k, v, kv_len, cfg.block_m, cfg.block_n))
+    elif isinstance(cfg, HopperConfig):
         if not hopper_runs:
             raise ValueError("HopperConfig needs an sm_90 GPU, bf16/fp16, head_dim 64/128 and contiguous "
                              "16-byte aligned (B, S, H, D) or (B, H, S, D) inputs")
         attention_hopper.launch(call, cfg, rows)
     else:
-        _launch_triton(call, cfg, use_tma=cfg.tma and rows is TmaRows.TOKENS)
+        launch_triton(call, cfg, use_tma=cfg.tma and rows is TmaRows.TOKENS)
     return (call.out, call.lse) if return_lse else call.out
 
 
@@ -299,19 +374,30 @@ def _forward_offsets(call: AttentionCall) -> tuple[int, int]:
                                                                         (call.forward.value, call.v)))
 
 
-def _launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool) -> None:
+def launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool, fp8: QuantizedOperands | None = None,
+                  warmup: bool = False) -> None:
+    """Run the Triton kernel on a call flash_attention checked; `fp8`: its products read these operands
+    (attention_fp8.quantize, for cfg's tiles). `warmup` only compiles it for the active driver's target (the CPU
+    tests compile for sm_90a without a GPU)."""
     q, k = call.q, call.k
     batch, q_len, heads, head_dim = q.shape
     descriptors = _descriptors(q, k, call.v, cfg) if use_tma else (None, None, None)
-    _attention_kernel[(triton.cdiv(q_len, cfg.block_m), batch * heads)](
+    args = (
         q, k, call.v, call.out, call.lse if call.lse is not None else call.out,
         call.key_mask if call.key_mask is not None else call.out, call.destinations, *descriptors,
+        fp8,
         call.scale, q_len, k.shape[1], call.kv_len, call.kv_len // cfg.block_n * cfg.block_n, call.key_mask_len,
         call.key_mask_stride, Strides.of(q), Strides.of(k), Strides.of(call.v), Strides.of(call.out), heads,
-        call.kv_group, call.scatter_args(cfg.block_m), *_forward_offsets(call),
+        call.kv_group, call.scatter_args(cfg.block_m), *_forward_offsets(call))
+    switches = dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WRITE_LSE=call.lse is not None, HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, FORWARD=call.forward is not None, MERGE=call.merge,
-        ALIGN=ALIGN_ELEMENTS,
+        ALIGN=ALIGN_ELEMENTS, FP8=fp8 is not None, ROUND_FIRST=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    grid = (triton.cdiv(q_len, cfg.block_m), batch * heads)
+    if warmup:
+        _attention_kernel.warmup(*args, grid=grid, **switches)
+    else:
+        _attention_kernel[grid](*args, **switches)

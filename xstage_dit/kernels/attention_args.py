@@ -9,6 +9,11 @@ from typing import NamedTuple
 import torch
 
 
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # and float32 in Triton's interpreter
+FP8_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the inputs FP8 attention quantizes
+
+
 class Strides(NamedTuple):
     """Element strides of a (B, S, H, D) tensor's first three axes (the head_dim axis is contiguous)."""
 
@@ -105,6 +110,26 @@ class DeviceAddress(NamedTuple):
 
     def data_ptr(self) -> int:
         return self.address
+
+
+class QuantizedOperands(NamedTuple):
+    """q, k, v as the attention kernel's products read them with fp8=True (kernels/attention_fp8.py): q and k
+    INT8, v e4m3, with `*_strides` as Strides says (v's `seq` is the stride between its channels, its keys
+    contiguous), and their float32 scales: q_scale (B, H, query tiles), k_scale (B, H_kv, key tiles), v_scale
+    (B, H_kv, D); what the smoothing took: v_mean (B, H_kv, D), the values' mean, and q_shift (B, H, Sq), each
+    query's q · mean key."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_strides: Strides
+    k_strides: Strides
+    v_strides: Strides
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    v_mean: torch.Tensor
+    q_shift: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -12,27 +12,43 @@ fields; none of them compares a strategy's name.
 What `enable(backend=...)` names is a *choice*: a strategy (which is its own choice), or a chooser such as "auto"
 (sp/attention/auto.py) that picks a strategy per call among its candidates.
 
-Adding a strategy (FP8 attention, say) is one module under sp/attention/ with its kernel and its entry as
-`CHOICE`, and one line in config.BACKENDS: nothing else changes. The registry imports the modules the first time
+A choice may have an FP8 variant (`fp8`), what `enable(fp8="attention")` runs in its place: the same exchange,
+attending with our FP8 attention kernel (kernels/attention.py with fp8=True) wherever the choice attends (its
+`precision` says which the router, the op and the ring run). Variants are entries of the registry like any other
+(the custom op finds them by name) but not names `enable(backend=...)` accepts: the knob has one home.
+
+Adding a strategy is one module under sp/attention/ with its kernel and its entry as `CHOICE`, and one line in
+config.BACKENDS: nothing else changes. The registry imports the modules the first time
 it is asked."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ...kernels import triton_runs_on
+from ...kernels.attention_args import FP8_DTYPES, SUPPORTED_HEAD_DIMS
 from ...kernels.rotary_args import JointTokens
 from ...logging_utils import warn_once
 from ...burst_gap.planner import AttentionShape, Cost, PlannedStrategy, Planner, RingTransport
 from ...config import BACKENDS
 from .exchange import GatheredAttention
 from .layout import UlyssesLayout
+from .local import fp8_attention_bshd
 
 FALLBACK = "reference"  # what runs where a chosen backend cannot: it runs everything
+
+
+class Precision(enum.Enum):
+    """What a strategy's attention computes its two products (q·kᵀ, p·v) in."""
+
+    NATIVE = "native"  # the inputs' dtype (SDPA, or our kernel)
+    FP8 = "fp8"  # our kernel's FP8 attention: INT8 q·kᵀ, e4m3 p·v, float32 sums (kernels/attention_fp8.py)
 
 
 @dataclass(frozen=True)
@@ -147,18 +163,26 @@ class Call:
 
 @dataclass(frozen=True)
 class Supports:
-    """What calls a strategy takes. `dtypes` and `head_dims` (None: any) and `cuda_only` are its kernels'; a pair
-    bias (Chroma's query-key masks, masks.QueryKeyMasks.PAIR_BIAS), a key-padding mask, CUDA-graph capture.
+    """What calls a strategy takes. `dtypes` and `head_dims` (None: any), `cuda_only` and `triton` (its kernels
+    are Triton's: they run on GPUs, and on the CPU in Triton's interpreter) are its kernels'; a pair bias (Chroma's
+    query-key masks, masks.QueryKeyMasks.PAIR_BIAS), a key-padding mask, CUDA-graph capture.
     `exchange_refused`: why it has no exchange that can hold another attention (None: it has one); a ring then
     exchanges by FALLBACK's serial exchange around the ring, and a call over whole keys runs FALLBACK's."""
 
     dtypes: tuple[torch.dtype, ...] | None = None
     head_dims: tuple[int, ...] | None = None
     cuda_only: bool = False
+    triton: bool = False
     pair_bias: bool = False
     key_padding_masks: bool = True
     cuda_graphs: bool = True
     exchange_refused: str | None = None
+
+    def in_fp8(self) -> Supports:
+        """What the strategy takes with our FP8 attention kernel in place of its attention: that kernel's dtypes,
+        head dims, devices and masks besides its own."""
+        dtypes = tuple(dtype for dtype in FP8_DTYPES if dtype in (self.dtypes or FP8_DTYPES))
+        return dataclasses.replace(self, dtypes=dtypes, head_dims=SUPPORTED_HEAD_DIMS, triton=True, pair_bias=False)
 
 
 @dataclass(frozen=True)
@@ -170,7 +194,9 @@ class Strategy:
     the planner's for `ring.planned`); `symmetric`: its exchange stores into the Ulysses group's fabric
     (`enable` opens it; the output is a fabric buffer, which the custom op copies out); `own_attention`: it
     attends with its own kernel, not the `attend` it is given (an attention backend set on the model cannot
-    apply, said once); `describe_plan`: what `xstage-dit plan` prints of its plan for a shape."""
+    apply, said once); `describe_plan`: what `xstage-dit plan` prints of its plan for a shape; `precision`: what
+    its attention computes in (an FP8 strategy attends the gathered heads with its `local` kernel, and its ring
+    with our FP8 kernel); `fp8`: its FP8 variant (`with_fp8`), or None."""
 
     name: str
     ulysses: UlyssesBackend
@@ -183,6 +209,8 @@ class Strategy:
     own_attention: bool = False
     joint: JointUlyssesBackend | None = None
     describe_plan: PlanDescription | None = None
+    precision: Precision = Precision.NATIVE
+    fp8: Strategy | None = None
 
     def __post_init__(self) -> None:
         if (self.exchange is None) == (self.supports.exchange_refused is None):
@@ -192,7 +220,8 @@ class Strategy:
     def refusal(self, call: Call) -> str | None:
         """Why this strategy does not take `call` here (None: it does)."""
         query, supports = call.query, self.supports
-        if ((supports.cuda_only and not query.is_cuda) or query.dtype not in (supports.dtypes or (query.dtype,))
+        if ((supports.cuda_only and not query.is_cuda) or (supports.triton and not triton_runs_on(query.device))
+                or query.dtype not in (supports.dtypes or (query.dtype,))
                 or query.shape[-1] not in (supports.head_dims or (query.shape[-1],))):
             return f"does not take head_dim {query.shape[-1]} {query.dtype} on {query.device.type}"
         if call.pair_bias and not supports.pair_bias:
@@ -209,6 +238,15 @@ class Strategy:
         if self.symmetric and uses_fabric and not call.fabric_ready:
             return "stores into symmetric memory, which this Ulysses group has not"
         return None
+
+    def with_fp8(self, **own: Any) -> Strategy:
+        """This strategy with its FP8 variant, named "<name>+fp8": the same exchange, attending with our FP8 kernel
+        at degree 1, over the gathered heads and in its ring; `own`: the variant's own functions where the
+        strategy's call our kernel themselves (the fused strategy's Ulysses calls)."""
+        variant = dataclasses.replace(self, name=f"{self.name}+fp8", local=fp8_attention_bshd,
+                                      supports=self.supports.in_fp8(), own_attention=True, precision=Precision.FP8,
+                                      **own)
+        return dataclasses.replace(self, fp8=variant)
 
     def exchange_around(self) -> UlyssesExchange:
         """The exchange that runs around another attention of the gathered heads under this strategy: its own, or
@@ -233,9 +271,12 @@ class Strategy:
 
 
 class BackendChoice(Protocol):
-    """What `enable(backend=name)` runs: per call, one strategy of its candidates."""
+    """What `enable(backend=name)` runs: per call, one strategy of its candidates (all of them of its
+    `precision`); `fp8`: the choice `enable(backend=name, fp8="attention")` runs instead, or None."""
 
     name: str
+    precision: Precision
+    fp8: BackendChoice | None
 
     def candidates(self) -> tuple[Strategy, ...]: ...
 
@@ -263,7 +304,9 @@ def load(modules: Iterable[BackendModule] = BACKEND_MODULES) -> None:
                 raise
             _UNAVAILABLE[module.name] = f"needs {module.optional_dependency}: {error}"
             continue
-        _CHOICES[imported.CHOICE.name] = imported.CHOICE
+        for choice in (imported.CHOICE, imported.CHOICE.fp8):
+            if choice is not None:
+                _CHOICES[choice.name] = choice
     _loaded = True
 
 
@@ -274,9 +317,10 @@ def _choices() -> dict[str, BackendChoice]:
     return _CHOICES
 
 
-def backends() -> list[Strategy]:
-    """Every strategy (choosers excluded), in BACKEND_MODULES' order."""
-    return [choice for choice in _choices().values() if isinstance(choice, Strategy)]
+def backends(precision: Precision = Precision.NATIVE) -> list[Strategy]:
+    """Every strategy of `precision` (choosers excluded), in BACKEND_MODULES' order."""
+    return [choice for choice in _choices().values()
+            if isinstance(choice, Strategy) and choice.precision is precision]
 
 
 def costs_of(candidates: Iterable[Strategy]) -> dict[str, PlannedStrategy]:
@@ -296,19 +340,25 @@ def get_choice(name: str) -> BackendChoice:
 
 
 def available_backends() -> list[str]:
-    """The names `enable(backend=...)` accepts."""
-    return sorted(_choices())
+    """The names `enable(backend=...)` accepts (FP8 variants are reached through `fp8`, not by name)."""
+    return sorted(name for name, choice in _choices().items() if choice.precision is Precision.NATIVE)
 
 
-def resolve_backend(name: str, device: torch.device, cuda_graphs: bool = False) -> BackendChoice:
-    """The choice `name` stands for, checked against `device` and CUDA-graph capture; raises before any
-    collective."""
-    choices = _choices()
+def resolve_backend(name: str, device: torch.device, cuda_graphs: bool = False, fp8: bool = False) -> BackendChoice:
+    """The choice `name` stands for (its FP8 variant with `fp8`), checked against `device` and CUDA-graph capture;
+    raises before any collective."""
     if name in _UNAVAILABLE:
         raise ValueError(f"xstage_dit backend {name!r} {_UNAVAILABLE[name]}")
-    if name not in choices:
+    if name not in available_backends():
         raise ValueError(f"unknown xstage_dit backend {name!r}; choose one of {available_backends()}")
-    choice = choices[name]
+    choice = _choices()[name]
+    if fp8:
+        if choice.fp8 is None:
+            raise ValueError(f"xstage_dit backend {name!r} has no FP8 attention (fp8=\"attention\")")
+        if not triton_runs_on(device):
+            raise ValueError(f"fp8=\"attention\" runs our Triton attention kernel: it needs Triton and a GPU (or "
+                             f"Triton's CPU interpreter, TRITON_INTERPRET=1); this rank runs on {device}")
+        choice = choice.fp8
     if isinstance(choice, Strategy) and choice.supports.cuda_only and device.type != "cuda":
         raise ValueError(f"xstage_dit backend {name!r} needs CUDA GPUs (symmetric memory, Triton kernels); "
                          f"this rank runs on {device}")

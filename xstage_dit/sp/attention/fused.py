@@ -19,7 +19,7 @@ this rank's next call on the fabric, which cannot start overwriting it before th
 first barrier, i.e. after the caller consumed it (stream order)."""
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 import torch.distributed as dist
@@ -32,18 +32,13 @@ from ...burst_gap.planner import AttentionShape, Planner, TileOrder
 from .backends import LocalAttention, RingBlocks, Strategy, Supports
 from ..fabric import Fabric, Steps, View, fabric_of, run_in_lockstep
 from .layout import UlyssesLayout
+from .local import flash_attention_bshd
 from .masks import keep_keys
 from ..planner import attention_shape, planner_for
 
 # the query rows of the GPU kernels' output tiles (HopperConfig's; TileConfig's default is as tall): the store
 # bursts the planner models
 TILE_ROWS = HopperConfig().block_m
-
-
-def flash_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-    """Degree 1: our attention kernel; a key-padding mask (B, 1, 1, keys) becomes its key mask."""
-    return flash_attention(query, key, value, scale=scale, key_mask=keep_keys(attn_mask))
 
 
 @lru_cache(maxsize=256)
@@ -55,8 +50,9 @@ def tile_order(planner: Planner | None, shape: AttentionShape) -> TileOrder:
 
 def fused_steps(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
                 fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
-                order: TileOrder) -> Steps[torch.Tensor]:
-    """One rank's fused Ulysses attention over `fabric`, yielding before each barrier what it waits for."""
+                order: TileOrder, fp8: bool = False) -> Steps[torch.Tensor]:
+    """One rank's fused Ulysses attention over `fabric` (FP8 attention: `fp8`), yielding before each barrier what
+    it waits for."""
     batch, query_rows, heads, head_dim = query.joined_shape
     dtype = query.parts[0].dtype
     share = heads // layout.degree
@@ -74,16 +70,16 @@ def fused_steps(query: JointTokens, key: JointTokens, value: JointTokens, layout
     out = buffers["out"]
     yield "fused attention (pre-all-to-all)"
     flash_attention(q, k, v, scale=scale, kv_len=layout.key_len, key_mask=keep_keys(text_mask), out=out.tensor,
-                    scatter=layout.output_scatter(out.destinations, share, order))
+                    scatter=layout.output_scatter(out.destinations, share, order), fp8=fp8)
     yield "fused attention (post-all-to-all)"
     return out.tensor
 
 
 def fused_exchange(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
                    fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
-                   order: TileOrder) -> torch.Tensor:
+                   order: TileOrder, fp8: bool = False) -> torch.Tensor:
     """One rank's fused Ulysses attention over `fabric`; returns the fabric's output buffer."""
-    (out,) = run_in_lockstep([fused_steps(query, key, value, layout, fabric, scale, text_mask, order)],
+    (out,) = run_in_lockstep([fused_steps(query, key, value, layout, fabric, scale, text_mask, order, fp8)],
                              fabric.barrier)
     return out
 
@@ -98,11 +94,11 @@ def describe_tile_order(planner: Planner, shape: AttentionShape) -> str:
 
 def fused_joint_ulysses(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
                         group: dist.ProcessGroup, scale: float | None,
-                        text_mask: torch.Tensor | None) -> torch.Tensor:
+                        text_mask: torch.Tensor | None, fp8: bool = False) -> torch.Tensor:
     """The fused backend for q, k, v held as parts (their norm and rotation, where asked, in the stores)."""
     first = query.parts[0]
     order = tile_order(planner_for(first.device, layout.degree), attention_shape(first, layout))
-    return fused_exchange(query, key, value, layout, fabric_of(group.group_name), scale, text_mask, order)
+    return fused_exchange(query, key, value, layout, fabric_of(group.group_name), scale, text_mask, order, fp8)
 
 
 def fused_ulysses(
@@ -114,9 +110,10 @@ def fused_ulysses(
     scale: float | None,
     text_mask: torch.Tensor | None,
     attend: LocalAttention | None = None,  # unused: the fused backend attends with its own kernel
+    fp8: bool = False,
 ) -> torch.Tensor:
     return fused_joint_ulysses(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout, group,
-                               scale, text_mask)
+                               scale, text_mask, fp8)
 
 
 CHOICE = Strategy(
@@ -125,4 +122,5 @@ CHOICE = Strategy(
         dtypes=SUPPORTED_DTYPES, head_dims=SUPPORTED_HEAD_DIMS, cuda_only=True,
         exchange_refused="its attention kernel stores each output tile into the rank that owns those tokens, so no "
                          "other attention can run between its exchanges"),
-    symmetric=True, own_attention=True, joint=fused_joint_ulysses, describe_plan=describe_tile_order)
+    symmetric=True, own_attention=True, joint=fused_joint_ulysses, describe_plan=describe_tile_order,
+).with_fp8(ulysses=partial(fused_ulysses, fp8=True), joint=partial(fused_joint_ulysses, fp8=True))

@@ -1,4 +1,5 @@
-"""Attention on one rank, in diffusers' (batch, seq, heads, head_dim) layout, through the fastest SDPA kernel."""
+"""Attention on one rank, in diffusers' (batch, seq, heads, head_dim) layout: through the fastest SDPA kernel, or
+our attention kernel (kernels/attention.py)."""
 from __future__ import annotations
 
 import functools
@@ -6,6 +7,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .masks import keep_keys
 
 # cuDNN attention is SDPA's fastest kernel on Hopper for DiT shapes (docs/benchmarks/kernels-h200.md); SDPA
 # falls through this list to the first kernel that accepts the inputs.
@@ -27,6 +30,21 @@ def sdpa_bshd(
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     return out.transpose(1, 2)
+
+
+def flash_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attn_mask: torch.Tensor | None, scale: float | None, fp8: bool = False) -> torch.Tensor:
+    """Our attention kernel (with FP8 products: `fp8`); a key-padding mask (B, 1, 1, keys) becomes its key
+    mask."""
+    from ...kernels.attention import flash_attention  # Triton: imported where our kernel runs
+
+    return flash_attention(query, key, value, scale=scale, key_mask=keep_keys(attn_mask), fp8=fp8)
+
+
+def fp8_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """Our attention kernel's FP8 attention (kernels/attention_fp8.py)."""
+    return flash_attention_bshd(query, key, value, attn_mask, scale, fp8=True)
 
 
 @functools.cache

@@ -32,7 +32,7 @@ from ...kernels import triton_runs_on
 from ...kernels.rotary_args import JointTokens, NormedTokens, NormRope
 from ...logging_utils import warn_once
 from ...runtime.distributed import resolve_group, waiting_for
-from .backends import Call, LocalAttention, Strategy, get_choice
+from .backends import Call, LocalAttention, Precision, Strategy, get_choice
 from ..fabric import fabric_of
 from .layout import UlyssesLayout, WholeKeys
 from .local import diffusers_attention, sdpa_bshd
@@ -166,7 +166,8 @@ def _ulysses_attention(*args: object, **kwargs: object) -> torch.Tensor:
     if call.ring:
         return ring_exchange(_joined(query), _joined(key), _joined(value), layout, group, ring_group, scale,
                              text_mask, chosen.exchange_around(), text_factor=op.pair_bias, whole=whole,
-                             stores=ring_fabric if chosen.stores_ring(call) else None)
+                             stores=ring_fabric if chosen.stores_ring(call) else None,
+                             fp8=chosen.precision is Precision.FP8)
     attend = gathered_attention(chosen, op.attention_backend)
     if not call.own_call:  # its exchange around an attention that takes the pair bias or the whole keys
         return chosen.exchange(_joined(query), _joined(key), _joined(value), layout, group,
@@ -244,14 +245,15 @@ def _(query, key, value, *, seq_len, degree, rank, group_name, scale, attention_
 
 
 def gathered_attention(chosen: Strategy, attention_backend: str | None) -> LocalAttention:
-    """What a strategy attends the gathered heads with: the user's diffusers attention backend where one was
-    chosen (a strategy with its own kernel says once that it replaces it), else SDPA."""
-    if attention_backend is None:
-        return sdpa_bshd
-    if chosen.own_attention:
+    """What a strategy attends the gathered heads with: an FP8 strategy's FP8 kernel (its `local`); else the
+    user's diffusers attention backend where one was chosen, else SDPA. (A strategy with its own kernel says once
+    that it replaces the user's backend.)"""
+    if attention_backend is not None and chosen.own_attention:
         warn_once(f"xstage_dit backend {chosen.name!r} attends with its own kernel, in place of the attention "
                   f"backend {attention_backend!r} set on the model")
-    return diffusers_attention(attention_backend)
+    if chosen.precision is Precision.FP8:
+        return chosen.local
+    return sdpa_bshd if attention_backend is None else diffusers_attention(attention_backend)
 
 
 def local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,

@@ -46,7 +46,7 @@ def overlap_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 # inside a ring, each head chunk runs the whole ring while the next chunk's exchange is in flight
 CHOICE = Strategy("overlap", ulysses=overlap_ulysses, local=sdpa_bshd,
                   cost=lambda planner, shape: planner.overlap_call(shape, MAX_CHUNKS), exchange=overlap_exchange,
-                  ring=RingBlocks.POINT_TO_POINT)
+                  ring=RingBlocks.POINT_TO_POINT).with_fp8()
 
 
 def chunked_around(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,

@@ -67,7 +67,8 @@ def reference_ulysses(
 
 # the oracle: it takes every call (pair biases too), and rings by point-to-point sends
 CHOICE = Strategy("reference", ulysses=reference_ulysses, local=sdpa_bshd, cost=Planner.serial_call,
-                  exchange=reference_exchange, ring=RingBlocks.POINT_TO_POINT, supports=Supports(pair_bias=True))
+                  exchange=reference_exchange, ring=RingBlocks.POINT_TO_POINT,
+                  supports=Supports(pair_bias=True)).with_fp8()
 
 
 def serial_around(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,

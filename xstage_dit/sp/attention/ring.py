@@ -19,7 +19,10 @@ strategy's head chunks each run the whole ring), else the serial one (`Strategy.
 
 Keys and values that every rank holds whole, of every head (layout.WholeKeys: FLUX.2's cached reference-image
 keys), need no exchange: each rank attends its heads of them once, merged like a ring block (at ring degree 1
-they are attended with the gathered keys, reference.attend_gathered, not here)."""
+they are attended with the gathered keys, reference.attend_gathered, not here).
+
+With `fp8` (an FP8 strategy's ring) every partial attention runs our FP8 attention kernel, its log-sum-exp in
+float32 as ever, so the blocks merge as they do without it."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -33,7 +36,7 @@ from ...sizes import ceil_div
 from ..fabric import Fabric, Steps, View, run_in_lockstep
 from .backends import UlyssesExchange
 from .layout import UlyssesLayout, WholeKeys
-from .masks import pair_bias
+from .masks import keep_keys, pair_bias
 
 
 class Partial(NamedTuple):
@@ -45,9 +48,15 @@ class Partial(NamedTuple):
 
 
 def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                       scale: float | None) -> Partial:
+                       scale: float | None, fp8: bool = False) -> Partial:
     """Attention of (B, S, H, D) queries over keys and values with H or fewer heads (grouped-query attention),
-    with its log-sum-exp. `mask`: an SDPA mask (bool, or additive)."""
+    with its log-sum-exp. `mask`: an SDPA mask (bool, or additive; with `fp8`, a key-padding mask); `fp8`: by our
+    FP8 attention kernel."""
+    if fp8:
+        from ...kernels.attention import flash_attention  # Triton: imported where our kernel runs
+
+        return Partial(*flash_attention(query, key, value, scale=scale, key_mask=keep_keys(mask), return_lse=True,
+                                        fp8=True))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
@@ -135,20 +144,21 @@ def ring_masks(text_mask: torch.Tensor | None, layout: UlyssesLayout, query_rows
 
 
 def _attend_text(merged: Merged, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 layout: UlyssesLayout, scale: float | None, masks: RingMasks, whole: WholeKeys | None) -> None:
+                 layout: UlyssesLayout, scale: float | None, masks: RingMasks, whole: WholeKeys | None,
+                 fp8: bool) -> None:
     """The keys no block holds: the text (the first rows of k and v) and this rank's heads of the `whole` keys."""
     if layout.text_len:
         text = slice(0, layout.text_len)
-        merged.add(attention_with_lse(query, key[:, text], value[:, text], masks.text, scale))
+        merged.add(attention_with_lse(query, key[:, text], value[:, text], masks.text, scale, fp8))
     if whole is not None:
-        merged.add(attention_with_lse(query, *whole, None, scale))
+        merged.add(attention_with_lse(query, *whole, None, scale, fp8))
 
 
 def _attend_block(merged: Merged, query: torch.Tensor, block: torch.Tensor, scale: float | None,
-                  masks: RingMasks) -> None:
+                  masks: RingMasks, fp8: bool) -> None:
     """A block, (2, B, rows, h_kv, D) keys and values; nothing where it holds no true token."""
     if block.shape[2]:
-        merged.add(masks.on_block(attention_with_lse(query, block[0], block[1], None, scale)))
+        merged.add(masks.on_block(attention_with_lse(query, block[0], block[1], None, scale, fp8)))
 
 
 def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
@@ -159,7 +169,7 @@ def _own_block(key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout) ->
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                    group: dist.ProcessGroup, scale: float | None, text_mask: torch.Tensor | None,
-                   text_factor: bool = False, whole: WholeKeys | None = None) -> torch.Tensor:
+                   text_factor: bool = False, whole: WholeKeys | None = None, fp8: bool = False) -> torch.Tensor:
     """Attention of this rank's gathered queries, (B, Tq + P, h, D) with P = layout.padded_len rows of its ring
     block, over the text keys, every ring block's keys (k and v (B, T + P, h_kv, D), text first) and this rank's
     heads of the `whole` keys. The blocks travel by point-to-point sends over `group`.
@@ -180,18 +190,18 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     in_flight = send_on(block, 0)
     merged = Merged(query)
     masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
-    _attend_text(merged, query, key, value, layout, scale, masks, whole)  # while the first block travels
-    _attend_block(merged, query, block, scale, masks)
+    _attend_text(merged, query, key, value, layout, scale, masks, whole, fp8)  # while the first block travels
+    _attend_block(merged, query, block, scale, masks, fp8)
     for step in range(1, degree):
         block = in_flight.wait()
         in_flight = send_on(block, step)  # passed on while it attends
-        _attend_block(merged, query, block, scale, masks)
+        _attend_block(merged, query, block, scale, masks, fp8)
     return merged.out.to(query.dtype)
 
 
 def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                       fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None, text_factor: bool = False,
-                      whole: WholeKeys | None = None) -> Steps[torch.Tensor]:
+                      whole: WholeKeys | None = None, fp8: bool = False) -> Steps[torch.Tensor]:
     """ring_attention with the blocks delivered by remote stores (the X-Stage ring), one rank over `fabric` (the
     ring group's), paused before each barrier. Every rank holds two slots for incoming blocks: while a step
     attends its block, our attention kernel forwards each key and value tile it loads into the next ring rank's
@@ -206,7 +216,7 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     block = _own_block(key, value, layout)
     merged = Merged(query)
     masks = ring_masks(text_mask, layout, query.shape[1], text_factor)
-    _attend_text(merged, query, key, value, layout, scale, masks, whole)
+    _attend_text(merged, query, key, value, layout, scale, masks, whole, fp8)
     # a pair bias adds `masks.shift` to each query's score of every image key: the running log-sum-exp shifted the
     # other way, once, does that for every block (only the output is kept)
     running = Running(merged.out, merged.lse if masks.shift is None else merged.lse - masks.shift)
@@ -216,7 +226,7 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             if step + 1 < degree:  # into the next rank's other slot, with the block's own layout
                 to = slots.addresses[(rank + 1) % degree] + (step + 1) % 2 * slots.tensor[0].nbytes
                 forward = KeyForward(to, to + block[0].nbytes)
-            flash_attention(query, block[0], block[1], scale=scale, forward=forward, merge=running)
+            flash_attention(query, block[0], block[1], scale=scale, forward=forward, merge=running, fp8=fp8)
         source = (rank - step - 1) % degree
         yield f"ring block {step + 2} of {degree} (ring rank {source}'s keys)" if step + 1 < degree else \
             "every ring rank to be done with its blocks"
@@ -228,10 +238,11 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def stored_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: UlyssesLayout,
                           fabric: Fabric, scale: float | None, text_mask: torch.Tensor | None,
-                          text_factor: bool = False, whole: WholeKeys | None = None) -> torch.Tensor:
+                          text_factor: bool = False, whole: WholeKeys | None = None,
+                          fp8: bool = False) -> torch.Tensor:
     """One rank's stored_ring_steps over `fabric`."""
     (out,) = run_in_lockstep([stored_ring_steps(query, key, value, layout, fabric, scale, text_mask, text_factor,
-                                                whole)], fabric.barrier)
+                                                whole, fp8)], fabric.barrier)
     return out
 
 
@@ -239,18 +250,18 @@ def ring_exchange(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
                   ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup,
                   scale: float | None, text_mask: torch.Tensor | None, exchange: UlyssesExchange,
                   text_factor: bool = False, whole: WholeKeys | None = None,
-                  stores: Fabric | None = None) -> torch.Tensor:
+                  stores: Fabric | None = None, fp8: bool = False) -> torch.Tensor:
     """Ulysses around the ring: this rank's (B, T + L, H, D) q, k, v (text first or last) exchanged over its
     Ulysses group by `exchange` (where the degree is above 1), ring attention over the ring group of each head
     chunk it gathers, exchanged back. `text_factor`: `text_mask` is a pair bias's text factor (ring_masks);
     `whole`: keys every rank holds whole, attended besides the sequence's; `stores`: the ring group's fabric where
-    the blocks travel by stores, None for point-to-point sends."""
+    the blocks travel by stores, None for point-to-point sends; `fp8`: every partial attention by our FP8 kernel."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice) -> torch.Tensor:
         mine = None if whole is None else whole.heads(layout.rank, layout.degree, heads)
         if stores is not None:
-            return stored_ring_attention(q, k, v, layout, stores, scale, text_mask, text_factor, mine)
-        return ring_attention(q, k, v, layout, ring_group, scale, text_mask, text_factor, mine)
+            return stored_ring_attention(q, k, v, layout, stores, scale, text_mask, text_factor, mine, fp8)
+        return ring_attention(q, k, v, layout, ring_group, scale, text_mask, text_factor, mine, fp8)
 
     if layout.degree > 1:
         return exchange(query, key, value, layout, ulysses_group, attend)

@@ -1,9 +1,12 @@
 """The attention entry point a patched model's processors call instead of diffusers' dispatcher."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...kernels.rotary_args import JointTokens
+from ...precision.steps import StepPrecision
 from .backends import BackendChoice, may_take_joint_tokens
 from .layout import UlyssesLayout, WholeKeys
 from .local import diffusers_attention
@@ -11,6 +14,14 @@ from .masks import QueryKeyMasks, text_key_mask
 from .ops import gathered_keys_attention, local_attention, prologue_kernels_run, ulysses_attention
 from ...runtime.distributed import Axis
 from ..sharding import SequenceShard
+
+
+class FP8Attention(NamedTuple):
+    """The FP8 variant of a model's backend choice (enable(fp8="attention")) and the model's step precision,
+    which says at each call whether it attends (precision/steps.py: the full-precision steps do not)."""
+
+    choice: BackendChoice
+    precision: StepPrecision
 
 
 class UlyssesAttention:
@@ -21,14 +32,22 @@ class UlyssesAttention:
 
     def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
                  query_key_masks: QueryKeyMasks | None = None, ulysses: Axis | None = None,
-                 ring: Axis = Axis(), local_cross_attention: bool = False) -> None:
+                 ring: Axis = Axis(), local_cross_attention: bool = False,
+                 fp8: FP8Attention | None = None) -> None:
         self.shard = shard
-        self.choice = choice
+        self.native_choice = choice
+        self.fp8 = fp8
         self.text_first = text_first
         self.query_key_masks = query_key_masks
         self.ulysses = Axis(shard.degree, shard.rank, shard.group) if ulysses is None else ulysses
         self.ring = ring
         self.local_cross_attention = local_cross_attention
+
+    @property
+    def choice(self) -> BackendChoice:
+        """What attends now: the FP8 variant while the model's step runs attention in FP8, else the choice."""
+        fp8 = self.fp8
+        return fp8.choice if fp8 is not None and fp8.precision.fp8("attention") else self.native_choice
 
     def routes(self, queries: int, keys: int) -> bool:
         """Whether a call of `queries` queries over `keys` keys is this attention's: not one within a prefix every

@@ -1,0 +1,134 @@
+"""The quantized operands of FP8 attention (kernels/attention.py with fp8=True), made by one small kernel per
+tensor before the attention kernel runs. As SageAttention2 does, q·kᵀ runs in INT8 and p·v in FP8 e4m3, both
+with float32 scales and float32 sums across key tiles:
+
+- q: INT8, one scale per query tile (BLOCK_M rows of one head), the tile's largest |q| mapped to 127;
+- k: smoothed first: each (batch, key head) loses its mean key over the attended keys. A vector subtracted from
+  every key moves each query's scores by one constant, which the softmax ignores, and the component all keys
+  share (large in DiT keys) no longer spends the INT8 range. Then INT8 with one scale per key tile. The
+  log-sum-exp is not invariant: each query's q · mean (`q_shift`, float32, from the unquantized q) is added back
+  to it, so ring steps' and splits' partial results still merge exactly;
+- v: smoothed too (its mean over the attended keys, `v_mean`, comes back as a term of the output: the softmax's
+  weights sum to one), then e4m3 with one scale per channel (it factors out of p·v: applied once to the output),
+  stored channel-major (each channel's keys contiguous), the operand layout Hopper's FP8 tensor-core
+  instructions take for p·v.
+
+INT8 rather than e4m3 for q·kᵀ, at the same tensor-core rate: a tile's INT8 step is 1/127 of its largest value,
+four times finer than e4m3's relative step (1/8, its 3 mantissa bits) for a value a quarter that size.
+Quantizing in a separate pass (rather than in the attention kernel's loads) reads each input once instead of once
+per query tile, and leaves the attention kernel's loop as it was, reading 8-bit tiles and one scale per tile."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_args import QuantizedOperands, Strides
+
+# the kernels' constants (the host reads their `.value`)
+INT8_MAX = tl.constexpr(127.0)
+E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+# the smallest range a scale covers: a tile of smaller values (zeros, say: one key, smoothed) quantizes on a step
+# still far from float32's underflow, so that a query tile's and a key tile's scales multiplied leave masked keys'
+# scores (attention.py: a large negative times that product) negligible
+SMALLEST_RANGE = tl.constexpr(1e-4)
+CHANNEL_ALIGN = 16  # channel-major v rows are padded to whole 16-byte vectors
+# Triton's CPU interpreter runs the kernels (read as triton.jit reads it, when the kernels are defined)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def to_e4m3(x, ROUND_FIRST: tl.constexpr):
+    """x (float32, |x| <= 448) as e4m3, rounded to nearest even. Triton's CPU interpreter truncates a mantissa
+    that rounds up past its top instead of carrying into the exponent: with ROUND_FIRST, x is put on the e4m3 grid
+    in float32 first (spacing 2^(e-3) at exponent e, 2^-9 among the subnormals), which it then converts exactly."""
+    if ROUND_FIRST:
+        exponent = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
+        spacing = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
+        big = spacing * 12582912.0  # 1.5 * 2^23 spacings: adding it rounds x to a whole number of spacings
+        x = (x + big) - big
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_kernel(X, Out, Scale, Mean, Shift, x_strides, o_strides, o_channel, rows, heads, kv_group,
+                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SMOOTH: tl.constexpr, SHIFT: tl.constexpr,
+                     VALUES: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """One tile of BLOCK rows [0, rows) of one (batch, head) of X (B, S, H, D) into Out (element strides
+    o_strides, o_channel between channels): INT8 with the tile's scale stored into Scale (B, H, tiles), or with
+    VALUES, e4m3 with the channels' scales Scale (B, H, D). SMOOTH: minus Mean (B, H, D) first. SHIFT: Shift
+    (B, H, rows) gets each row's dot product with its key head's Mean (B, H / kv_group, D)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = (bh // heads).to(tl.int64)
+    h = bh % heads
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs < rows
+    x = tl.load(X + batch * x_strides.batch + h * x_strides.head + offs[:, None] * x_strides.seq + offs_d[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    if SMOOTH:  # rows past the tensor stay zeros: they must not widen the tile's range
+        x = tl.where(ok[:, None], x - tl.load(Mean + bh.to(tl.int64) * HEAD_DIM + offs_d)[None, :], 0.0)
+    if SHIFT:
+        key_head = batch * (heads // kv_group) + h // kv_group
+        mean = tl.load(Mean + key_head * HEAD_DIM + offs_d)
+        tl.store(Shift + bh.to(tl.int64) * rows + offs, tl.sum(x * mean[None, :], 1), mask=ok)
+    at = batch * o_strides.batch + h * o_strides.head + offs[:, None] * o_strides.seq + offs_d[None, :] * o_channel
+    if VALUES:
+        scale = tl.load(Scale + bh.to(tl.int64) * HEAD_DIM + offs_d)[None, :]
+        tl.store(Out + at, to_e4m3(x / scale, ROUND_FIRST), mask=ok[:, None])
+    else:
+        scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), SMALLEST_RANGE) / INT8_MAX
+        tl.store(Scale + bh.to(tl.int64) * tl.num_programs(0) + tile, scale)
+        scaled = x / scale
+        # to the nearest integer, halves away from zero (the conversion truncates)
+        tl.store(Out + at, tl.where(scaled < 0, scaled - 0.5, scaled + 0.5).to(tl.int8), mask=ok[:, None])
+
+
+def _heads_major(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """An INT8 (B, rows, H, D) view of new (B, H, rows, D) memory: each head's tiles contiguous."""
+    batch, _, heads, head_dim = t.shape
+    return torch.empty(batch, heads, rows, head_dim, device=t.device, dtype=torch.int8).transpose(1, 2)
+
+
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, block_m: int, block_n: int,
+             warmup: bool = False) -> QuantizedOperands:
+    """q (B, Sq, H, D), and keys [0, kv_len) of k and v (B, Skv, H_kv, D), as FP8 attention's operands for
+    query tiles of `block_m` rows and key tiles of `block_n`. `warmup` only compiles the kernel for the active
+    driver's target (the CPU tests compile for sm_90a without a GPU)."""
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    keys, values = k[:, :kv_len], v[:, :kv_len]
+    k_mean, v_mean = (torch.mean(t, dim=1, dtype=torch.float32) for t in (keys, values))  # (B, H_kv, D)
+    low, high = torch.aminmax(values, dim=1)
+    v_range = torch.maximum(v_mean - low.float(), high.float() - v_mean)  # each channel's largest |v - mean|
+    v_scale = v_range.clamp_min(SMALLEST_RANGE.value) / E4M3_MAX.value
+    q8, k8 = _heads_major(q, q_len), _heads_major(k, kv_len)
+    channel_rows = triton.cdiv(kv_len, CHANNEL_ALIGN) * CHANNEL_ALIGN
+    v8 = torch.empty(batch, kv_heads, head_dim, channel_rows, device=v.device, dtype=torch.float8_e4m3fn)
+    q_scale = torch.empty(batch, heads, triton.cdiv(q_len, block_m), device=q.device, dtype=torch.float32)
+    k_scale = torch.empty(batch, kv_heads, triton.cdiv(kv_len, block_n), device=q.device, dtype=torch.float32)
+    q_shift = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
+
+    def launch(x: torch.Tensor, out: torch.Tensor, rows: int, x_heads: int, scale: torch.Tensor, mean: torch.Tensor,
+               block: int, out_strides: Strides, o_channel: int, smooth: bool = False, shift: bool = False,
+               values: bool = False) -> None:
+        args = (x, out, scale, mean, q_shift, Strides.of(x), out_strides, o_channel, rows, x_heads,
+                heads // kv_heads)
+        switches = dict(HEAD_DIM=head_dim, BLOCK=block, SMOOTH=smooth, SHIFT=shift, VALUES=values,
+                        ROUND_FIRST=INTERPRETED, num_warps=4)
+        grid = (triton.cdiv(rows, block), batch * x_heads)
+        if warmup:
+            _quantize_kernel.warmup(*args, grid=grid, **switches)
+        else:
+            _quantize_kernel[grid](*args, **switches)
+
+    launch(q, q8, q_len, heads, q_scale, k_mean, block_m, Strides.of(q8), 1, shift=True)
+    launch(keys, k8, kv_len, kv_heads, k_scale, k_mean, block_n, Strides.of(k8), 1, smooth=True)
+    launch(values, v8, kv_len, kv_heads, v_scale, v_mean, block_n, Strides(v8.stride(0), 1, v8.stride(1)),
+           v8.stride(2), smooth=True, values=True)
+    return QuantizedOperands(q8, k8, v8, Strides.of(q8), Strides.of(k8),
+                             Strides(v8.stride(0), v8.stride(2), v8.stride(1)), q_scale, k_scale, v_scale, v_mean,
+                             q_shift)
