@@ -282,7 +282,7 @@ def _gpu_worker(name: str) -> None:
     assert torch.distributed.get_world_size() > 1 or use.replays + use.block_replays > 0, use
     xstage_dit.disable(pipe)
     for module in pipe.transformer.modules():  # compile_repeated_blocks undone
-        module._compiled_call_impl = None
+        module.__dict__.pop("_compiled_call_impl", None)
     assert_same_states(module_states(pipe.transformer), before)
 
 
