@@ -86,8 +86,12 @@ def launch_command() -> list[str]:
 
 
 def code_commit(repository: Path = REPOSITORY) -> str:
-    """The commit the code ran at, `+dirty` where tracked files differ from it; $XSTAGE_COMMIT where the checkout is
-    a copy without git (the device machine gets the working tree without .git); "unknown" otherwise."""
+    """The commit the code ran at: $XSTAGE_COMMIT where it is set (the device machine gets a copy of the working tree,
+    whose .git, where one comes, is not this checkout's); else git's, `+dirty` where tracked files differ from it;
+    "unknown" where neither tells."""
+    if os.environ.get(COMMIT_VARIABLE):
+        return os.environ[COMMIT_VARIABLE]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(repository), *args], capture_output=True, text=True,
                               check=True, timeout=30).stdout.strip()
@@ -96,7 +100,7 @@ def code_commit(repository: Path = REPOSITORY) -> str:
         commit = git("rev-parse", "--short=12", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get(COMMIT_VARIABLE, "unknown")
+        return "unknown"
     return commit + ("+dirty" if dirty else "")
 
 

@@ -62,10 +62,12 @@ def test_a_rank_names_the_whole_torchrun_command(tmp_path: Path) -> None:
                                           "--master_port", "0", str(script), "--steps", "3"])
 
 
-def test_the_commit_comes_from_git_or_from_the_variable_where_there_is_none(tmp_path: Path, monkeypatch) -> None:
+def test_the_commit_comes_from_the_variable_where_it_is_set_else_from_git(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("XSTAGE_COMMIT", raising=False)
     commit = code_commit()
     assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", commit), commit
     monkeypatch.setenv("XSTAGE_COMMIT", "0123abcd")
     assert code_commit(tmp_path) == "0123abcd"
+    assert code_commit() == "0123abcd"  # a copy whose .git is not the code's
     monkeypatch.delenv("XSTAGE_COMMIT")
     assert code_commit(tmp_path) == "unknown"
