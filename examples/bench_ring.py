@@ -31,7 +31,7 @@ from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_cali
 from xstage_dit.burst_gap.planner import RingBlocks
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.kernels.attention import flash_attention
-from xstage_dit.kernels.attention_args import KeyForward, Running
+from xstage_dit.kernels.attention_args import KeyForward, Merge, Running
 from xstage_dit.sp.attention.ring import Merged, attention_with_lse, stored_ring_attention
 from xstage_dit.sp.fabric import LoopbackFabric
 
@@ -70,7 +70,7 @@ class RingRank:
     def _own_steps(self, forward: KeyForward | None) -> torch.Tensor:
         running = Running.empty(self.query)
         for _ in range(self.layout.ring_degree):
-            flash_attention(self.query, self.block[0], self.block[1], forward=forward, merge=running)
+            flash_attention(self.query, self.block[0], self.block[1], epilogue=Merge(running), forward=forward)
         return running.out
 
     def alone(self) -> torch.Tensor:

@@ -43,7 +43,7 @@ TILE_ROWS = HopperConfig().block_m
 def flash_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """Degree 1: our attention kernel; a key-padding mask (B, 1, 1, keys) becomes its key mask."""
-    return flash_attention(query, key, value, scale=scale, key_mask=keep_keys(attn_mask))
+    return flash_attention(query, key, value, scale=scale, key_mask=keep_keys(attn_mask)).out
 
 
 @lru_cache(maxsize=256)
@@ -73,8 +73,8 @@ def fused_steps(query: JointTokens, key: JointTokens, value: JointTokens, layout
     q, k, v = (buffers[name].tensor for name in rows)
     out = buffers["out"]
     yield "fused attention (pre-all-to-all)"
-    flash_attention(q, k, v, scale=scale, kv_len=layout.key_len, key_mask=keep_keys(text_mask), out=out.tensor,
-                    scatter=layout.output_scatter(out.destinations, share, order))
+    flash_attention(q, k, v, scale=scale, kv_len=layout.key_len, key_mask=keep_keys(text_mask),
+                    epilogue=layout.output_scatter(out.tensor, out.destinations, share, order))
     yield "fused attention (post-all-to-all)"
     return out.tensor
 

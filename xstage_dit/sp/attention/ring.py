@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ...kernels.attention_args import KeyForward, Running
+from ...kernels.attention_args import KeyForward, Merge, Running
 from ...runtime.distributed import waiting_for
 from ...sizes import ceil_div
 from ..fabric import Fabric, Steps, View, run_in_lockstep
@@ -216,7 +216,7 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             if step + 1 < degree:  # into the next rank's other slot, with the block's own layout
                 to = slots.addresses[(rank + 1) % degree] + (step + 1) % 2 * slots.tensor[0].nbytes
                 forward = KeyForward(to, to + block[0].nbytes)
-            flash_attention(query, block[0], block[1], scale=scale, forward=forward, merge=running)
+            flash_attention(query, block[0], block[1], scale=scale, epilogue=Merge(running), forward=forward)
         source = (rank - step - 1) % degree
         yield f"ring block {step + 2} of {degree} (ring rank {source}'s keys)" if step + 1 < degree else \
             "every ring rank to be done with its blocks"
