@@ -20,7 +20,7 @@ from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens, NormRope  
 from xstage_dit.sp.fabric import LoopbackFabric, View, run_in_lockstep  # noqa: E402
 from xstage_dit.sp.attention.fused import fused_steps  # noqa: E402
 from xstage_dit.sp.attention.layout import UlyssesLayout  # noqa: E402
-from xstage_dit.burst_gap.planner import TileOrder  # noqa: E402
+from xstage_dit.burst_gap.ulysses_plan import TileOrder  # noqa: E402
 
 # bf16 operands against a float64 reference land between 1e-3 and 1e-2 relative
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}

@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from ...kernels.rotary_args import JointTokens
 from ...logging_utils import warn_once
-from ...burst_gap.planner import AttentionShape, Cost, PlannedStrategy, Planner, RingTransport
+from ...burst_gap.planner import PlannedStrategy, Planner
+from ...burst_gap.ring_plan import RingTransport
+from ...burst_gap.ulysses_plan import AttentionShape, Cost
 from .exchange import GatheredAttention
 from .layout import UlyssesLayout
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ...kernels.attention_args import Scatter, StoreRows
-from ...burst_gap.planner import TileOrder
+from ...burst_gap.ulysses_plan import TileOrder
 
 
 @dataclass(frozen=True)
