@@ -121,6 +121,16 @@ def test_attention_merges_into_a_running_result_interpreted(kv_heads):
     _check_merge("cpu", torch.float32, 2, 37, 45, 20, 3, kv_heads)
 
 
+def test_attention_refuses_an_epilogue_it_does_not_know_or_a_running_result_of_other_queries():
+    """Refused in words before any launch: a Running result passed bare (not in a Merge), a merge into a
+    running result shaped for other queries."""
+    q = torch.randn(1, 20, 2, 64)
+    with pytest.raises(TypeError, match="a Store, Scatter or Merge, got Running"):
+        flash_attention(q, q, q, epilogue=Running.empty(q))
+    with pytest.raises(ValueError, match="a running result for queries"):
+        flash_attention(q, q, q, epilogue=Merge(Running.empty(q[:, :10])))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [(4096, 4096, 4096), (1000, 1100, 300), (8000, 700, 613)],
                          ids=["ring-block", "uneven", "many-work-tiles"])
