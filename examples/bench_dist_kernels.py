@@ -29,7 +29,7 @@ from xstage_dit.sp.fabric import SymmetricFabric, open_fabric
 from xstage_dit.sp.attention.fused import fused_exchange, tile_order
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.burst_gap import AttentionShape, Planner, find_calibration
-from xstage_dit.burst_gap.planner import TileOrder
+from xstage_dit.burst_gap.ulysses_plan import TileOrder
 
 from bench_kernels import back_to_back_ms
 from provenance import OUTPUT_DIR, described, provenance
@@ -76,8 +76,8 @@ def bench_shape(name: str, text: int, seq: int, heads: int, group: dist.ProcessG
     ms = {label: timed(fn, group, iterations) * 1e3 for label, fn in variants.items()}
     predicted = {}
     if planner:
-        predicted = {"attention_only": planner.attention(shape, own=True),
-                     **{b.name: b.cost(planner, shape) for b in backends()}}
+        predicted = {"attention_only": planner.ulysses.attention(shape, own=True),
+                     **{b.name: b.cost(planner.ulysses, shape) for b in backends()}}
     return [{"kernel": label, "name": name, "shape": [1, text + seq, heads, 128], "n_ranks": n, "ms": value,
              "baseline": BASELINE, "baseline_ms": ms[BASELINE], "ratio": value / ms[BASELINE],
              "tile_order": other.value if label.startswith("fused (") else planned.value,

@@ -56,7 +56,7 @@ from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.sp.attention.overlap import MAX_CHUNKS, chunked_exchange
 from xstage_dit.sp.attention.reference import serial_exchange
 from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_calibration
-from xstage_dit.burst_gap.planner import TileOrder
+from xstage_dit.burst_gap.ulysses_plan import TileOrder
 
 from provenance import OUTPUT_DIR, described, provenance
 
@@ -185,8 +185,8 @@ def bench_attention(planner: Planner | None) -> list[dict]:
                          "fa2": lambda: fa2(q, k, v)})
         shape = AttentionShape(b, s, 0, h, d, 1)
         flops = shape.flops()
-        predicted = (planner.attention(shape, own=True) * 1e3, planner.attention(shape, own=False) * 1e3) \
-            if planner else (None, None)
+        predicted = (planner.ulysses.attention(shape, own=True) * 1e3,
+                     planner.ulysses.attention(shape, own=False) * 1e3) if planner else (None, None)
         for name, baseline in (("cudnn", "cudnn_sdpa"), ("fa2", "fa2_sdpa")):
             records.append(record("xstage_attention", (b, s, h, d), ms["ours"], baseline, ms[name],
                                   predicted[0] if name == "cudnn" else None, tflops=flops / ms["ours"] / 1e9,
@@ -223,7 +223,7 @@ def bench_fp8_attention() -> list[dict]:
                               TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 2)], fp8=True)
     for b, h, s, d in FP8_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        calls = {"fp8": lambda: flash_attention(q, k, v, fp8=True), "bf16": lambda: flash_attention(q, k, v),
+        calls = {"fp8": lambda: flash_attention(q, k, v, fp8=True).out, "bf16": lambda: flash_attention(q, k, v).out,
                  "cudnn": lambda: cudnn(q, k, v)}
         ms = compare_ms(calls)
         rows = torch.linspace(0, s - 1, SAMPLED_ROWS, device="cuda").long()
@@ -447,13 +447,13 @@ def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[di
                          "vendor": lambda: cudnn(q, k, v), "serial": rank.serial_call, "overlap": rank.overlap_call,
                          **{order: lambda o=order: rank.fused_call(o) for order in TileOrder}})
         # loopback has no barriers and no copy out of the fabric
-        fused = {order: planner.pre_all_to_all(shape) + planner.fused_kernel(shape, order, TILE_ROWS)
-                 for order in TileOrder} if planner else {}
+        fused = {order: planner.ulysses.pre_all_to_all(shape)
+                 + planner.ulysses.fused_kernel(shape, order, TILE_ROWS) for order in TileOrder} if planner else {}
         for order in TileOrder:
             records.append(record("fused_call_loopback", dims, ms[order], "xstage_attention_alone", ms["alone"],
                                   fused[order] * 1e3 if planner else None, n_ranks=n_ranks, tile_order=order.value))
-        expected = {"serial": planner.serial_call(shape), "overlap": planner.overlap_call(shape, MAX_CHUNKS)
-                    } if planner else {}
+        expected = {"serial": planner.ulysses.serial_call(shape),
+                    "overlap": planner.ulysses.overlap_call(shape, MAX_CHUNKS)} if planner else {}
         for name in ("serial", "overlap"):
             records.append(record(f"{name}_call_loopback", dims, ms[name], "cudnn_attention_alone", ms["vendor"],
                                   expected[name] * 1e3 if planner else None, n_ranks=n_ranks))
@@ -462,7 +462,8 @@ def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[di
         dst = torch.empty_like(src)
         ms = compare_ms({"pre": rank.fused_pre, "copy": lambda: dst.copy_(src)})
         records.append(record("pre_a2a_loopback", [1, rank.local, heads, 128], ms["pre"], "d2d_copy_same_bytes",
-                              ms["copy"], planner.pre_all_to_all(shape) * 1e3 if planner else None, n_ranks=n_ranks))
+                              ms["copy"], planner.ulysses.pre_all_to_all(shape) * 1e3 if planner else None,
+                              n_ranks=n_ranks))
         check = (rank.serial_call() - rank.overlap_call()).abs().max().item()
         assert check < 1e-2, f"loopback overlap differs from serial by {check}"
     return records

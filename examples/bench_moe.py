@@ -36,7 +36,7 @@ from xstage_dit.sp.fabric import open_fabric
 from xstage_dit.sp.plan import PlanContext
 from xstage_dit.sp.planner import planner_for
 from xstage_dit.sp.sharding import SequenceShard
-from xstage_dit.burst_gap.planner import ExpertMode, ExpertSchedule, ExpertShape
+from xstage_dit.burst_gap.moe_plan import ExpertMode, ExpertSchedule, ExpertShape
 
 DIM, EXPERTS, EXPERT_DIM = 2048, 64, 1344
 TOKENS = {"1024²": 4096, "2048²": 16384}
@@ -190,18 +190,18 @@ def _prediction(variant: Variant, shape: ExpertShape, device: torch.device) -> t
     """The planner's predicted ms for this variant, and its pick among every mode (with its schedule): the timed
     variant's name where one runs it, else the mode and schedule."""
     planner = planner_for(device, shape.degree)
-    if planner is None or not planner.predicts_experts():
+    if planner is None or not planner.experts.calibrated():
         return None, None
     if variant.mode is ExpertMode.STORES:
-        seconds = planner.experts_stores(shape, variant.schedule or planner.expert_schedule(shape))
+        seconds = planner.experts.stores(shape, variant.schedule or planner.experts.schedule(shape))
     else:
-        seconds = planner.predict_experts(shape, (variant.mode,))[variant.mode]
+        seconds = planner.experts.predict(shape, (variant.mode,))[variant.mode]
     modes = (ExpertMode.REPLICATED,) + ((ExpertMode.COLLECTIVES, ExpertMode.STORES) if shape.degree > 1 else ())
-    predicted = planner.predict_experts(shape, modes)
+    predicted = planner.experts.predict(shape, modes)
     best = min(predicted, key=predicted.__getitem__)
     if best is not ExpertMode.STORES:
         return seconds * 1e3, f"xstage-{best.value}"
-    schedule = planner.expert_schedule(shape)
+    schedule = planner.experts.schedule(shape)
     timed = [suffix for suffix, timed_schedule in SCHEDULES.items() if timed_schedule == schedule]
     return seconds * 1e3, f"xstage-{best.value}{timed[0]}" if timed else f"{best.value} ({schedule})"
 

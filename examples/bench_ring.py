@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_calibration
-from xstage_dit.burst_gap.planner import RingBlocks
+from xstage_dit.burst_gap.ring_plan import RingBlocks
 from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.kernels.attention import flash_attention
-from xstage_dit.kernels.attention_args import KeyForward, Running
+from xstage_dit.kernels.attention_args import KeyForward, Merge, Running
 from xstage_dit.sp.attention.ring import Merged, attention_with_lse, stored_ring_attention
 from xstage_dit.sp.fabric import LoopbackFabric
 
@@ -70,7 +70,7 @@ class RingRank:
     def _own_steps(self, forward: KeyForward | None) -> torch.Tensor:
         running = Running.empty(self.query)
         for _ in range(self.layout.ring_degree):
-            flash_attention(self.query, self.block[0], self.block[1], forward=forward, merge=running)
+            flash_attention(self.query, self.block[0], self.block[1], epilogue=Merge(running), forward=forward)
         return running.out
 
     def alone(self) -> torch.Tensor:
@@ -105,13 +105,13 @@ class RingRank:
 def predicted_ms(planner: Planner, degree: int, tokens: int) -> dict[str, float]:
     """The planner's time of each variant's steps (no Ulysses exchange or join around them: the rows have none)."""
     shape = AttentionShape(1, degree * tokens, 0, HEADS, HEAD_DIM, degree)
-    around = planner.ulysses_around_ring(RingBlocks.of(shape, degree, 1))
-    ring = {name: (planner.ring_call(shape, degree, 1, name) - around) * 1e3 for name in ("serial", "overlap")}
+    around = planner.rings.ulysses_around(RingBlocks.of(shape, degree, 1))
+    ring = {name: (planner.rings.call(shape, degree, 1, name) - around) * 1e3 for name in ("serial", "overlap")}
     blocks = RingBlocks.of(shape, degree, 1)
-    own = sum(planner.ring_steps(blocks, own=True)) * 1e3
-    return {"alone": sum(planner.ring_steps(blocks)) * 1e3, "alone_own": own,
-            "forwarding": own + planner.ring_forward(blocks).added * 1e3 * degree, **ring,
-            "stored": (planner.ring_call(shape, degree, 1, "fused") - around) * 1e3}
+    own = sum(planner.rings.steps(blocks, own=True)) * 1e3
+    return {"alone": sum(planner.rings.steps(blocks)) * 1e3, "alone_own": own,
+            "forwarding": own + planner.rings.forward(blocks).added * 1e3 * degree, **ring,
+            "stored": (planner.rings.call(shape, degree, 1, "fused") - around) * 1e3}
 
 
 def with_predictions(records: list[dict], planner: Planner, calibration: Calibration) -> list[dict]:

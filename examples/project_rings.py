@@ -15,7 +15,9 @@ from pathlib import Path
 from provenance import provenance, write_records
 
 from xstage_dit.burst_gap.calibration import SHIPPED, SHIPPED_GPU, find_calibration
-from xstage_dit.burst_gap.planner import INTERNODE_RATE, AttentionShape, Nodes, Planner, widest_ulysses
+from xstage_dit.burst_gap.planner import Planner, widest_ulysses
+from xstage_dit.burst_gap.ring_plan import INTERNODE_RATE, Nodes
+from xstage_dit.burst_gap.ulysses_plan import AttentionShape
 from xstage_dit.sp.attention.backends import backends, costs_of
 
 

@@ -1,8 +1,8 @@
 """Compile kernels/attention_hopper.py and kernels/rotary.py for sm_90a without a GPU
 (test_kernels.test_hopper_kernel_compiles runs this in a subprocess): Triton is pointed at a stand-in driver that
 reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
-every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
-once; grouped keys forwarded, with and without the merge into a running output: the X-Stage ring's
+every switch on and off (head_dim, key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
+once; grouped keys forwarded, with the LSE and with the merge into a running output: the X-Stage ring's
 call), the RoPE
 kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and with the norm + RoPE) for bf16 at
 head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code does),
@@ -38,38 +38,39 @@ class Sm90Driver:
 def main() -> None:
     driver.set_active(Sm90Driver())
     from xstage_dit.kernels import attention_hopper as hopper
-    from xstage_dit.kernels.attention_args import AttentionCall, KeyForward, Scatter
+    from xstage_dit.kernels.attention_args import AttentionCall, KeyForward, Merge, Running, Scatter, Store
 
     batch, seq, heads = 2, 1000, 3
-    for head_dim, (lse, masked, scatter), pingpong in itertools.product(
-            (64, 128), [(False, False, False), (True, True, True)], (False, True)):
+
+    def call(q, kv, epilogue, key_mask=None, forward=None) -> AttentionCall:
+        return AttentionCall(q, kv, kv, 0.1, seq, key_mask, epilogue, epilogue.result_for(q), forward)
+
+    for head_dim, (masked, scatter), pingpong in itertools.product(
+            (64, 128), [(False, False), (True, True)], (False, True)):
         # fp16, 64-key tiles and heads-major rows once each, with the other switches on
-        once = lse and not pingpong
+        once = scatter and not pingpong
         dtype, block_n = (torch.float16, 64) if once else (torch.bfloat16, 128)
         view = hopper.TmaRows.HEADS if once else hopper.TmaRows.TOKENS
         config = hopper.HopperConfig(block_n=block_n, pingpong=pingpong)
         q = (torch.empty(batch, heads, seq, head_dim, dtype=dtype).transpose(1, 2) if view is hopper.TmaRows.HEADS
              else torch.empty(batch, seq, heads, head_dim, dtype=dtype))
-        call = AttentionCall(
-            q, q, q, q, 0.1, seq, torch.empty(batch, 8, dtype=torch.int8) if masked else None,
-            torch.empty(batch, heads, seq) if lse else None,
-            Scatter(torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250, text_row0=0, image_row0=7,
-                    head0=0) if scatter else None)
-        hopper.launch(call, config, view, warmup=True)
-        print("compiled", head_dim, dtype, lse, masked, scatter, block_n, pingpong, view)
+        epilogue = (Scatter(q, torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250, text_row0=0,
+                            image_row0=7, head0=0) if scatter else Store(q))
+        hopper.launch(call(q, q, epilogue, torch.empty(batch, 8, dtype=torch.int8) if masked else None), config,
+                      view, warmup=True)
+        print("compiled", head_dim, dtype, masked, scatter, block_n, pingpong, view)
     # the X-Stage ring's call: LSE, grouped keys (3 query heads over 1 key head) forwarded to another buffer
     q = torch.empty(batch, seq, heads, 128, dtype=torch.bfloat16)
     kv = torch.empty(batch, seq, 1, 128, dtype=torch.bfloat16)
     to = torch.empty_like(kv)
-    call = AttentionCall(q, kv, kv, q, 0.1, seq, None, torch.empty(batch, heads, seq), None,
-                         KeyForward(to.data_ptr(), to.data_ptr()))
-    hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, warmup=True)
+    forward = KeyForward(to.data_ptr(), to.data_ptr())
+    hopper.launch(call(q, kv, Store(q, lse=True), forward=forward), hopper.HopperConfig(), hopper.TmaRows.TOKENS,
+                  warmup=True)
     print("compiled the key forward")
     # ... and the ring step that merges into a running float32 output
-    running = torch.empty(batch, seq, heads, 128)
-    call = AttentionCall(q, kv, kv, running, 0.1, seq, None, torch.empty(batch, heads, seq), None,
-                         KeyForward(to.data_ptr(), to.data_ptr()), merge=True)
-    hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, warmup=True)
+    running = Running(torch.empty(batch, seq, heads, 128), torch.empty(batch, heads, seq))
+    hopper.launch(call(q, kv, Merge(running), forward=forward), hopper.HopperConfig(), hopper.TmaRows.TOKENS,
+                  warmup=True)
     print("compiled the key forward with the merge")
 
     from xstage_dit.kernels import rotary
@@ -131,15 +132,13 @@ def main() -> None:
         kv = torch.empty(batch, seq, 1, head_dim, dtype=torch.bfloat16)
         operands = quantize(q, kv, kv, seq, config.block_m, config.block_n, warmup=True)
         if ring:  # the X-Stage ring's step: grouped keys forwarded, merged into a running float32 output
-            call = AttentionCall(q, kv, kv, torch.empty(batch, seq, heads, head_dim), 0.1, seq, None,
-                                 torch.empty(batch, heads, seq), None, KeyForward(kv.data_ptr(), kv.data_ptr()),
-                                 merge=True)
+            running = Running(torch.empty(batch, seq, heads, head_dim), torch.empty(batch, heads, seq))
+            fp8_call = call(q, kv, Merge(running), forward=KeyForward(kv.data_ptr(), kv.data_ptr()))
         else:
-            call = AttentionCall(q, kv, kv, q, 0.1, seq, torch.empty(batch, 8, dtype=torch.int8),
-                                 torch.empty(batch, heads, seq),
-                                 Scatter(torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250,
-                                         text_row0=0, image_row0=7, head0=0))
-        attention.launch_triton(call, config, use_tma=False, fp8=operands, warmup=True)
+            fp8_call = call(q, kv, Scatter(q, torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250,
+                                           text_row0=0, image_row0=7, head0=0),
+                            key_mask=torch.empty(batch, 8, dtype=torch.int8))
+        attention.launch_triton(fp8_call, config, use_tma=False, fp8=operands, warmup=True)
     # the Gluon kernel shares the name: FP8 attention's are the PTX with e4m3 in it
     ptx = [path.read_text() for path in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_attention_kernel.ptx")]
     fp8 = [text for text in ptx if "e4m3" in text]

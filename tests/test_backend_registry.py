@@ -125,7 +125,9 @@ def test_the_overlap_strategy_runs_its_head_chunks_around_the_ring():
 
 def test_a_strategy_added_to_the_list_is_planned_and_runs_at_degree_one():
     from xstage_dit.burst_gap.calibration import SHIPPED, SHIPPED_GPU, find_calibration
-    from xstage_dit.burst_gap.planner import AttentionShape, Nodes, Planner
+    from xstage_dit.burst_gap.planner import Planner
+    from xstage_dit.burst_gap.ring_plan import Nodes
+    from xstage_dit.burst_gap.ulysses_plan import AttentionShape
     from xstage_dit.sp.attention.auto import decide
     from xstage_dit.sp.attention.ops import local_attention
 

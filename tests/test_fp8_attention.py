@@ -22,6 +22,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from xstage_dit.kernels.attention import flash_attention  # noqa: E402
+from xstage_dit.kernels.attention_args import Store  # noqa: E402
 from xstage_dit.kernels.attention_fp8 import quantize, to_e4m3  # noqa: E402
 from xstage_dit.sp.attention.backends import (Precision, available_backends, backends, get_choice,  # noqa: E402
                                               resolve_backend)
@@ -68,10 +69,11 @@ def _check_bounded(device: str, dtype: torch.dtype, shape: tuple, bound: float) 
     kv_len = shape[3]
     q, k, v, key_mask = _inputs(device, shape, dtype)
     out = torch.full_like(q, float("nan"))
-    out, lse = flash_attention(q, k, v, kv_len=kv_len, key_mask=key_mask, out=out, return_lse=True, fp8=True)
+    attended = flash_attention(q, k, v, kv_len=kv_len, key_mask=key_mask, epilogue=Store(out, lse=True), fp8=True)
+    out, lse = attended.out, attended.lse
     ref, ref_lse = attention_reference(q, k, v, kv_len, key_mask)
     bf16 = [t.bfloat16().to(dtype) for t in (q, k, v)]
-    yardstick = relative_error(flash_attention(*bf16, kv_len=kv_len, key_mask=key_mask), ref)
+    yardstick = relative_error(flash_attention(*bf16, kv_len=kv_len, key_mask=key_mask).out, ref)
     error = relative_error(out, ref)
     assert not out.isnan().any(), "unwritten output"
     assert error < bound, f"FP8 attention's relative error {error:.2e} (bf16's {yardstick:.2e})"
@@ -265,13 +267,13 @@ def test_fp8_attention_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = flash_attention(*static, fp8=True)
+        out = flash_attention(*static, fp8=True).out
     for _ in range(3):
         fresh = [torch.randn_like(t) for t in static]
         for slot, value in zip(static, fresh):
             slot.copy_(value)
         graph.replay()
-        assert torch.equal(out, flash_attention(*fresh, fp8=True))
+        assert torch.equal(out, flash_attention(*fresh, fp8=True).out)
 
 
 @pytest.mark.gpu

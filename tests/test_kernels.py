@@ -15,13 +15,13 @@ from numerics import FP8_ATTENTION_ERROR, FP8_LSE_ERROR, attention_reference as 
 
 pytest.importorskip("triton", reason="triton is not installed: the fused extra (CUDA builds of torch bring it)")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
-from xstage_dit.kernels.attention_args import KeyForward, Running  # noqa: E402
+from xstage_dit.kernels.attention_args import KeyForward, Merge, Running, Store  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens, NormRope  # noqa: E402
 from xstage_dit.sp.fabric import LoopbackFabric, View, run_in_lockstep  # noqa: E402
 from xstage_dit.sp.attention.fused import fused_steps  # noqa: E402
 from xstage_dit.sp.attention.layout import UlyssesLayout  # noqa: E402
-from xstage_dit.burst_gap.planner import TileOrder  # noqa: E402
+from xstage_dit.burst_gap.ulysses_plan import TileOrder  # noqa: E402
 
 # bf16 operands against a float64 reference land between 1e-3 and 1e-2 relative
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
@@ -42,7 +42,9 @@ def _check_attention(device, dtype, batch, q_len, kv_rows, kv_len, heads, head_d
     q, k, v = make(q_len), make(kv_rows), make(kv_rows)
     key_mask = (torch.rand(batch, 9, device=device) > 0.4) if masked else None
     out = torch.full_like(q, float("nan"))
-    out, lse = flash_attention(q, k, v, kv_len=kv_len, key_mask=key_mask, out=out, return_lse=True, config=config)
+    attended = flash_attention(q, k, v, kv_len=kv_len, key_mask=key_mask, epilogue=Store(out, lse=True),
+                               config=config)
+    out, lse = attended.out, attended.lse
     ref, ref_lse = _reference(q, k, v, kv_len, key_mask)
     assert not out.isnan().any(), "unwritten output"
     assert relative_error(out, ref) < TOLERANCE[dtype]
@@ -68,8 +70,9 @@ def _check_key_forward(device, dtype, batch, q_len, kv_rows, kv_len, heads, kv_h
 
     q, k, v = make(q_len, heads), make(kv_rows, kv_heads), make(kv_rows, kv_heads)
     k_to, v_to = (torch.full_like(t, float("nan")) for t in (k, v))
-    out, lse = flash_attention(q, k, v, kv_len=kv_len, return_lse=True, config=config,
+    attended = flash_attention(q, k, v, kv_len=kv_len, epilogue=Store(lse=True), config=config,
                                forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()), fp8=fp8)
+    out, lse = attended.out, attended.lse
     ref, ref_lse = _reference(q, k, v, kv_len)
     tolerance, lse_tolerance = _bounds(dtype, fp8)
     assert relative_error(out, ref) < tolerance
@@ -97,8 +100,8 @@ def _check_merge(device, dtype, batch, q_len, first_keys, keys, heads, kv_heads,
     running = Running.empty(q)
     k_to, v_to = torch.empty_like(k1), torch.empty_like(v1)
     for k, v in ((k1, v1), (k2, v2)):
-        flash_attention(q, k, v, merge=running, config=config, forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()),
-                        fp8=fp8)
+        flash_attention(q, k, v, epilogue=Merge(running), config=config,
+                        forward=KeyForward(k_to.data_ptr(), v_to.data_ptr()), fp8=fp8)
         if k is k1:
             ref, _ = _reference(q, k1, v1, first_keys)
             assert relative_error(running.out, ref) < tolerance
@@ -139,6 +142,16 @@ def test_fp8_attention_forwards_its_keys_on_gpu(lengths, kv_heads, heads_major):
     q_len, kv_rows, kv_len = lengths
     _check_key_forward("cuda", torch.bfloat16, 2, q_len, kv_rows, kv_len, 6, kv_heads, heads_major=heads_major,
                        fp8=True)
+
+
+def test_attention_refuses_an_epilogue_it_does_not_know_or_a_running_result_of_other_queries():
+    """Refused in words before any launch: a Running result passed bare (not in a Merge), a merge into a
+    running result shaped for other queries."""
+    q = torch.randn(1, 20, 2, 64)
+    with pytest.raises(TypeError, match="a Store, Scatter or Merge, got Running"):
+        flash_attention(q, q, q, epilogue=Running.empty(q))
+    with pytest.raises(ValueError, match="a running result for queries"):
+        flash_attention(q, q, q, epilogue=Merge(Running.empty(q[:, :10])))
 
 
 @pytest.mark.gpu
@@ -233,8 +246,8 @@ def test_hopper_attention_splits_the_last_round(masked, heads_major, shape):
                      heads_major=heads_major)
     q, k, v = (torch.randn(batch, q_len if t == "q" else kv_rows, heads, 128, device="cuda", dtype=torch.bfloat16)
                for t in "qkv")
-    first = flash_attention(q, k, v, kv_len=kv_len)
-    assert all(torch.equal(first, flash_attention(q, k, v, kv_len=kv_len)) for _ in range(5))
+    first = flash_attention(q, k, v, kv_len=kv_len).out
+    assert all(torch.equal(first, flash_attention(q, k, v, kv_len=kv_len).out) for _ in range(5))
 
 
 @pytest.mark.gpu
@@ -250,13 +263,13 @@ def test_hopper_attention_split_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = flash_attention(*static)
+        out = flash_attention(*static).out
     for _ in range(3):
         fresh = [torch.randn_like(t) for t in static]
         for slot, value in zip(static, fresh):
             slot.copy_(value)
         graph.replay()
-        assert torch.equal(out, flash_attention(*fresh))
+        assert torch.equal(out, flash_attention(*fresh).out)
 
 
 def test_tail_split_fills_the_last_round():
@@ -534,8 +547,9 @@ def test_triton_and_gluon_scatter_epilogues_store_the_same_bytes(n_ranks, text_f
         for rank, layout in enumerate(layouts):
             mine = slice(rank * share, (rank + 1) * share)
             out = fabric.rank(rank).carve(out_views)["out"]
-            flash_attention(*(t[:, :, mine].contiguous() for t in (q, k, v)), kv_len=layout.key_len, out=out.tensor,
-                            scatter=layout.output_scatter(out.destinations, share, order), config=config)
+            flash_attention(*(t[:, :, mine].contiguous() for t in (q, k, v)), kv_len=layout.key_len,
+                            epilogue=layout.output_scatter(out.tensor, out.destinations, share, order),
+                            config=config)
         outs[type(config)] = fabric.tensors(out_views, "out")
     for rank, (triton_out, gluon_out) in enumerate(zip(outs[TileConfig], outs[HopperConfig])):
         assert not triton_out.isnan().any(), f"rank {rank}: unwritten output"

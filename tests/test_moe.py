@@ -16,7 +16,7 @@ from xstage_dit.sp.moe.exchange import expert_steps, route_slots
 from xstage_dit.sp.moe.token_choice import GroupedSwiGLUExperts, dispatch
 from xstage_dit.sp.fabric import LoopbackFabric, gather_steps, run_in_lockstep
 from xstage_dit.sp.sharding import SequenceShard
-from xstage_dit.burst_gap.planner import ExpertSchedule
+from xstage_dit.burst_gap.moe_plan import ExpertSchedule
 from xstage_dit.sizes import ceil_div
 
 

@@ -13,8 +13,9 @@ import torch
 from xstage_dit.sp.attention.backends import backends, costs_of
 from xstage_dit.burst_gap import AttentionShape, BurstGapModel, Calibration, KernelCosts, Planner, find_calibration
 from xstage_dit.sp.moe.modes import ExpertModes
-from xstage_dit.burst_gap.planner import (ExpertMode, ExpertSchedule, ExpertShape, Nodes, RingBlocks, RingTransport,
-                                         TileOrder)
+from xstage_dit.burst_gap.moe_plan import ExpertMode, ExpertSchedule, ExpertShape
+from xstage_dit.burst_gap.ring_plan import Nodes, RingBlocks, RingTransport
+from xstage_dit.burst_gap.ulysses_plan import TileOrder
 
 MiB = 2**20
 NVLINK_LIKE = BurstGapModel(issue_latency=0.8e-6, producer_rate=12e9, max_issue_rate=1.4e12, drain_rate=400e9,
@@ -49,8 +50,8 @@ def test_degree_one_predicts_the_kernels_alone():
     planner = Planner(NVLINK_LIKE, COSTS)
     shape = AttentionShape(1, 4096, 512, 24, 128, 1)
     predicted = _predict(planner, shape)
-    assert predicted["reference"] == predicted["overlap"] == planner.attention(shape, own=False)
-    assert predicted["fused"] == planner.attention(shape, own=True)
+    assert predicted["reference"] == predicted["overlap"] == planner.ulysses.attention(shape, own=False)
+    assert predicted["fused"] == planner.ulysses.attention(shape, own=True)
     assert min(predicted, key=predicted.__getitem__) == "reference"  # cuDNN is the faster kernel in these costs
 
 
@@ -59,17 +60,17 @@ def test_every_backend_costs_more_than_its_attention(seq):
     planner = Planner(NVLINK_LIKE, COSTS)
     shape = AttentionShape(1, seq, 0, 24, 128, 8)
     predicted = _predict(planner, shape)
-    assert predicted["reference"] > planner.attention(shape, own=False)
-    assert predicted["fused"] > planner.attention(shape, own=True)
-    assert planner.attention(shape, own=False) < predicted["overlap"] <= predicted["reference"]
+    assert predicted["reference"] > planner.ulysses.attention(shape, own=False)
+    assert predicted["fused"] > planner.ulysses.attention(shape, own=True)
+    assert planner.ulysses.attention(shape, own=False) < predicted["overlap"] <= predicted["reference"]
 
 
 def test_fused_epilogue_is_free_when_the_q_loop_covers_the_drain():
     # long sequence: each tile's Q loop is far longer than draining a wave of tiles; only the tail remains
     planner = Planner(NVLINK_LIKE, COSTS)
     shape = AttentionShape(1, 65536, 0, 24, 128, 8)
-    compute = planner.attention(shape, own=True)
-    overhead = planner.fused_kernel(shape, TileOrder.ROTATED, TILE_ROWS) / compute - 1
+    compute = planner.ulysses.attention(shape, own=True)
+    overhead = planner.ulysses.fused_kernel(shape, TileOrder.ROTATED, TILE_ROWS) / compute - 1
     assert 0 < overhead < 0.01
 
 
@@ -77,12 +78,12 @@ def test_rank_major_order_pays_for_incast_when_drain_limited():
     slow = replace(NVLINK_LIKE, drain_rate=20e9)  # a drain far slower than the waves' stores
     planner = Planner(slow, COSTS)
     shape = AttentionShape(1, 8192, 0, 24, 128, 8)
-    assert (planner.fused_kernel(shape, TileOrder.RANK_MAJOR, TILE_ROWS)
-            > planner.fused_kernel(shape, TileOrder.ROTATED, TILE_ROWS))
-    assert planner.tile_order(shape, TILE_ROWS) is TileOrder.ROTATED
+    assert (planner.ulysses.fused_kernel(shape, TileOrder.RANK_MAJOR, TILE_ROWS)
+            > planner.ulysses.fused_kernel(shape, TileOrder.ROTATED, TILE_ROWS))
+    assert planner.ulysses.tile_order(shape, TILE_ROWS) is TileOrder.ROTATED
     two = AttentionShape(1, 8192, 0, 24, 128, 2)  # one peer: both orders see the same drain
-    assert (planner.fused_kernel(two, TileOrder.RANK_MAJOR, TILE_ROWS)
-            == planner.fused_kernel(two, TileOrder.ROTATED, TILE_ROWS))
+    assert (planner.ulysses.fused_kernel(two, TileOrder.RANK_MAJOR, TILE_ROWS)
+            == planner.ulysses.fused_kernel(two, TileOrder.ROTATED, TILE_ROWS))
 
 
 def test_calibration_round_trip_and_lookup(tmp_path):
@@ -248,17 +249,17 @@ def _slow_sends() -> Planner:
 @pytest.mark.parametrize("planner", [Planner(NVLINK_LIKE, COSTS), _slow_sends()], ids=["nvlink", "slow-sends"])
 def test_ring_transports_follow_their_formulas(planner):
     blocks = RingBlocks.of(RING_SHAPE, 4, 1)
-    vendor = planner.ring_steps(blocks)
-    send, around = planner.ring_send(blocks, Nodes(8)), planner.ulysses_around_ring(blocks)
-    serial = planner.ring_call(RING_SHAPE, 4, 1, "serial")
-    overlap = planner.ring_call(RING_SHAPE, 4, 1, RingTransport.OVERLAP)
-    fused = planner.ring_call(RING_SHAPE, 4, 1, "fused")
+    vendor = planner.rings.steps(blocks)
+    send, around = planner.rings.send(blocks, Nodes(8)), planner.rings.ulysses_around(blocks)
+    serial = planner.rings.call(RING_SHAPE, 4, 1, "serial")
+    overlap = planner.rings.call(RING_SHAPE, 4, 1, RingTransport.OVERLAP)
+    fused = planner.rings.call(RING_SHAPE, 4, 1, "fused")
     assert serial == pytest.approx(around + sum(vendor) + 3 * send)
     assert overlap == pytest.approx(around + sum(max(step, send) for step in vendor[:-1]) + vendor[-1])
     assert overlap < serial
-    assert around + sum(planner.ring_steps(blocks, own=True)) <= fused  # the stores never make a step shorter
+    assert around + sum(planner.rings.steps(blocks, own=True)) <= fused  # the stores never make a step shorter
     assert blocks.block_bytes() == 2 * 8192 * 24 * 128 * 2
-    if planner.costs.alltoall_rate < 1e10:  # sends longer than the attention: they set the pace
+    if planner.core.costs.alltoall_rate < 1e10:  # sends longer than the attention: they set the pace
         assert overlap == pytest.approx(around + 3 * send + vendor[-1])
         assert fused < overlap  # the store path drains the block under the attention
 
@@ -266,19 +267,19 @@ def test_ring_transports_follow_their_formulas(planner):
 def test_the_fused_ring_adds_each_forward_s_store_train_to_its_step():
     planner = Planner(NVLINK_LIKE, COSTS)
     blocks = RingBlocks.of(RING_SHAPE, 4, 1)
-    steps = planner.ring_steps(blocks, own=True)
-    train = planner.ring_forward(blocks)
+    steps = planner.rings.steps(blocks, own=True)
+    train = planner.rings.forward(blocks)
     forward = train.added
     assert forward > 0 and train.nbytes == blocks.block_bytes()
     assert train.bursts == math.ceil(train.nbytes / train.burst_bytes)  # one a wave of work tiles
-    fused = planner.ring_call(RING_SHAPE, 4, 1, "fused")
-    assert fused == pytest.approx(planner.ulysses_around_ring(blocks) + sum(steps) + 3 * forward)
+    fused = planner.rings.call(RING_SHAPE, 4, 1, "fused")
+    assert fused == pytest.approx(planner.rings.ulysses_around(blocks) + sum(steps) + 3 * forward)
     # the block drains under its attention: the train adds far less than the block's delivery in one burst
-    assert forward < 0.5 * planner.model.delivery_time(blocks.block_bytes(), planner.costs.sms)
+    assert forward < 0.5 * planner.core.model.delivery_time(blocks.block_bytes(), planner.core.costs.sms)
     # a drain slower than the attention stalls the stores
     slow = Planner(replace(NVLINK_LIKE, drain_rate=5e9), COSTS)
-    assert slow.ring_forward(blocks).added > forward
-    assert slow.ring_forward(blocks).added > blocks.block_bytes() / 5e9 - sum(steps) / len(steps)
+    assert slow.rings.forward(blocks).added > forward
+    assert slow.rings.forward(blocks).added > blocks.block_bytes() / 5e9 - sum(steps) / len(steps)
 
 
 def test_hybrid_rings_split_the_heads_and_blocks():
@@ -304,9 +305,9 @@ def test_the_ring_transport_is_the_faster_one_that_can_run():
     assert decide_ring(slow, shape, 4, 1, every).ring.planned is RingTransport.FUSED
     # the ring crosses nodes: only the point-to-point ring is predicted, named by the first strategy that sends
     assert slow.predict_ring(shape, 4, 1, costs_of(every), Nodes(2)) == {
-        "reference": slow.ring_call(shape, 4, 1, RingTransport.OVERLAP, Nodes(2))}
+        "reference": slow.rings.call(shape, 4, 1, RingTransport.OVERLAP, Nodes(2))}
     planner = Planner(NVLINK_LIKE, COSTS)
-    predicted = {t: planner.ring_call(shape, 4, 1, t) for t in (RingTransport.OVERLAP, RingTransport.FUSED)}
+    predicted = {t: planner.rings.call(shape, 4, 1, t) for t in (RingTransport.OVERLAP, RingTransport.FUSED)}
     assert decide_ring(planner, shape, 4, 1, every).ring.planned is min(predicted, key=predicted.__getitem__)
 
 
@@ -322,10 +323,10 @@ def test_layer_splits_keep_ulysses_in_a_node_and_the_fused_ring_off_the_network(
     assert {(s.ulysses, s.ring) for s in splits} == {(1, 16), (2, 8), (4, 4), (8, 2)}
     assert {s.backend for s in splits} == {"reference"}  # every ring of 16 ranks crosses the nodes
     with pytest.raises(ValueError, match="the fused ring spans one node"):
-        planner.ring_call(two_nodes, 2, 8, "fused", Nodes(8))
+        planner.rings.call(two_nodes, 2, 8, "fused", Nodes(8))
     # the network is slower than NVLink: the same ring predicts longer across nodes
-    assert (planner.ring_call(two_nodes, 2, 8, "serial", Nodes(8))
-            > planner.ring_call(two_nodes, 2, 8, "serial", Nodes(16)))
+    assert (planner.rings.call(two_nodes, 2, 8, "serial", Nodes(8))
+            > planner.rings.call(two_nodes, 2, 8, "serial", Nodes(16)))
     whole = planner.layer_splits(AttentionShape(1, 8 * 4096, 0, 24, 128, 8), Nodes(8), costs)
     assert {s.backend for s in whole if s.ring == 1} == {"reference", "overlap", "fused"}
 
@@ -348,14 +349,14 @@ def test_expert_predictions_follow_the_model():
     path makes the planner space the combine stores out (interleaved), a fast one keeps the fewest launches."""
     costs = replace(COSTS, expert_tflops=EXPERT_RATES)
     planner = Planner(NVLINK_LIKE, costs)
-    assert planner.predicts_experts() and not Planner(NVLINK_LIKE, COSTS).predicts_experts()
-    predicted = planner.predict_experts(MOE_1024, tuple(ExpertMode))
+    assert planner.experts.calibrated() and not Planner(NVLINK_LIKE, COSTS).experts.calibrated()
+    predicted = planner.experts.predict(MOE_1024, tuple(ExpertMode))
     assert predicted[ExpertMode.STORES] < predicted[ExpertMode.COLLECTIVES]
-    assert planner.expert_schedule(MOE_1024) == ExpertSchedule()
+    assert planner.experts.schedule(MOE_1024) == ExpertSchedule()
     slow = Planner(replace(NVLINK_LIKE, drain_rate=5e9, capacity=64 * 1024), costs)
-    schedule = slow.expert_schedule(MOE_1024)
+    schedule = slow.experts.schedule(MOE_1024)
     assert schedule.interleaved
-    assert slow.experts_stores(MOE_1024, schedule) < slow.experts_stores(MOE_1024, ExpertSchedule())
+    assert slow.experts.stores(MOE_1024, schedule) < slow.experts.stores(MOE_1024, ExpertSchedule())
 
 
 def test_expert_rates_round_trip_and_older_calibrations_have_none():

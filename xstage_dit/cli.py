@@ -17,8 +17,10 @@ from typing import Callable
 # torch, diffusers and what imports them load in the commands that use them (seconds), so that --help, --version
 # and a bad argument answer at once; the planner and its calibrations are plain Python
 from .burst_gap.calibration import SHIPPED, SHIPPED_GPU, Calibration, calibration_dir, find_calibration
-from .burst_gap.planner import (INTERNODE_RATE, SCHEDULES, AttentionShape, ExpertMode, ExpertShape, Nodes, Planner,
-                                RingBlocks, RingTransport, widest_ulysses)
+from .burst_gap.moe_plan import SCHEDULES, ExpertMode, ExpertShape
+from .burst_gap.planner import Planner, widest_ulysses
+from .burst_gap.ring_plan import INTERNODE_RATE, Nodes, RingBlocks, RingTransport
+from .burst_gap.ulysses_plan import AttentionShape
 
 
 def _version(package: str) -> str:
@@ -92,7 +94,7 @@ def plan_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes) ->
                  f"{best.seconds * 1e3:.3f} ms predicted")
     fused = next((split for split in splits if split.transport is RingTransport.FUSED), None)
     if fused is not None:  # how the fastest X-Stage ring's blocks drain under its attention
-        train = planner.ring_forward(RingBlocks.of(shape, fused.ring, fused.ulysses))
+        train = planner.rings.forward(RingBlocks.of(shape, fused.ring, fused.ulysses))
         lines.append(f"  fused ring's forward (Ulysses {fused.ulysses} x ring {fused.ring}): {train}")
     ulysses = widest_ulysses(shape.degree, [shape.heads], nodes.ranks_per_node)
     lines.append(f"  enable() with no degrees runs Ulysses {ulysses} x ring {shape.degree // ulysses} (Ulysses as "
@@ -103,16 +105,16 @@ def plan_split(calibration: Calibration, shape: AttentionShape, nodes: Nodes) ->
 def plan_experts(calibration: Calibration, shape: ExpertShape) -> str:
     """Each MoE mode's predicted time for `shape`, each schedule of the stores mode, and the planner's pick."""
     planner = Planner.from_calibration(calibration)
-    if not planner.predicts_experts():
+    if not planner.experts.calibrated():
         return f"{calibration.filename} has no expert-kernel rates: run `xstage-dit calibrate --kernels-only` on it"
     modes = tuple(ExpertMode) if shape.degree > 1 else (ExpertMode.REPLICATED,)
-    predicted = planner.predict_experts(shape, modes)
+    predicted = planner.experts.predict(shape, modes)
     lines = [f"{shape}:"]
     lines += [f"  {mode.value:>28}: {seconds * 1e3:.3f} ms predicted" for mode, seconds in predicted.items()]
     if shape.degree > 1:
-        lines += [f"  {'stores, ' + str(s):>28}: {planner.experts_stores(shape, s) * 1e3:.3f} ms predicted"
+        lines += [f"  {'stores, ' + str(s):>28}: {planner.experts.stores(shape, s) * 1e3:.3f} ms predicted"
                   for s in SCHEDULES]
-        lines.append(f"  the stores mode's schedule: {planner.expert_schedule(shape)}")
+        lines.append(f"  the stores mode's schedule: {planner.experts.schedule(shape)}")
     lines.append(f"  expert_parallel=None runs {min(predicted, key=predicted.__getitem__).value}")
     return "\n".join(lines)
 

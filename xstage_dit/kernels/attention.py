@@ -1,4 +1,5 @@
-"""Flash attention forward for (batch, seq, heads, head_dim) tensors, with an optional scatter epilogue.
+"""Flash attention forward for (batch, seq, heads, head_dim) tensors, its output stored locally, scattered to other
+ranks or merged into a running result: the call's epilogue (Store, Scatter, Merge in kernels/attention_args.py).
 
 One program owns one tile of BLOCK_M query rows of one (batch, head) and streams the keys in BLOCK_N tiles with
 an online softmax (base-2 exponentials). Keys at or past `kv_len` are masked (tail padding of a sharded
@@ -7,9 +8,9 @@ sequence), optionally also keys a per-batch mask rejects (padded prompt tokens).
 The scatter epilogue is the X-Stage piggyback of the Ulysses post-attention all-to-all: instead of writing its
 tile locally, the tile's owner stores each finished row straight into the buffer of the rank that owns that
 token, in that rank's (B, T + L, H, D) layout (text rows go to every rank), then moves on to its next tile: the
-stores drain while the next tile's Q loop computes. Destinations are a table of element offsets from `out` (this
-rank's own buffer; kernels/tables.py: symmetric-memory peers, or local buffers in loopback), all with the strides
-of `out`.
+stores drain while the next tile's Q loop computes. Destinations are a table of element offsets from Scatter.out
+(this rank's own buffer; kernels/tables.py: symmetric-memory peers, or local buffers in loopback), all with the
+strides of Scatter.out.
 
 This Triton kernel is the portable one (any CUDA GPU, and Triton's CPU interpreter in the tests). On Hopper,
 flash_attention runs kernels/attention_hopper.py instead (same interface and epilogue, warp-specialized in Gluon),
@@ -25,8 +26,8 @@ import triton.language as tl
 
 from ..logging_utils import warn_once
 from . import attention_hopper
-from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionCall, KeyForward,
-                             QuantizedOperands, Running, Scatter, Strides)
+from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionCall, Attended, Epilogue,
+                             KeyForward, Merge, QuantizedOperands, Scatter, Store, Strides)
 from .attention_fp8 import E4M3_MAX, INTERPRETED, quantize, to_e4m3
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
 from .tables import ALIGN_ELEMENTS
@@ -301,25 +302,20 @@ def flash_attention(
     scale: float | None = None,
     kv_len: int | None = None,
     key_mask: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    scatter: Scatter | None = None,
-    return_lse: bool = False,
+    epilogue: Epilogue = Store(),
     forward: KeyForward | None = None,
-    merge: Running | None = None,
     fp8: bool = False,
     config: TileConfig | HopperConfig | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> Attended:
     """softmax(q k^T * scale) v over the first `kv_len` keys, for (B, S, H, D) tensors (last dim contiguous); k
     and v may hold fewer heads, a divisor of q's (grouped-query attention).
 
     key_mask: (B, M) bool/int, keys [0, M) it marks False are ignored (keys past M are kept).
-    out: (B, Sq, H, D) output (allocated like q if None). With `scatter`, `out` gives the destination buffers'
-    shape and strides and receives nothing unless it is one of them. `forward`: the kernel also stores the keys
-    and values it reads there (KeyForward). `merge`: the result is merged into that running output and
-    log-sum-exp, in place, instead (Running). `fp8`: both products in FP8 (kernels/attention_fp8.py: e4m3
-    operands with float32 scales, float32 accumulation; the log-sum-exp in float32 as without it), through the
-    Triton kernel. Returns out (and the natural-log log-sum-exp, (B, H, Sq) float32, if `return_lse`); with
-    `merge`, its output."""
+    epilogue: what becomes of the output: stored locally (Store), scattered into other ranks' buffers (Scatter) or
+    merged into a running result (Merge). forward: the kernel also stores the keys and values it reads there
+    (KeyForward), whichever the epilogue. `fp8`: both products in FP8 (kernels/attention_fp8.py: 8-bit operands
+    with float32 scales, float32 accumulation; the log-sum-exp in float32 as without it), through the Triton
+    kernel. Returns what the epilogue wrote (Attended)."""
     batch, q_len, heads, head_dim = q.shape
     if not accepts(q, fp8):
         dtypes = "bf16/fp16/fp32" if fp8 else "bf16/fp16 (fp32 in Triton's interpreter)"
@@ -331,22 +327,16 @@ def flash_attention(
     if k.shape != v.shape or heads % k.shape[2]:
         raise ValueError(f"flash_attention: keys and values of one shape whose heads divide the queries' {heads}, "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not isinstance(epilogue, (Store, Scatter, Merge)):
+        raise TypeError(f"flash_attention's epilogue is a Store, Scatter or Merge, got {type(epilogue).__name__}")
     if forward is not None and not q_len:
         raise ValueError("flash_attention forwards its keys from its query tiles' programs: it needs queries")
-    if merge is not None:
-        if out is not None or scatter is not None or return_lse:
-            raise ValueError("flash_attention: a merge writes its running output and log-sum-exp, nothing else")
-        merge.check(q)
-        out = merge.out
     kv_len = k.shape[1] if kv_len is None else kv_len
     if not 0 < kv_len <= k.shape[1]:
         raise ValueError(f"kv_len must be in [1, {k.shape[1]}] (the keys given), got {kv_len}")
-    call = AttentionCall(
-        q, k, v, torch.empty_like(q) if out is None else out, head_dim**-0.5 if scale is None else scale, kv_len,
-        key_mask.to(torch.int8) if key_mask is not None else None,
-        merge.lse if merge is not None else
-        torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32) if return_lse else None,
-        scatter, forward, merge is not None)
+    call = AttentionCall(q, k, v, head_dim**-0.5 if scale is None else scale, kv_len,
+                         key_mask.to(torch.int8) if key_mask is not None else None, epilogue,
+                         epilogue.result_for(q), forward)
     # checked once per call: TMA loads (the Hopper kernel's, the Triton kernel's option) need row-viewable inputs
     rows = tma_rows(q, k, v)
     hopper_runs = rows is not None and attention_hopper.is_available(q)
@@ -363,7 +353,7 @@ def flash_attention(
         attention_hopper.launch(call, cfg, rows)
     else:
         launch_triton(call, cfg, use_tma=cfg.tma and rows is TmaRows.TOKENS)
-    return (call.out, call.lse) if return_lse else call.out
+    return call.result
 
 
 def _forward_offsets(call: AttentionCall) -> tuple[int, int]:
@@ -380,18 +370,19 @@ def launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool, fp8: Quan
     (attention_fp8.quantize, for cfg's tiles). `warmup` only compiles it for the active driver's target (the CPU
     tests compile for sm_90a without a GPU)."""
     q, k = call.q, call.k
+    out, lse = call.result.out, call.result.lse
     batch, q_len, heads, head_dim = q.shape
     descriptors = _descriptors(q, k, call.v, cfg) if use_tma else (None, None, None)
     args = (
-        q, k, call.v, call.out, call.lse if call.lse is not None else call.out,
-        call.key_mask if call.key_mask is not None else call.out, call.destinations, *descriptors,
+        q, k, call.v, out, lse if lse is not None else out, call.key_mask if call.key_mask is not None else out,
+        call.destinations, *descriptors,
         fp8,
         call.scale, q_len, k.shape[1], call.kv_len, call.kv_len // cfg.block_n * cfg.block_n, call.key_mask_len,
-        call.key_mask_stride, Strides.of(q), Strides.of(k), Strides.of(call.v), Strides.of(call.out), heads,
+        call.key_mask_stride, Strides.of(q), Strides.of(k), Strides.of(call.v), Strides.of(out), heads,
         call.kv_group, call.scatter_args(cfg.block_m), *_forward_offsets(call))
     switches = dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        WRITE_LSE=call.lse is not None, HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
+        WRITE_LSE=lse is not None, HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, FORWARD=call.forward is not None, MERGE=call.merge,
         ALIGN=ALIGN_ELEMENTS, FP8=fp8 is not None, ROUND_FIRST=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

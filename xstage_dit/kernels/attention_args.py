@@ -1,6 +1,7 @@
-"""The records an attention call hands its kernels (the attention kernel, and the store kernel before it): named on
-the host, and named inside the kernels too (Triton passes a NamedTuple argument as a tuple whose fields the kernel
-reads by name)."""
+"""The records of an attention call: its epilogue, one of Store, Scatter and Merge (what the call does with its
+output), what it returns (Attended), and what it hands its kernels (the attention kernel, and the store kernel
+before it): named on the host, and named inside the kernels too (Triton passes a NamedTuple argument as a tuple
+whose fields the kernel reads by name)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,12 +48,27 @@ class ScatterArgs(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Scatter:
-    """Where the scatter epilogue sends output rows (the X-Stage piggyback of the post-attention all-to-all):
-    `destinations` holds every destination's (B, rows, H, D) buffer as an element offset from the kernel's `out`
-    (kernels/tables.py). Rows and heads map as ScatterArgs says; programs start at the query tile that holds
-    `first_row`."""
+class Store:
+    """The epilogue that writes the output locally, into `out` ((B, Sq, H, D), allocated like the queries where
+    None); with `lse`, also its natural-log log-sum-exp."""
 
+    out: torch.Tensor | None = None
+    lse: bool = False
+
+    def result_for(self, q: torch.Tensor) -> Attended:
+        batch, rows, heads, _ = q.shape
+        lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32) if self.lse else None
+        return Attended(torch.empty_like(q) if self.out is None else self.out, lse)
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """The epilogue that sends output rows to other ranks (the X-Stage piggyback of the post-attention all-to-all):
+    `out` is this rank's own destination buffer (B, rows, H, D), whose shape and strides every destination shares,
+    and `destinations` holds every destination's buffer as an element offset from it (kernels/tables.py). Rows and
+    heads map as ScatterArgs says; programs start at the query tile that holds `first_row`."""
+
+    out: torch.Tensor
     destinations: torch.Tensor
     text_rows: int
     rows_per_rank: int
@@ -66,6 +82,10 @@ class Scatter:
         return ScatterArgs(text_rows=self.text_rows, rows_per_rank=self.rows_per_rank,
                            n_dest=self.destinations.numel(), text_row0=self.text_row0, image_row0=self.image_row0,
                            head0=self.head0, tile_shift=self.first_row // block_m)
+
+    def result_for(self, q: torch.Tensor) -> Attended:
+        # this rank's buffer holds every row meant for it once every rank's scatter has landed
+        return Attended(self.out, None)
 
 
 class KeyForward(NamedTuple):
@@ -99,6 +119,28 @@ class Running(NamedTuple):
                 or self.lse.dtype != torch.float32 or not (self.out.is_contiguous() and self.lse.is_contiguous())):
             raise ValueError(f"a running result for queries {tuple(q.shape)}: contiguous float32 output of their "
                              f"shape and log-sum-exp ({batch}, {heads}, {rows})")
+
+
+class Merge(NamedTuple):
+    """The epilogue that merges the call's result into `running`, in place (the X-Stage ring's steps)."""
+
+    running: Running
+
+    def result_for(self, q: torch.Tensor) -> Attended:
+        self.running.check(q)
+        return Attended(self.running.out, self.running.lse)
+
+
+Epilogue = Store | Scatter | Merge  # what an attention call does with its output
+
+
+@dataclass(frozen=True)
+class Attended:
+    """What an attention call wrote: `out`, its output (B, Sq, H, D), and `lse`, the output's natural-log
+    log-sum-exp (B, H, Sq) float32 where the epilogue computes one (Store with `lse`, Merge), else None."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
 
 
 class DeviceAddress(NamedTuple):
@@ -137,24 +179,30 @@ class AttentionCall:
     """One flash_attention call, checked and defaulted, as either kernel's launcher takes it.
 
     k and v hold H / kv_group heads (grouped-query attention: query head h reads key head h // kv_group).
-    key_mask: (B, M) int8, or None; lse: (B, H, Sq) float32, or None; scatter: None stores into `out` locally;
-    forward: None forwards no keys; merge: `out` and `lse` hold a running result to merge into (Running)."""
+    key_mask: (B, M) int8, or None; result: the tensors the kernels write, `epilogue.result_for(q)`; forward: None
+    forwards no keys."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    out: torch.Tensor
     scale: float
     kv_len: int
     key_mask: torch.Tensor | None
-    lse: torch.Tensor | None
-    scatter: Scatter | None
+    epilogue: Epilogue
+    result: Attended
     forward: KeyForward | None = None
-    merge: bool = False
 
     @property
     def kv_group(self) -> int:
         return self.q.shape[2] // self.k.shape[2]
+
+    @property
+    def scatter(self) -> Scatter | None:
+        return self.epilogue if isinstance(self.epilogue, Scatter) else None
+
+    @property
+    def merge(self) -> bool:
+        return isinstance(self.epilogue, Merge)
 
     def scatter_args(self, block_m: int) -> ScatterArgs:
         return self.scatter.args(block_m) if self.scatter is not None else ScatterArgs.unused()
@@ -162,7 +210,7 @@ class AttentionCall:
     @property
     def destinations(self) -> torch.Tensor:
         """The kernels' destination-table pointer (unread without a scatter)."""
-        return self.scatter.destinations if self.scatter is not None else self.out
+        return self.scatter.destinations if self.scatter is not None else self.result.out
 
     @property
     def key_mask_len(self) -> int:

@@ -609,14 +609,14 @@ def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: boo
         v_to = _descriptor(call.v, config.block_n, view, call.forward.value)
     else:  # unread, but typed as the kernel reads them
         k_to, v_to = k_desc, v_desc
-    args = (_descriptor(q, ROWS_PER_WARPGROUP, view), k_desc, v_desc, k_to, v_to, call.out,
-            call.lse if call.lse is not None else call.out,
-            call.key_mask if call.key_mask is not None else call.out, call.destinations, partials, tickets,
+    out, lse = call.result.out, call.result.lse
+    args = (_descriptor(q, ROWS_PER_WARPGROUP, view), k_desc, v_desc, k_to, v_to, out, lse if lse is not None else out,
+            call.key_mask if call.key_mask is not None else out, call.destinations, partials, tickets,
             call.scale, schedule, Keys(kv_len=call.kv_len, mask_len=call.key_mask_len,
                                        mask_stride=call.key_mask_stride),
-            Strides.of(call.out), call.scatter_args(config.block_m))
+            Strides.of(out), call.scatter_args(config.block_m))
     switches = dict(HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, PINGPONG=config.pingpong,
-                    CONSUMER_REGS=config.consumer_regs, WRITE_LSE=call.lse is not None,
+                    CONSUMER_REGS=config.consumer_regs, WRITE_LSE=lse is not None,
                     HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None, MERGE=call.merge,
                     HEADS_MAJOR=view is TmaRows.HEADS, FORWARD=call.forward is not None, ALIGN=ALIGN_ELEMENTS,
                     num_warps=4)

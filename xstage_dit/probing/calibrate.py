@@ -122,7 +122,7 @@ def measure_expert_rates(device: torch.device) -> dict[str, list[tuple[int, floa
     combine rows stored locally ("own"), and torch's grouped matmuls ("vendor")."""
     from ..kernels.experts import Combine, ExpertOperands, run_experts
     from ..sp.moe.grouped import packed_swiglu_experts
-    from ..burst_gap.planner import ExpertSchedule
+    from ..burst_gap.moe_plan import ExpertSchedule
 
     options = {"device": device, "dtype": torch.bfloat16}
     gate_up = torch.randn(EXPERTS, EXPERT_DIM, 2 * EXPERT_WIDTH, **options) * EXPERT_DIM ** -0.5

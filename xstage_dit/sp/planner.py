@@ -10,7 +10,8 @@ import torch
 from ..logging_utils import logger
 from ..runtime.distributed import job_placement
 from ..burst_gap.calibration import find_calibration
-from ..burst_gap.planner import AttentionShape, Planner
+from ..burst_gap.planner import Planner
+from ..burst_gap.ulysses_plan import AttentionShape
 from .attention.layout import UlyssesLayout
 
 
@@ -53,7 +54,7 @@ def attention_shape(query: torch.Tensor, layout: UlyssesLayout | None) -> Attent
 
 
 def ring_shape(query: torch.Tensor, layout: UlyssesLayout) -> AttentionShape:
-    """A ring call's shape as `Planner.ring_call` takes it: a rank's (B, T + L, H, D) query, the whole sequence
+    """A ring call's shape as `RingPlanner.call` takes it: a rank's (B, T + L, H, D) query, the whole sequence
     over layout.ring_degree x layout.degree ranks."""
     batch, _, heads, head_dim = query.shape
     return AttentionShape(batch, layout.seq_len, layout.text_len, heads, head_dim, layout.ring_degree * layout.degree,

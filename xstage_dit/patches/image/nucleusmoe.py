@@ -28,7 +28,7 @@ from ...sp.moe.layer import ExpertChoiceCall
 from ...sp.moe.modes import ExpertModes
 from ...sp.moe.ops import expert_choice
 from ...sp.plan import FAMILY_CHANGES, MOE_EXPERTS, PlanContext, SequenceParallelPlan
-from ...burst_gap.planner import ExpertSchedule
+from ...burst_gap.moe_plan import ExpertSchedule
 from .. import cfg_rules
 
 

@@ -11,7 +11,8 @@ from functools import lru_cache
 import torch
 
 from ...logging_utils import logger, warn_once
-from ...burst_gap.planner import AttentionShape, Planner
+from ...burst_gap.planner import Planner
+from ...burst_gap.ulysses_plan import AttentionShape
 from .backends import FALLBACK, Call, Precision, Strategy, backends, costs_of, get_backend
 from ..planner import attention_shape, planner_for, ring_shape
 

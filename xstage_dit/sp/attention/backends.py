@@ -35,7 +35,9 @@ from ...kernels import triton_runs_on
 from ...kernels.attention_args import FP8_DTYPES, SUPPORTED_HEAD_DIMS
 from ...kernels.rotary_args import JointTokens
 from ...logging_utils import warn_once
-from ...burst_gap.planner import AttentionShape, Cost, PlannedStrategy, Planner, RingTransport
+from ...burst_gap.planner import PlannedStrategy, Planner
+from ...burst_gap.ring_plan import RingTransport
+from ...burst_gap.ulysses_plan import AttentionShape, Cost
 from ...config import BACKENDS
 from .exchange import GatheredAttention
 from .layout import UlyssesLayout

@@ -28,7 +28,8 @@ from ...kernels.all_to_all import store_heads
 from ...kernels.attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, flash_attention
 from ...kernels.attention_hopper import HopperConfig
 from ...kernels.rotary_args import JointTokens
-from ...burst_gap.planner import AttentionShape, Planner, TileOrder
+from ...burst_gap.planner import Planner
+from ...burst_gap.ulysses_plan import AttentionShape, TileOrder, UlyssesPlanner
 from .backends import LocalAttention, RingBlocks, Strategy, Supports
 from ..fabric import Fabric, Steps, View, fabric_of, run_in_lockstep
 from .layout import UlyssesLayout
@@ -45,7 +46,7 @@ TILE_ROWS = HopperConfig().block_m
 def tile_order(planner: Planner | None, shape: AttentionShape) -> TileOrder:
     """Rotated unless the planner predicts rank-major faster (without a calibration: rotated, which the model
     never predicts slower)."""
-    return TileOrder.ROTATED if planner is None else planner.tile_order(shape, TILE_ROWS)
+    return TileOrder.ROTATED if planner is None else planner.ulysses.tile_order(shape, TILE_ROWS)
 
 
 def fused_steps(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
@@ -69,8 +70,8 @@ def fused_steps(query: JointTokens, key: JointTokens, value: JointTokens, layout
     q, k, v = (buffers[name].tensor for name in rows)
     out = buffers["out"]
     yield "fused attention (pre-all-to-all)"
-    flash_attention(q, k, v, scale=scale, kv_len=layout.key_len, key_mask=keep_keys(text_mask), out=out.tensor,
-                    scatter=layout.output_scatter(out.destinations, share, order), fp8=fp8)
+    flash_attention(q, k, v, scale=scale, kv_len=layout.key_len, key_mask=keep_keys(text_mask),
+                    epilogue=layout.output_scatter(out.tensor, out.destinations, share, order), fp8=fp8)
     yield "fused attention (post-all-to-all)"
     return out.tensor
 
@@ -84,7 +85,7 @@ def fused_exchange(query: JointTokens, key: JointTokens, value: JointTokens, lay
     return out
 
 
-def predicted_seconds(planner: Planner, shape: AttentionShape) -> float:
+def predicted_seconds(planner: UlyssesPlanner, shape: AttentionShape) -> float:
     return planner.fused_call(shape, TILE_ROWS)
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ...kernels.attention_args import Scatter, StoreRows
-from ...burst_gap.planner import TileOrder
+from ...burst_gap.ulysses_plan import TileOrder
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,13 @@ class UlyssesLayout:
             return 0
         return self.query_text_len + (self.rank + 1) % self.degree * self.local_len
 
-    def output_scatter(self, destinations: torch.Tensor, heads_per_rank: int, order: TileOrder) -> Scatter:
+    def output_scatter(self, out: torch.Tensor, destinations: torch.Tensor, heads_per_rank: int,
+                       order: TileOrder) -> Scatter:
         """The attention epilogue's stores for this rank's heads: image row r of the head-sharded output to rank
-        r // L at its row r % L, text rows to every rank, into buffers shaped like the queries at
-        `destinations`."""
+        r // L at its row r % L, text rows to every rank, into buffers shaped like the queries: `out`, this rank's,
+        and every rank's at `destinations` (element offsets from `out`)."""
         return Scatter(
+            out=out,
             destinations=destinations,
             text_rows=self.query_text_len,
             rows_per_rank=self.local_len,

@@ -38,7 +38,7 @@ def flash_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     mask."""
     from ...kernels.attention import flash_attention  # Triton: imported where our kernel runs
 
-    return flash_attention(query, key, value, scale=scale, key_mask=keep_keys(attn_mask), fp8=fp8)
+    return flash_attention(query, key, value, scale=scale, key_mask=keep_keys(attn_mask), fp8=fp8).out
 
 
 def fp8_attention_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...burst_gap.planner import Planner
+from ...burst_gap.ulysses_plan import UlyssesPlanner
 from .backends import LocalAttention, RingBlocks, Strategy, Supports
 from .exchange import (GatheredAttention, Transport, all_to_all, finish_gather, finish_scatter, start_gather,
                        start_scatter)
@@ -66,7 +66,7 @@ def reference_ulysses(
 
 
 # the oracle: it takes every call (pair biases too), and rings by point-to-point sends
-CHOICE = Strategy("reference", ulysses=reference_ulysses, local=sdpa_bshd, cost=Planner.serial_call,
+CHOICE = Strategy("reference", ulysses=reference_ulysses, local=sdpa_bshd, cost=UlyssesPlanner.serial_call,
                   exchange=reference_exchange, ring=RingBlocks.POINT_TO_POINT,
                   supports=Supports(pair_bias=True)).with_fp8()
 

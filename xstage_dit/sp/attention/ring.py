@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ...kernels.attention_args import KeyForward, Running
+from ...kernels.attention_args import KeyForward, Merge, Running, Store
 from ...runtime.distributed import waiting_for
 from ...sizes import ceil_div
 from ..fabric import Fabric, Steps, View, run_in_lockstep
@@ -55,8 +55,9 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if fp8:
         from ...kernels.attention import flash_attention  # Triton: imported where our kernel runs
 
-        return Partial(*flash_attention(query, key, value, scale=scale, key_mask=keep_keys(mask), return_lse=True,
-                                        fp8=True))
+        attended = flash_attention(query, key, value, scale=scale, key_mask=keep_keys(mask), epilogue=Store(lse=True),
+                                   fp8=True)
+        return Partial(attended.out, attended.lse)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
@@ -226,7 +227,7 @@ def stored_ring_steps(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             if step + 1 < degree:  # into the next rank's other slot, with the block's own layout
                 to = slots.addresses[(rank + 1) % degree] + (step + 1) % 2 * slots.tensor[0].nbytes
                 forward = KeyForward(to, to + block[0].nbytes)
-            flash_attention(query, block[0], block[1], scale=scale, forward=forward, merge=running, fp8=fp8)
+            flash_attention(query, block[0], block[1], scale=scale, epilogue=Merge(running), forward=forward, fp8=fp8)
         source = (rank - step - 1) % degree
         yield f"ring block {step + 2} of {degree} (ring rank {source}'s keys)" if step + 1 < degree else \
             "every ring rank to be done with its blocks"

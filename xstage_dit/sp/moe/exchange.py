@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...burst_gap.planner import ExpertSchedule
+from ...burst_gap.moe_plan import ExpertSchedule
 from .grouped import slot_table
 from ..fabric import Fabric, Steps, View, run_in_lockstep
 

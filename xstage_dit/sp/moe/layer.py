@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .grouped import add_contributions, packed_swiglu_experts, slot_table
-from ...burst_gap.planner import ExpertMode, ExpertSchedule, ExpertShape
+from ...burst_gap.moe_plan import ExpertMode, ExpertSchedule, ExpertShape
 from .choice import choose_for_experts, choose_tokens, gather_scores, gather_tokens, reduce_tokens, select
 from .exchange import expert_exchange, route_slots
 from .modes import ExpertModes

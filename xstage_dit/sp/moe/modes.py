@@ -1,4 +1,4 @@
-"""Which way each mixture-of-experts layer call runs across the Ulysses group (burst_gap/planner.py's ExpertMode):
+"""Which way each mixture-of-experts layer call runs across the Ulysses group (burst_gap/moe_plan.py's ExpertMode):
 the modes `enable(expert_parallel=...)` allows, and per call shape the one the Burst-Gap planner predicts fastest.
 
 - False, or degree 1: replicated.
@@ -15,7 +15,8 @@ from functools import lru_cache
 import torch
 
 from ...logging_utils import logger, warn_once
-from ...burst_gap.planner import ExpertMode, ExpertSchedule, ExpertShape, Planner
+from ...burst_gap.moe_plan import ExpertMode, ExpertSchedule, ExpertShape
+from ...burst_gap.planner import Planner
 from ..planner import planner_for
 
 
@@ -57,7 +58,7 @@ class ExpertModes:
 
 def _expert_planner(device: torch.device, degree: int) -> Planner | None:
     planner = planner_for(device, degree)
-    if planner is None or not planner.predicts_experts():
+    if planner is None or not planner.experts.calibrated():
         if device.type == "cuda":
             warn_once("xstage_dit: this GPU's Burst-Gap calibration does not predict mixture-of-experts layers; "
                       "they run in their default mode (run `xstage-dit calibrate` once on this machine)")
@@ -68,13 +69,13 @@ def _expert_planner(device: torch.device, degree: int) -> Planner | None:
 @lru_cache(maxsize=256)
 def _schedule(planner: Planner, shape: ExpertShape) -> ExpertSchedule:
     """The planner's schedule for `shape`, computed once (every layer call of that shape asks)."""
-    return planner.expert_schedule(shape)
+    return planner.experts.schedule(shape)
 
 
 @lru_cache(maxsize=256)
 def decide(planner: Planner, shape: ExpertShape, allowed: tuple[ExpertMode, ...]) -> ExpertMode:
     """The allowed mode the planner predicts fastest for `shape` (said once per shape in the log)."""
-    predicted = planner.predict_experts(shape, allowed)
+    predicted = planner.experts.predict(shape, allowed)
     mode = min(predicted, key=predicted.__getitem__)
     logger.info("xstage_dit experts: %s -> %s (predicted ms: %s)", shape, mode.value,
                 ", ".join(f"{m.value} {seconds * 1e3:.3f}" for m, seconds in predicted.items()))

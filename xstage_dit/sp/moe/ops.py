@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...burst_gap.planner import ExpertMode, ExpertSchedule
+from ...burst_gap.moe_plan import ExpertMode, ExpertSchedule
 from ...runtime.distributed import resolve_group
 from ..sharding import SequenceShard
 from .grouped import add_contributions
