@@ -3,9 +3,10 @@
 reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
 every switch on and off (head_dim, LSE + key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
 once; grouped keys forwarded, with and without the merge into a running output: the X-Stage ring's
-call), the RoPE
-kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and with the norm + RoPE) for bf16 at
-head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code does),
+call; the scatter of an FP8 payload), the RoPE
+kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and with the norm + RoPE; plain into an
+FP8 payload) for bf16 at head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code
+does),
 and the MoE expert kernel, whose matmuls must be Hopper's wgmma.
 Exits non-zero on the first failure."""
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Sm90Driver:
 def main() -> None:
     driver.set_active(Sm90Driver())
     from xstage_dit.kernels import attention_hopper as hopper
-    from xstage_dit.kernels.attention_args import AttentionCall, KeyForward, Scatter
+    from xstage_dit.kernels.attention_args import AttentionCall, KeyForward, PayloadScales, Scatter
+    from xstage_dit.kernels.fp8 import PAYLOAD_DTYPE
 
     batch, seq, heads = 2, 1000, 3
     for head_dim, (lse, masked, scatter), pingpong in itertools.product(
@@ -69,6 +71,14 @@ def main() -> None:
                          KeyForward(to.data_ptr(), to.data_ptr()), merge=True)
     hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, warmup=True)
     print("compiled the key forward with the merge")
+    # the scatter of an FP8 payload: e4m3 rows, their scales stored alike
+    payload = torch.empty(batch, seq, heads, 128, dtype=PAYLOAD_DTYPE)
+    scales = PayloadScales.of(torch.empty(batch, seq, heads), torch.zeros(4, dtype=torch.int64))
+    call = AttentionCall(q, q, q, payload, 0.1, seq, None, None,
+                         Scatter(torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250, text_row0=0,
+                                 image_row0=7, head0=0, scales=scales))
+    hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, warmup=True)
+    print("compiled the scatter of an FP8 payload")
 
     from xstage_dit.kernels import rotary
 
@@ -99,9 +109,13 @@ def main() -> None:
                                         across_heads=True))
     for tokens in (joint, JointTokens((x,)), across):
         store_heads(tokens, StoreRows(0, 20, 20), torch.zeros(3, dtype=torch.int64), base, rank=0, warmup=True)
+    store_heads(JointTokens((x,)), StoreRows(0, 20, 20), torch.zeros(3, dtype=torch.int64),
+                torch.empty(base.shape, dtype=PAYLOAD_DTYPE), rank=0,
+                scales=PayloadScales.of(torch.empty(base.shape[:-1]), torch.zeros(3, dtype=torch.int64)), warmup=True)
     ptx = [path.read_text() for path in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_store_*_kernel.ptx")]
-    assert len(ptx) == 3 and not any("fma.rn.f32" in text for text in ptx), "the store kernels' PTX fuses an FMA"
-    print("compiled the store kernels, plain and with the norm + rope (per head, across heads), no FMA")
+    assert len(ptx) == 4 and not any("fma.rn.f32" in text for text in ptx), "the store kernels' PTX fuses an FMA"
+    print("compiled the store kernels, plain, with the norm + rope (per head, across heads) and into an FP8 "
+          "payload, no FMA")
 
     from xstage_dit.kernels import experts
 

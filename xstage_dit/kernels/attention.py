@@ -9,7 +9,8 @@ tile locally, the tile's owner stores each finished row straight into the buffer
 token, in that rank's (B, T + L, H, D) layout (text rows go to every rank), then moves on to its next tile: the
 stores drain while the next tile's Q loop computes. Destinations are a table of element offsets from `out` (this
 rank's own buffer; kernels/tables.py: symmetric-memory peers, or local buffers in loopback), all with the strides
-of `out`.
+of `out`. Into e4m3 buffers the rows travel as an FP8 payload: each row quantized in registers before its store,
+its scale stored alike into the destination's scale buffer (kernels/fp8.py).
 
 This Triton kernel is the portable one (any CUDA GPU, and Triton's CPU interpreter in the tests). On Hopper,
 flash_attention runs kernels/attention_hopper.py instead (same interface and epilogue, warp-specialized in Gluon),
@@ -27,6 +28,7 @@ from ..logging_utils import warn_once
 from . import attention_hopper
 from .attention_args import AttentionCall, KeyForward, Running, Scatter, Strides
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
+from .fp8 import PAYLOAD_DTYPE, quantize_rows
 from .tables import ALIGN_ELEMENTS
 
 
@@ -84,12 +86,14 @@ def _forward_keys(k_base, v_base, k_to, v_to, first_tile, tile_step, kv_len, str
 def _attention_kernel(
     Q, K, V, Out, Lse, KeyMask, Dest, q_desc, k_desc, v_desc,
     sm_scale, q_len, kv_rows, kv_len, kv_full_end, key_mask_len, stride_mb,
-    q_strides, k_strides, v_strides, o_strides, heads, kv_group, scatter, k_to, v_to,
+    q_strides, k_strides, v_strides, o_strides, heads, kv_group, scatter, scales, k_to, v_to,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FORWARD: tl.constexpr, MERGE: tl.constexpr, ALIGN: tl.constexpr,
+    FP8: tl.constexpr,
 ):
-    """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py). With FORWARD, the
+    """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py), `scales` a
+    PayloadScales record where FP8 (the scatter's rows travel as an FP8 payload; else None). With FORWARD, the
     program of query tile i also stores key tiles i, i + #query tiles, ... of its key head `k_to` and `v_to`
     elements further on (KeyForward), where its head is the first of its key head's group. With MERGE, Out and Lse
     hold a running float32 output and log-sum-exp that the tile's rows are merged into, in place."""
@@ -158,7 +162,10 @@ def _attention_kernel(
                + acc * (tl.math.exp2(mine - merged) / l_i)[:, None])
         tl.store(at, out, mask=row_ok[:, None])
     else:
-        out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
+        out = acc / l_i[:, None]
+        if FP8:
+            out, row_scales = quantize_rows(out)
+        out = out.to(Out.dtype.element_ty)
         if WRITE_LSE:
             tl.store(Lse + pid_bh.to(tl.int64) * q_len + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
                      mask=row_ok)
@@ -171,6 +178,10 @@ def _attention_kernel(
             column = batch * o_strides.batch + (scatter.head0 + h) * o_strides.head + offs_d[None, :]
             to_rank = tl.multiple_of(tl.load(Dest + dest), ALIGN)
             tl.store(Out + to_rank[:, None] + column + dest_row[:, None] * o_strides.seq, out, mask=is_image[:, None])
+            if FP8:
+                scale_column = batch * scales.strides.batch + (scatter.head0 + h) * scales.strides.head
+                tl.store(scales.base + tl.load(scales.offsets + dest) + scale_column + dest_row * scales.strides.seq,
+                         row_scales, mask=is_image)
             if pid_m * BLOCK_M < scatter.text_rows:
                 # text rows: every rank needs every head of them
                 is_text = offs_m < scatter.text_rows
@@ -178,6 +189,9 @@ def _attention_kernel(
                 for j in range(scatter.n_dest):
                     to_j = tl.multiple_of(tl.load(Dest + j), ALIGN)
                     tl.store(Out + to_j + column + text_row[:, None] * o_strides.seq, out, mask=is_text[:, None])
+                    if FP8:
+                        tl.store(scales.base + tl.load(scales.offsets + j) + scale_column
+                                 + text_row * scales.strides.seq, row_scales, mask=is_text)
         else:
             tl.store(Out + batch * o_strides.batch + h * o_strides.head + offs_m[:, None] * o_strides.seq
                      + offs_d[None, :], out, mask=row_ok[:, None])
@@ -247,7 +261,8 @@ def flash_attention(
 
     key_mask: (B, M) bool/int, keys [0, M) it marks False are ignored (keys past M are kept).
     out: (B, Sq, H, D) output (allocated like q if None). With `scatter`, `out` gives the destination buffers'
-    shape and strides and receives nothing unless it is one of them. `forward`: the kernel also stores the keys
+    shape and strides and receives nothing unless it is one of them; an e4m3 `out` takes an FP8 payload (the
+    scatter's `scales` say where its row scales go). `forward`: the kernel also stores the keys
     and values it reads there (KeyForward). `merge`: the result is merged into that running output and
     log-sum-exp, in place, instead (Running). Returns out (and the natural-log log-sum-exp, (B, H, Sq) float32, if
     `return_lse`); with `merge`, its output."""
@@ -268,6 +283,11 @@ def flash_attention(
             raise ValueError("flash_attention: a merge writes its running output and log-sum-exp, nothing else")
         merge.check(q)
         out = merge.out
+    payload = scatter is not None and scatter.scales is not None
+    if (out is not None and out.dtype == PAYLOAD_DTYPE) != payload:
+        raise ValueError(f"flash_attention: an {PAYLOAD_DTYPE} output is an FP8 payload, stored by a scatter with "
+                         f"the scale buffers of its rows, and only it; got a "
+                         f"{q.dtype if out is None else out.dtype} output {'with' if payload else 'without'} them")
     kv_len = k.shape[1] if kv_len is None else kv_len
     if not 0 < kv_len <= k.shape[1]:
         raise ValueError(f"kv_len must be in [1, {k.shape[1]}] (the keys given), got {kv_len}")
@@ -308,10 +328,10 @@ def _launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool) -> None:
         call.key_mask if call.key_mask is not None else call.out, call.destinations, *descriptors,
         call.scale, q_len, k.shape[1], call.kv_len, call.kv_len // cfg.block_n * cfg.block_n, call.key_mask_len,
         call.key_mask_stride, Strides.of(q), Strides.of(k), Strides.of(call.v), Strides.of(call.out), heads,
-        call.kv_group, call.scatter_args(cfg.block_m), *_forward_offsets(call),
+        call.kv_group, call.scatter_args(cfg.block_m), call.payload_scales, *_forward_offsets(call),
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WRITE_LSE=call.lse is not None, HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, FORWARD=call.forward is not None, MERGE=call.merge,
-        ALIGN=ALIGN_ELEMENTS,
+        ALIGN=ALIGN_ELEMENTS, FP8=call.payload_scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -21,6 +21,20 @@ class Strides(NamedTuple):
         return cls(t.stride(0), t.stride(1), t.stride(2))
 
 
+class PayloadScales(NamedTuple):
+    """Where the row scales of an FP8 payload go (kernels/fp8.py): one float32 per (batch, row, head) of the
+    payload's destination buffers, into scale buffers (B, rows, H) at `offsets` elements from `base` (this rank's
+    own, whose strides all share), by destination in the payload's order."""
+
+    base: torch.Tensor
+    offsets: torch.Tensor
+    strides: Strides
+
+    @classmethod
+    def of(cls, base: torch.Tensor, offsets: torch.Tensor) -> "PayloadScales":
+        return cls(base, offsets, Strides.of(base))
+
+
 class ScatterArgs(NamedTuple):
     """The scatter epilogue's scalars as the kernels read them: query row m < text_rows is text, stored at row
     text_row0 + m of every destination; image row r = m - text_rows goes to destination r // rows_per_rank at row
@@ -46,7 +60,8 @@ class Scatter:
     """Where the scatter epilogue sends output rows (the X-Stage piggyback of the post-attention all-to-all):
     `destinations` holds every destination's (B, rows, H, D) buffer as an element offset from the kernel's `out`
     (kernels/tables.py). Rows and heads map as ScatterArgs says; programs start at the query tile that holds
-    `first_row`."""
+    `first_row`. `scales`: the rows travel as an FP8 payload (`out` is e4m3) whose row scales go there; None: in
+    `out`'s dtype."""
 
     destinations: torch.Tensor
     text_rows: int
@@ -55,6 +70,7 @@ class Scatter:
     image_row0: int
     head0: int
     first_row: int = 0
+    scales: PayloadScales | None = None
 
     def args(self, block_m: int) -> ScatterArgs:
         """The kernels' view, for query tiles of `block_m` rows."""
@@ -138,6 +154,11 @@ class AttentionCall:
     def destinations(self) -> torch.Tensor:
         """The kernels' destination-table pointer (unread without a scatter)."""
         return self.scatter.destinations if self.scatter is not None else self.out
+
+    @property
+    def payload_scales(self) -> PayloadScales | None:
+        """Where a scatter of an FP8 payload stores its row scales (None: the output is stored in its dtype)."""
+        return self.scatter.scales if self.scatter is not None else None
 
     @property
     def key_mask_len(self) -> int:
