@@ -23,7 +23,7 @@ from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weight_kinds, weights_checksum
 from .runtime.cuda_graphs import GraphUse
 from .runtime.distributed import ParallelGroups, every_rank_joining, forget_groups, local_device, world_group
-from .sp.attention.backends import needs_fabric, needs_ring_fabric, resolve_backend
+from .sp.attention.backends import BackendChoice, needs_fabric, needs_ring_fabric, resolve_backend
 from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_dit_hooks import refuse_other_sequence_parallelism
 from .sp.moe.modes import ExpertModes
@@ -148,6 +148,25 @@ def _expert_parallel(asked: bool | None, models: list[nn.Module], degree: int) -
     return True
 
 
+# the FP8 parts (config.FP8_PARTS) that have a path; the others are refused in words
+_FP8_PARTS_THAT_RUN = ("payloads",)
+
+
+def _check_fp8(config: XStageConfig, choice: BackendChoice) -> None:
+    """FP8 only for parts that have a path, payloads only with a backend that sends them."""
+    missing = [part for part in config.fp8 if part not in _FP8_PARTS_THAT_RUN]
+    if missing:
+        raise NotImplementedError(f"fp8 parts {missing}: xstage_dit has no FP8 path for them yet (it has one for "
+                                  f"{list(_FP8_PARTS_THAT_RUN)}); a model quantized with torchao (or GGUF) runs "
+                                  f"under enable as it is")
+    if config.fp8 and config.fp8_full_precision_steps:
+        raise NotImplementedError(f"fp8_full_precision_steps={config.fp8_full_precision_steps}: xstage_dit cannot "
+                                  f"switch FP8 off for chosen steps yet; leave it 0")
+    if "payloads" in config.fp8 and not any(s.fp8_payloads is not None for s in choice.candidates()):
+        raise ValueError(f"fp8=\"payloads\": backend {config.backend!r} sends no FP8 payloads; the fused backend's "
+                         f"stores do (backend=\"fused\", or \"auto\" where the planner picks it)")
+
+
 def _config_of(config: XStageConfig | None, knobs: dict[str, Any]) -> XStageConfig:
     """The config `enable` was given, with any keywords in place of its fields."""
     if config is not None and not isinstance(config, XStageConfig):
@@ -171,11 +190,8 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
     degrees = _degrees(world_size, config, [plan.num_heads(model) for model, plan in zip(models, plans)])
     for model, plan in zip(models, plans):
         _check_heads(model, plan.num_heads(model), degrees)
-    if config.fp8:
-        raise NotImplementedError(f"fp8={config.fp8!r}: xstage_dit has no FP8 path yet; a model quantized with "
-                                  f"torchao (or GGUF) runs under enable as it is")
     cuda_graphs = _cuda_graphs(config.cuda_graphs, local_device())
-    resolve_backend(config.backend, local_device(), cuda_graphs)
+    _check_fp8(config, resolve_backend(config.backend, local_device(), cuda_graphs))
     degree = degrees.ulysses * degrees.ring
     return dataclasses.replace(config, ulysses_degree=degrees.ulysses, ring_degree=degrees.ring,
                                cuda_graphs=cuda_graphs,
@@ -280,7 +296,8 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
         shard = SequenceShard(groups.sequence_degree, groups.sequence_rank, groups.sequence_group)
         attention = UlyssesAttention(shard, choice, text_first=plan.text_first, query_key_masks=plan.query_key_masks,
                                      ulysses=groups.ulysses, ring=groups.ring,
-                                     local_cross_attention=plan.local_cross_attention)
+                                     local_cross_attention=plan.local_cross_attention,
+                                     fp8_payloads="payloads" in config.fp8)
         experts = ExpertModes.resolve(config.expert_parallel, shard.degree, fabric_ready=fabric is not None)
         job = ModelJob(model=model, plan=plan, config=config, groups=groups, shard=shard, attention=attention,
                        experts=experts, fabric=fabric, pairs=pairs)

@@ -17,14 +17,14 @@ from .distributed import all_gather_into, local_device, waiting_for
 
 @dataclass
 class Fingerprint:
-    """Named numbers every rank must agree on (strings and None enter as the CRC-32 of their text)."""
+    """Named numbers every rank must agree on (strings, tuples and None enter as the CRC-32 of their text)."""
 
     names: list[str] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
 
     def add(self, name: str, value: object) -> None:
         self.names.append(name)
-        if value is None or isinstance(value, str):
+        if value is None or isinstance(value, (str, tuple)):
             self.values.append(float(zlib.crc32(str(value).encode())))
         else:
             self.values.append(float(value))  # type: ignore[arg-type]

@@ -34,7 +34,7 @@ class Auto:
         runnable = tuple(strategy for strategy in backends() if strategy.refusal(call) is None)
         if call.ring:
             return decide_ring(planner, ring_shape(query, layout), layout.ring_degree, layout.degree, runnable)
-        return decide(planner, attention_shape(query, layout), runnable)
+        return decide(planner, attention_shape(query, layout, call.fp8_payloads), runnable)
 
 
 @lru_cache(maxsize=256)

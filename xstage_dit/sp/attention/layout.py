@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...kernels.attention_args import Scatter, StoreRows
+from ...kernels.attention_args import PayloadScales, Scatter, StoreRows
 from ...burst_gap.planner import TileOrder
 
 
@@ -90,10 +90,11 @@ class UlyssesLayout:
             return 0
         return self.query_text_len + (self.rank + 1) % self.degree * self.local_len
 
-    def output_scatter(self, destinations: torch.Tensor, heads_per_rank: int, order: TileOrder) -> Scatter:
+    def output_scatter(self, destinations: torch.Tensor, heads_per_rank: int, order: TileOrder,
+                       scales: PayloadScales | None = None) -> Scatter:
         """The attention epilogue's stores for this rank's heads: image row r of the head-sharded output to rank
         r // L at its row r % L, text rows to every rank, into buffers shaped like the queries at
-        `destinations`."""
+        `destinations` (FP8 payloads, their row scales into `scales`)."""
         return Scatter(
             destinations=destinations,
             text_rows=self.query_text_len,
@@ -102,6 +103,7 @@ class UlyssesLayout:
             image_row0=self.query_text_len if self.text_first else 0,
             head0=self.rank * heads_per_rank,
             first_row=self.first_row(order),
+            scales=scales,
         )
 
 

@@ -17,11 +17,12 @@ class UlyssesAttention:
     """Ulysses attention for one model: knows the model's token split and the backend choice, not the model. The
     split's ranks may form a ring of Ulysses groups (`ring`, ring.py); by default they are one Ulysses group.
     `local_cross_attention`: the model's calls whose queries and keys differ in count are cross-attention over
-    keys every rank holds whole (SequenceParallelPlan.local_cross_attention)."""
+    keys every rank holds whole (SequenceParallelPlan.local_cross_attention). `fp8_payloads`: the exchanges send
+    FP8 payloads where the strategy can (XStageConfig.fp8 "payloads")."""
 
     def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
                  query_key_masks: QueryKeyMasks | None = None, ulysses: Axis | None = None,
-                 ring: Axis = Axis(), local_cross_attention: bool = False) -> None:
+                 ring: Axis = Axis(), local_cross_attention: bool = False, fp8_payloads: bool = False) -> None:
         self.shard = shard
         self.choice = choice
         self.text_first = text_first
@@ -29,6 +30,7 @@ class UlyssesAttention:
         self.ulysses = Axis(shard.degree, shard.rank, shard.group) if ulysses is None else ulysses
         self.ring = ring
         self.local_cross_attention = local_cross_attention
+        self.fp8_payloads = fp8_payloads
 
     def routes(self, queries: int, keys: int) -> bool:
         """Whether a call of `queries` queries over `keys` keys is this attention's: not one within a prefix every
@@ -72,7 +74,7 @@ class UlyssesAttention:
         return ulysses_attention(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout,
                                  text_mask=text_key_mask(attn_mask, layout), backend=self.choice.name,
                                  group=self.ulysses.group, scale=scale, attention_backend=attention_backend,
-                                 pair_bias=pair_bias, ring_group=self.ring.group)
+                                 pair_bias=pair_bias, ring_group=self.ring.group, fp8_payloads=self.fp8_payloads)
 
     def joint(self, query: JointTokens, key: JointTokens, value: JointTokens, attn_mask: torch.Tensor | None = None,
               scale: float | None = None, attention_backend: str | None = None) -> torch.Tensor | None:
@@ -84,7 +86,7 @@ class UlyssesAttention:
         layout = self._layout(query.rows, key.rows)
         return ulysses_attention(query, key, value, layout, text_mask=text_key_mask(_four_dims(attn_mask), layout),
                                  backend=self.choice.name, group=self.ulysses.group, scale=scale,
-                                 attention_backend=attention_backend)
+                                 attention_backend=attention_backend, fp8_payloads=self.fp8_payloads)
 
     def with_whole_keys(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, whole: WholeKeys,
                         scale: float | None = None) -> torch.Tensor | None:
@@ -97,7 +99,8 @@ class UlyssesAttention:
         layout = self._layout(query.shape[1], key.shape[1])
         return ulysses_attention(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout,
                                  text_mask=None, backend=self.choice.name, group=self.ulysses.group, scale=scale,
-                                 attention_backend=None, ring_group=self.ring.group, whole=whole)
+                                 attention_backend=None, ring_group=self.ring.group, whole=whole,
+                                 fp8_payloads=self.fp8_payloads)
 
     def takes_joint_tokens(self, device: torch.device) -> bool:
         """What `joint` asks before it looks at the tensors: a Ulysses degree above 1, no masks over query-key
