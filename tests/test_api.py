@@ -265,6 +265,24 @@ def test_the_fp8_knob_reads_as_the_parts_in_one_order_and_refuses_others_in_word
             config(fp8_full_precision_steps=bad)
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"fp8": "attention"}, NotImplementedError, r"fp8 parts \['attention'\]: xstage_dit has no FP8 path for them yet "
+                                                r"\(it has one for \['payloads'\]\)"),
+    ({"fp8": "all"}, NotImplementedError, r"fp8 parts \['attention', 'linear'\]: xstage_dit has no FP8 path"),
+    ({"fp8": "payloads", "fp8_full_precision_steps": 2}, NotImplementedError,
+     r"fp8_full_precision_steps=2: xstage_dit cannot switch FP8 off for chosen steps yet"),
+    ({"fp8": "payloads", "backend": "reference"}, ValueError,
+     r"fp8=\"payloads\": backend 'reference' sends no FP8 payloads; the fused backend's stores do"),
+])
+def test_fp8_without_a_path_is_refused_in_words_before_any_collective(flux_pipe, world, kwargs, error, message):
+    """FP8 payloads are taken (tests/test_fp8_payloads.py); the other parts, steps in full precision and a backend
+    that sends no FP8 payloads are refused."""
+    world(2)
+    with pytest.raises(error, match=message):
+        xstage_dit.enable(flux_pipe, **kwargs)
+    assert not torch.distributed.is_initialized()
+
+
 def test_enable_takes_a_config_whole_or_its_knobs_as_keywords(flux_pipe, world):
     """`enable(pipe, knob=v)` is `enable(pipe, config=XStageConfig(knob=v))`; keywords replace a config's fields;
     an unknown keyword names the knobs."""
