@@ -18,7 +18,9 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
   local memory), each through the backends' own code: the fused backend's steps over a loopback fabric (store
   kernels, attention with the scatter epilogue; no barriers) in both tile orders vs our attention kernel alone;
-  its pre-all-to-all step alone vs a device-to-device copy of the same bytes; and the whole call of serial (the
+  its pre-all-to-all step alone vs a device-to-device copy of the same bytes; with FP8 payloads (e4m3 rows and
+  their scales: about half the bytes), its pre-all-to-all step and its whole call vs the same in bf16; and the
+  whole call of serial (the
   reference backend's exchange code around its SDPA, each all-to-all a copy of the send buffer), overlap (the
   overlap backend's chunked schedule, the all-to-alls as copies on a second stream) and fused, each vs cuDNN
   attention alone.
@@ -33,6 +35,7 @@ import functools
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -57,6 +60,7 @@ from xstage_dit.sp.attention.overlap import MAX_CHUNKS, chunked_exchange
 from xstage_dit.sp.attention.reference import serial_exchange
 from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_calibration
 from xstage_dit.burst_gap.ulysses_plan import TileOrder
+from xstage_dit.sizes import fp8_payload_bytes
 
 from provenance import OUTPUT_DIR, described, provenance
 
@@ -404,6 +408,11 @@ def copy_now(send: torch.Tensor) -> InFlight:
     return InFlight(send.clone(), None)
 
 
+def peers_rows(buffer: torch.Tensor) -> None:
+    """Standard normal values, as peers' rows would hold (in any dtype: FP8 payloads too)."""
+    buffer.copy_(torch.randn(buffer.shape, device=buffer.device))
+
+
 class LoopbackRank:
     """Rank 0 of N-rank Ulysses attention on one GPU: its joint inputs, a loopback fabric for the fused backend's
     steps, and loopback transports for the reference and overlap backends' exchange code."""
@@ -413,18 +422,20 @@ class LoopbackRank:
         self.layout = UlyssesLayout(0, seq, self.local, n_ranks, 0)
         self.qkv = [torch.randn(1, self.local, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                     for _ in range(3)]
-        self.fabric = LoopbackFabric(n_ranks, "cuda", initialise=torch.Tensor.normal_).rank(0)
+        self.fabric = LoopbackFabric(n_ranks, "cuda", initialise=peers_rows).rank(0)
         # this rank's heads of the whole sequence, as after the pre-all-to-all
         self.gathered = [torch.randn(1, seq, self.share, head_dim, device="cuda", dtype=torch.bfloat16)
                          for _ in range(3)]
         self.in_flight = StreamCopy()
 
-    def fused_pre(self) -> None:
-        """The fused backend's first step alone: the pre-all-to-all store kernels."""
-        next(fused_steps(*self.joint_qkv(), self.layout, self.fabric, None, None, TileOrder.ROTATED))
+    def fused_pre(self, fp8_payloads: bool = False) -> None:
+        """The fused backend's first step alone: the pre-all-to-all store kernels (of FP8 payloads: `fp8_payloads`)."""
+        next(fused_steps(*self.joint_qkv(), self.layout, self.fabric, None, None, TileOrder.ROTATED,
+                         fp8_payloads=fp8_payloads))
 
-    def fused_call(self, order: TileOrder) -> torch.Tensor:
-        return fused_exchange(*self.joint_qkv(), self.layout, self.fabric, None, None, order)
+    def fused_call(self, order: TileOrder, fp8_payloads: bool = False) -> torch.Tensor:
+        return fused_exchange(*self.joint_qkv(), self.layout, self.fabric, None, None, order,
+                              fp8_payloads=fp8_payloads)
 
     def joint_qkv(self) -> list[JointTokens]:
         return [JointTokens((t,)) for t in self.qkv]
@@ -460,10 +471,22 @@ def bench_loopback(n_ranks: int, heads: int, planner: Planner | None) -> list[di
         volume = 3 * shape.tensor_bytes()
         src = torch.empty(int(volume), dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        ms = compare_ms({"pre": rank.fused_pre, "copy": lambda: dst.copy_(src)})
+        ms = compare_ms({"pre": rank.fused_pre, "copy": lambda: dst.copy_(src),
+                         "pre fp8": lambda: rank.fused_pre(fp8_payloads=True),
+                         "call": lambda: rank.fused_call(TileOrder.ROTATED),
+                         "call fp8": lambda: rank.fused_call(TileOrder.ROTATED, fp8_payloads=True)})
         records.append(record("pre_a2a_loopback", [1, rank.local, heads, 128], ms["pre"], "d2d_copy_same_bytes",
                               ms["copy"], planner.ulysses.pre_all_to_all(shape) * 1e3 if planner else None,
                               n_ranks=n_ranks))
+        # FP8 payloads: the stores send e4m3 rows and their scales
+        fp8_shape = replace(shape, payload_bytes=fp8_payload_bytes(128))
+        sent = {"bf16": volume, "fp8": volume * fp8_shape.payload_ratio}
+        records.append(record("pre_a2a_fp8_loopback", [1, rank.local, heads, 128], ms["pre fp8"],
+                              "pre_a2a_loopback (bf16)", ms["pre"],
+                              planner.ulysses.pre_all_to_all(fp8_shape) * 1e3 if planner else None, n_ranks=n_ranks,
+                              sent_bytes=sent["fp8"], baseline_sent_bytes=sent["bf16"]))
+        records.append(record("fused_call_fp8_loopback", dims, ms["call fp8"], "fused_call_loopback (bf16)",
+                              ms["call"], n_ranks=n_ranks, tile_order=TileOrder.ROTATED.value))
         check = (rank.serial_call() - rank.overlap_call()).abs().max().item()
         assert check < 1e-2, f"loopback overlap differs from serial by {check}"
     return records

@@ -3,12 +3,12 @@
 reports an sm_90 target, and each kernel is compiled through ptxas by its own launcher; the attention kernel with
 every switch on and off (head_dim, key mask + scatter, ping-pong; fp16, 64-key tiles and heads-major rows
 once; grouped keys forwarded, with the LSE and with the merge into a running output: the X-Stage ring's
-call), the RoPE
-kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and with the norm + RoPE) for bf16 at
-head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code does),
-the MoE expert kernel, whose matmuls must be Hopper's wgmma, and FP8 attention (the Triton attention kernel and its
-quantization kernel, head_dim 64 and 128, with the key mask, LSE and scatter, and the ring's forward and merge),
-whose products must be wgmma's INT8 and e4m3 ones.
+call; the scatter of an FP8 payload), the RoPE
+kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and with the norm + RoPE; plain into an
+FP8 payload) for bf16 at head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code
+does), the MoE expert kernel, whose matmuls must be Hopper's wgmma, and FP8 attention (the Triton attention kernel
+and its quantization kernel, head_dim 64 and 128, with the key mask, LSE and scatter (of an FP8 payload once), and
+the ring's forward and merge), whose products must be wgmma's INT8 and e4m3 ones.
 Exits non-zero on the first failure."""
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ class Sm90Driver:
 def main() -> None:
     driver.set_active(Sm90Driver())
     from xstage_dit.kernels import attention_hopper as hopper
-    from xstage_dit.kernels.attention_args import AttentionCall, KeyForward, Merge, Running, Scatter, Store
+    from xstage_dit.kernels.attention_args import (AttentionCall, KeyForward, Merge, PayloadScales, Running, Scatter,
+                                                   Store)
+    from xstage_dit.kernels.fp8 import PAYLOAD_DTYPE
 
     batch, seq, heads = 2, 1000, 3
 
@@ -72,6 +74,13 @@ def main() -> None:
     hopper.launch(call(q, kv, Merge(running), forward=forward), hopper.HopperConfig(), hopper.TmaRows.TOKENS,
                   warmup=True)
     print("compiled the key forward with the merge")
+    # the scatter of an FP8 payload: e4m3 rows, their scales stored alike
+    payload = torch.empty(batch, seq, heads, 128, dtype=PAYLOAD_DTYPE)
+    scales = PayloadScales.of(torch.empty(batch, seq, heads), torch.zeros(4, dtype=torch.int64))
+    payload_scatter = Scatter(payload, torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250,
+                              text_row0=0, image_row0=7, head0=0, scales=scales)
+    hopper.launch(call(q, q, payload_scatter), hopper.HopperConfig(), hopper.TmaRows.TOKENS, warmup=True)
+    print("compiled the scatter of an FP8 payload")
 
     from xstage_dit.kernels import rotary
 
@@ -102,9 +111,13 @@ def main() -> None:
                                         across_heads=True))
     for tokens in (joint, JointTokens((x,)), across):
         store_heads(tokens, StoreRows(0, 20, 20), torch.zeros(3, dtype=torch.int64), base, rank=0, warmup=True)
+    store_heads(JointTokens((x,)), StoreRows(0, 20, 20), torch.zeros(3, dtype=torch.int64),
+                torch.empty(base.shape, dtype=PAYLOAD_DTYPE), rank=0,
+                scales=PayloadScales.of(torch.empty(base.shape[:-1]), torch.zeros(3, dtype=torch.int64)), warmup=True)
     ptx = [path.read_text() for path in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_store_*_kernel.ptx")]
-    assert len(ptx) == 3 and not any("fma.rn.f32" in text for text in ptx), "the store kernels' PTX fuses an FMA"
-    print("compiled the store kernels, plain and with the norm + rope (per head, across heads), no FMA")
+    assert len(ptx) == 4 and not any("fma.rn.f32" in text for text in ptx), "the store kernels' PTX fuses an FMA"
+    print("compiled the store kernels, plain, with the norm + rope (per head, across heads) and into an FP8 "
+          "payload, no FMA")
 
     from xstage_dit.kernels import experts
 
@@ -134,16 +147,20 @@ def main() -> None:
         if ring:  # the X-Stage ring's step: grouped keys forwarded, merged into a running float32 output
             running = Running(torch.empty(batch, seq, heads, head_dim), torch.empty(batch, heads, seq))
             fp8_call = call(q, kv, Merge(running), forward=KeyForward(kv.data_ptr(), kv.data_ptr()))
-        else:
-            fp8_call = call(q, kv, Scatter(q, torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250,
-                                           text_row0=0, image_row0=7, head0=0),
+        else:  # at head_dim 128, scattering an FP8 payload
+            payload = head_dim == 128
+            out = torch.empty(q.shape, dtype=PAYLOAD_DTYPE) if payload else q
+            scales = PayloadScales.of(torch.empty(q.shape[:-1]), torch.zeros(4, dtype=torch.int64)) if payload \
+                else None
+            fp8_call = call(q, kv, Scatter(out, torch.zeros(4, dtype=torch.int64), text_rows=7, rows_per_rank=250,
+                                           text_row0=0, image_row0=7, head0=0, scales=scales),
                             key_mask=torch.empty(batch, 8, dtype=torch.int8))
         attention.launch_triton(fp8_call, config, use_tma=False, fp8=operands, warmup=True)
-    # the Gluon kernel shares the name: FP8 attention's are the PTX with e4m3 in it
+    # the Gluon kernel shares the name, and its FP8 payload's scatter converts to e4m3 too: FP8 attention's are the
+    # PTX with INT8 products in it
     ptx = [path.read_text() for path in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_attention_kernel.ptx")]
-    fp8 = [text for text in ptx if "e4m3" in text]
-    assert len(fp8) == 3 and all("wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in text
-                                 and ".f32.e4m3.e4m3" in text for text in fp8), \
+    fp8 = [text for text in ptx if "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in text]
+    assert len(fp8) == 3 and all(".f32.e4m3.e4m3" in text for text in fp8), \
         "FP8 attention's products do not run on Hopper's INT8 and e4m3 wgmma"
     print("compiled FP8 attention (wgmma INT8 q·kᵀ, e4m3 p·v)")
 

@@ -46,7 +46,10 @@ SIZES = {"tiny-flux": {"height": 20, "width": 28, "num_frames": 1},
 
 
 def same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
-                     expert_parallel: bool | None = None, degrees: dict | None = None, fp8: bool = False) -> None:
+                     expert_parallel: bool | None = None, degrees: dict | None = None,
+                     fp8: tuple[str, ...] | str | None = None, tolerance: float = PIPELINE_TOLERANCE) -> None:
+    """`degrees`: more of enable's knobs (the degrees); `fp8`: enable's fp8 knob; `tolerance`: of the relative
+    error to the stock pipeline."""
     # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through the host, enough for correctness;
     # symmetric memory's CUDA backend maps the ranks' buffers into each other on the shared GPU
     share_one_gpu()
@@ -57,10 +60,10 @@ def same_gpu_worker(name: str, backend: str, expect_choice: str | None = None,
     pipe.set_progress_bar_config(disable=True)
     stock = generate(pipe, name, SIZES[name], batch=2)
     xstage_dit.enable(pipe, backend=backend, timeout_s=60, expert_parallel=expert_parallel,
-                      fp8="attention" if fp8 else None, **(degrees or {}))
+                      fp8=fp8, **(degrees or {}))
     error = relative_error(generate(pipe, name, SIZES[name], batch=2), stock)
     world = dist.get_world_size()
-    assert error < PIPELINE_TOLERANCE, f"{name}, {backend}, {world} ranks on one GPU: relative error {error:.2e}"
+    assert error < tolerance, f"{name}, {backend}, {world} ranks on one GPU: relative error {error:.2e}"
     if expect_choice:
         assert choices and all(f"-> {expect_choice} " in c for c in choices), choices
     if expert_parallel:  # over the fused backend's fabric: every MoE layer call ran the X-Stage stores

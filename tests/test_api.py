@@ -265,6 +265,18 @@ def test_the_fp8_knob_reads_as_the_parts_in_one_order_and_refuses_others_in_word
             config(fp8_full_precision_steps=bad)
 
 
+@pytest.mark.parametrize("fp8, backend", [("payloads", "reference"), (("attention", "payloads"), "overlap")])
+def test_fp8_payloads_without_a_backend_that_sends_them_are_refused_before_any_collective(flux_pipe, world, fp8,
+                                                                                          backend):
+    """FP8 payloads are taken where the backend may pick the fused strategy (tests/test_fp8_payloads.py); a backend
+    whose exchanges send the model's dtype is refused in words, FP8 attention or not."""
+    world(2)
+    with pytest.raises(ValueError, match=rf"fp8=\"payloads\": backend '{backend}' sends no FP8 payloads; the fused "
+                                         r"backend's stores do"):
+        xstage_dit.enable(flux_pipe, fp8=fp8, backend=backend)
+    assert not torch.distributed.is_initialized()
+
+
 def test_enable_takes_a_config_whole_or_its_knobs_as_keywords(flux_pipe, world):
     """`enable(pipe, knob=v)` is `enable(pipe, config=XStageConfig(knob=v))`; keywords replace a config's fields;
     an unknown keyword names the knobs."""

@@ -75,13 +75,14 @@ def two_ranks(monkeypatch):
     monkeypatch.setenv("RANK", "0")
 
 
-def test_fp8_parts_without_a_path_and_fp8_linear_on_a_cpu_are_refused_in_words(two_ranks):
+def test_fp8_payloads_without_their_backend_and_fp8_linear_on_a_cpu_are_refused_in_words(two_ranks):
     pipe = zoo.build_pipeline("tiny-flux")
-    with pytest.raises(ValueError, match=r"fp8='linear' runs torchao's FP8 GEMMs, which need a CUDA GPU of "
-                                         r"compute capability 8.9 or above; this rank runs on cpu"):
-        xstage_dit.enable(pipe, fp8="linear")
-    with pytest.raises(NotImplementedError, match=r"no FP8 path for payloads yet"):
-        xstage_dit.enable(pipe, fp8="all")
+    for fp8 in ("linear", "all"):
+        with pytest.raises(ValueError, match=r"fp8='linear' runs torchao's FP8 GEMMs, which need a CUDA GPU of "
+                                             r"compute capability 8.9 or above; this rank runs on cpu"):
+            xstage_dit.enable(pipe, fp8=fp8)
+    with pytest.raises(ValueError, match=r"fp8=\"payloads\": backend 'reference' sends no FP8 payloads"):
+        xstage_dit.enable(pipe, fp8="all", backend="reference")
     assert not torch.distributed.is_initialized()
     assert xstage_dit.installed_layers(pipe) == []
 

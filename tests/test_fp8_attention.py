@@ -208,10 +208,10 @@ def test_the_fp8_variant_runs_through_the_router_the_op_and_the_ring(ulysses, ri
     run_on_ranks(ulysses * ring, _router_worker, ulysses, ring, deadline_s=600)
 
 
-def test_enable_runs_fp8_attention_where_asked_and_refuses_the_parts_without_a_path():
+def test_enable_runs_fp8_attention_where_asked_and_refuses_payloads_without_their_backend():
     """fp8="attention" makes every attention call of a head_dim-64 model run our FP8 kernel (its latents close to
-    stock), but in the full-precision steps (fp8_full_precision_steps), which attend as without FP8; the part that
-    has no FP8 path yet is refused in words, before any collective."""
+    stock), but in the full-precision steps (fp8_full_precision_steps), which attend as without FP8; FP8 payloads
+    with a backend that sends none are refused in words, before any collective."""
     import xstage_dit
     from xstage_dit.kernels import attention as kernel
     from xstage_dit.testing import zoo
@@ -224,8 +224,8 @@ def test_enable_runs_fp8_attention_where_asked_and_refuses_the_parts_without_a_p
                     generator=torch.Generator().manual_seed(0), return_dict=False)[0]
 
     stock = latents()
-    with pytest.raises(NotImplementedError, match=r"no FP8 path for payloads yet"):
-        xstage_dit.enable(pipe, fp8=("attention", "payloads"))
+    with pytest.raises(ValueError, match=r"fp8=\"payloads\": backend 'reference' sends no FP8 payloads"):
+        xstage_dit.enable(pipe, fp8=("attention", "payloads"), backend="reference")
     calls = []
     original = kernel.flash_attention
     kernel.flash_attention = lambda *args, **kwargs: calls.append(kwargs.get("fp8")) or original(*args, **kwargs)
@@ -255,7 +255,7 @@ def test_fp8_attention_on_ranks_of_one_gpu_matches_one_gpu(backend, degrees):
     over symmetric memory, the reference variant's gathered heads, the stored ring's forward and merge) against
     the stock pipeline on one GPU, within the bf16 pipelines' tolerance."""
     ranks = 4 if degrees else 2
-    run_on_ranks(ranks, same_gpu_worker, "tiny-flux-d64", backend, None, None, degrees, True, deadline_s=300)
+    run_on_ranks(ranks, same_gpu_worker, "tiny-flux-d64", backend, None, None, degrees, "attention", deadline_s=300)
 
 
 @pytest.mark.gpu

@@ -11,12 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from numerics import FP8_ATTENTION_ERROR, FP8_LSE_ERROR, attention_reference as _reference, relative_error
+from numerics import (FP8_ATTENTION_ERROR, FP8_LSE_ERROR, attention_reference as _reference, fp8_error_bound,
+                      fp8_round_trip, relative_error)
 
 pytest.importorskip("triton", reason="triton is not installed: the fused extra (CUDA builds of torch bring it)")
 from xstage_dit.kernels.attention import TileConfig, flash_attention  # noqa: E402
-from xstage_dit.kernels.attention_args import KeyForward, Merge, Running, Store  # noqa: E402
+from xstage_dit.kernels.attention_args import KeyForward, Merge, PayloadScales, Running, Store  # noqa: E402
 from xstage_dit.kernels.attention_hopper import HopperConfig, TailSplit, split_tail  # noqa: E402
+from xstage_dit.kernels.fp8 import PAYLOAD_DTYPE, SCALE_DTYPE  # noqa: E402
 from xstage_dit.kernels.rotary_args import JointTokens, NormedTokens, NormRope  # noqa: E402
 from xstage_dit.sp.fabric import LoopbackFabric, View, run_in_lockstep  # noqa: E402
 from xstage_dit.sp.attention.fused import fused_steps  # noqa: E402
@@ -25,6 +27,10 @@ from xstage_dit.burst_gap.ulysses_plan import TileOrder  # noqa: E402
 
 # bf16 operands against a float64 reference land between 1e-3 and 1e-2 relative
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
+# FP8 payloads (kernels/fp8.py): rounding the output rows costs about 2.5 % normwise (each value within 2^-4 of
+# itself), and the rounded q, k and v move standard normal attention about as much again
+FP8_OUTPUT = 2.0 ** -5
+FP8_VS_PLAIN = 2.0 ** -4
 
 
 def _bounds(dtype: torch.dtype, fp8: bool) -> tuple[float, float]:
@@ -311,10 +317,14 @@ def _norm_rope_reference(x, weight, eps, cos, sin):
 
 
 def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, head_dim, text_first, order,
-                    text_queries=True, norm_rope=False, fp8=False):
+                    text_queries=True, norm_rope=False, fp8=False, fp8_payloads=False):
     """`text_queries=False`: the text is keys only, the queries are the image tokens. `norm_rope`: q and k reach
     the store kernels as raw text and image parts with their RMSNorm weights and RoPE tables, v as two parts (a
-    joint-attention processor's JointTokens); else each as one joined tensor. `fp8`: FP8 attention."""
+    joint-attention processor's JointTokens); else each as one joined tensor. `fp8`: FP8 attention.
+    `fp8_payloads`: the payloads travel in FP8, against attention over q, k, v quantized as the stores quantize
+    them (per token row and head: the same rows whichever rank stores them), its output quantized as the
+    scatter's: in float32 within fp8_error_bound (FP8 attention: within its bound plus FP8_OUTPUT); in bf16 within
+    the bf16 tolerance plus FP8_OUTPUT, and within FP8_VS_PLAIN of the same exchange in bf16."""
     local = -(-seq_len // n_ranks)
 
     def chunks(image):
@@ -356,22 +366,36 @@ def _check_loopback(device, dtype, n_ranks, batch, text_len, seq_len, heads, hea
                     [p for p in in_order(*parts) if p.tokens.shape[1]], *tables)
         tokens[2] = [JointTokens(tuple(in_order(text[2], c))) for c in chunks(image[2])]
 
-    fabric = LoopbackFabric(n_ranks, device, initialise=lambda t: t.fill_(float("nan")))
     layouts = [UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first, text_queries)
                for rank in range(n_ranks)]
-    outs = run_in_lockstep(
-        [fused_steps(*(t[rank] for t in tokens), layouts[rank], fabric.rank(rank), None, key_mask[:, None, None, :],
-                     order, fp8) for rank in range(n_ranks)],
-        fabric.rank(0).barrier)
+
+    def exchange(payloads):
+        fabric = LoopbackFabric(n_ranks, device, initialise=lambda t: t.fill_(float("nan")))
+        return run_in_lockstep(
+            [fused_steps(*(t[rank] for t in tokens), layouts[rank], fabric.rank(rank), None,
+                         key_mask[:, None, None, :], order, fp8, payloads) for rank in range(n_ranks)],
+            fabric.rank(0).barrier)
+
+    outs = exchange(fp8_payloads)
+    plain = exchange(False) if fp8_payloads and dtype != torch.float32 else None
 
     keep = torch.cat([key_mask, torch.ones(batch, seq_len, dtype=torch.bool, device=device)], dim=1)
-    ref, _ = _reference(*full, text_len + seq_len, keep)
+    ref, _ = _reference(*(fp8_round_trip(t) if fp8_payloads else t for t in full), text_len + seq_len, keep)
     query_text_len = text[0].shape[1]
     expected = [torch.cat(in_order(ref[:, :query_text_len], c), dim=1) for c in chunks(ref[:, query_text_len:])]
     for rank in range(n_ranks):
-        out = valid_rows(outs[rank], rank)
+        out, want = valid_rows(outs[rank], rank), valid_rows(expected[rank], rank)
         assert not out.isnan().any(), f"rank {rank}: unwritten output rows"
-        assert relative_error(out, valid_rows(expected[rank], rank)) < _bounds(dtype, fp8)[0], f"rank {rank}"
+        if fp8_payloads and not fp8 and dtype == torch.float32:
+            # the float32 attention within 1e-5 of the float64 one, then quantized
+            excess = (out.double() - want).abs() / fp8_error_bound(want, slack=1e-5)
+            assert excess.max().item() <= 1, f"rank {rank}: {excess.max().item():.2f} x the FP8 bound"
+            continue
+        error = relative_error(out, want)
+        assert error < _bounds(dtype, fp8)[0] + (FP8_OUTPUT if fp8_payloads else 0), f"rank {rank}: {error:.2e}"
+        if plain is not None:
+            error = relative_error(out, valid_rows(plain[rank], rank))
+            assert error < FP8_VS_PLAIN, f"rank {rank}: {error:.2e} from the bf16 exchange"
 
 
 @pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19), (4, 13)])
@@ -386,6 +410,45 @@ def test_fused_loopback_in_fp8_interpreted(n_ranks, seq_len, text_first):
     """The scatter epilogue of FP8 attention: every rank's rows land where the bf16 kernel's do."""
     _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, TileOrder.ROTATED,
                     fp8=True)
+
+
+@pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19)])
+@pytest.mark.parametrize("text_first, text_queries", [(True, True), (False, True), (True, False)])
+def test_fused_loopback_with_fp8_payloads_interpreted(n_ranks, seq_len, text_first, text_queries):
+    """Every payload of the exchange (q, k, v stored, the output scattered) in FP8: within the FP8 bound of
+    attention over the same quantized inputs."""
+    _check_loopback("cpu", torch.float32, n_ranks, 2, 5, seq_len, 2 * n_ranks, 64, text_first, TileOrder.ROTATED,
+                    text_queries, fp8_payloads=True)
+
+
+def test_fused_loopback_with_fp8_payloads_and_fp8_attention_interpreted():
+    """Both FP8 parts at once: the payloads dequantized before FP8 attention, its output scattered as a payload."""
+    _check_loopback("cpu", torch.float32, 2, 2, 5, 20, 4, 64, True, TileOrder.ROTATED, fp8=True, fp8_payloads=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_ranks", [2, 4, 8])
+@pytest.mark.parametrize("text_first", [True, False])
+@pytest.mark.parametrize("order", list(TileOrder))
+def test_fused_loopback_with_fp8_payloads_on_gpu(n_ranks, text_first, order):
+    _check_loopback("cuda", torch.bfloat16, n_ranks, 2, 77, 4093, 3 * n_ranks, 128, text_first, order,
+                    fp8_payloads=True)
+
+
+def test_fp8_payloads_take_the_fabric_bytes_the_planner_prices_interpreted():
+    """The fabric buffers of an FP8 exchange hold sizes.fp8_payload_bytes per element where the plain exchange
+    holds the model's dtype (about half of bf16, an eighth of the float32 here plus the scales)."""
+    from xstage_dit.sizes import fp8_payload_bytes
+
+    n_ranks, local, heads, head_dim = 2, 64, 4, 64
+    tokens = [JointTokens((torch.randn(2, local, heads, head_dim),)) for _ in range(3)]
+    held = {}
+    for payloads in (False, True):
+        fabric = LoopbackFabric(n_ranks, "cpu")
+        next(fused_steps(*tokens, UlyssesLayout(0, n_ranks * local, local, n_ranks, 0), fabric.rank(0), None, None,
+                         TileOrder.ROTATED, fp8_payloads=payloads))
+        held[payloads] = fabric.workspace.nbytes
+    assert held[True] / held[False] == pytest.approx(fp8_payload_bytes(head_dim) / 4, rel=0.05)
 
 
 @pytest.mark.parametrize("n_ranks, seq_len", [(2, 20), (3, 19)])
@@ -528,10 +591,12 @@ def _one_key_per_query(batch, query_rows, key_rows, kv_len, heads, head_dim, dev
 @pytest.mark.parametrize("text_first", [True, False])
 @pytest.mark.parametrize("order", list(TileOrder))
 @pytest.mark.parametrize("text_queries", [True, False])
-def test_triton_and_gluon_scatter_epilogues_store_the_same_bytes(n_ranks, text_first, order, text_queries):
+@pytest.mark.parametrize("payload", [False, True])
+def test_triton_and_gluon_scatter_epilogues_store_the_same_bytes(n_ranks, text_first, order, text_queries, payload):
     """The post-all-to-all of the fused backend from either kernel (flash_attention runs the Gluon one on Hopper,
     the Triton one elsewhere), N simulated ranks over a loopback fabric: on the same head-sharded inputs, on which
-    both compute the same bits, every rank's output buffer holds the same bytes, every element written."""
+    both compute the same bits, every rank's output buffer holds the same bytes, every element written (`payload`:
+    an FP8 payload, and its scale buffer too)."""
     batch, text_len, seq_len, head_dim = 2, 77, 1501, 128
     heads, local = 2 * n_ranks, -(-seq_len // n_ranks)
     layouts = [UlyssesLayout(text_len, seq_len, local, n_ranks, rank, text_first, text_queries)
@@ -540,20 +605,25 @@ def test_triton_and_gluon_scatter_epilogues_store_the_same_bytes(n_ranks, text_f
     q, k, v = _one_key_per_query(batch, first.query_gathered_len, first.gathered_len, first.key_len, heads,
                                  head_dim, "cuda")
     share = heads // n_ranks
-    out_views = [View("out", (batch, first.query_text_len + local, heads, head_dim), torch.bfloat16)]
+    rows = (batch, first.query_text_len + local, heads)
+    out_views = [View("out", (*rows, head_dim), PAYLOAD_DTYPE if payload else torch.bfloat16)]
+    out_views += [View("scales", rows, SCALE_DTYPE)] if payload else []
     outs = {}
     for config in (TileConfig(tma=True), HopperConfig()):
         fabric = LoopbackFabric(n_ranks, "cuda", initialise=lambda t: t.fill_(float("nan")))
         for rank, layout in enumerate(layouts):
             mine = slice(rank * share, (rank + 1) * share)
-            out = fabric.rank(rank).carve(out_views)["out"]
+            buffers = fabric.rank(rank).carve(out_views)
+            out = buffers["out"]
+            scales = PayloadScales.of(buffers["scales"].tensor, buffers["scales"].destinations) if payload else None
             flash_attention(*(t[:, :, mine].contiguous() for t in (q, k, v)), kv_len=layout.key_len,
-                            epilogue=layout.output_scatter(out.tensor, out.destinations, share, order),
+                            epilogue=layout.output_scatter(out.tensor, out.destinations, share, order, scales),
                             config=config)
-        outs[type(config)] = fabric.tensors(out_views, "out")
-    for rank, (triton_out, gluon_out) in enumerate(zip(outs[TileConfig], outs[HopperConfig])):
-        assert not triton_out.isnan().any(), f"rank {rank}: unwritten output"
-        assert torch.equal(triton_out.view(torch.int16), gluon_out.view(torch.int16)), f"rank {rank}"
+        outs[type(config)] = [fabric.tensors(out_views, view.name) for view in out_views]
+    for triton_buffers, gluon_buffers in zip(outs[TileConfig], outs[HopperConfig]):
+        for rank, (triton_out, gluon_out) in enumerate(zip(triton_buffers, gluon_buffers)):
+            assert not triton_out.float().isnan().any(), f"rank {rank}: unwritten output"
+            assert torch.equal(triton_out.view(torch.uint8), gluon_out.view(torch.uint8)), f"rank {rank}"
 
 
 def _check_rotary(device, dtype, shape, sequence_dim, strided, tolerance):

@@ -25,8 +25,8 @@ from .runtime import build_groups, ensure_process_group, world_from_env
 from .runtime.agreement import Fingerprint, check_agreement, weight_kinds, weights_checksum
 from .runtime.cuda_graphs import GraphUse
 from .runtime.distributed import ParallelGroups, every_rank_joining, forget_groups, local_device, world_group
-from .sp.attention.backends import needs_fabric, needs_ring_fabric, resolve_backend
-from .sp.attention.ulysses import FP8Attention, UlyssesAttention
+from .sp.attention.backends import BackendChoice, needs_fabric, needs_ring_fabric, resolve_backend
+from .sp.attention.ulysses import UlyssesAttention
 from .sp.cache_dit_hooks import refuse_other_sequence_parallelism
 from .sp.moe.modes import ExpertModes
 from .sp.planner import forget_planners
@@ -161,12 +161,12 @@ def _config_of(config: XStageConfig | None, knobs: dict[str, Any]) -> XStageConf
     return dataclasses.replace(config, **knobs) if config is not None else XStageConfig(**knobs)
 
 
-def _check_fp8(pipe: Any, models: list[nn.Module], config: XStageConfig) -> None:
-    """The FP8 parts asked for must have a path that runs on this job's device and models; the full-precision steps
-    are counted by a pipeline's step callback."""
-    missing = [part for part in config.fp8 if part not in ("attention", "linear")]
-    if missing:
-        raise NotImplementedError(f"fp8={config.fp8!r}: xstage_dit has no FP8 path for {', '.join(missing)} yet")
+def _check_fp8(pipe: Any, models: list[nn.Module], config: XStageConfig, choice: BackendChoice) -> None:
+    """The FP8 parts asked for must have a path that runs on this job's device, models and backend `choice`; the
+    full-precision steps are counted by a pipeline's step callback."""
+    if "payloads" in config.fp8 and not any(s.fp8_payloads is not None for s in choice.candidates()):
+        raise ValueError(f"fp8=\"payloads\": backend {config.backend!r} sends no FP8 payloads; the fused backend's "
+                         f"stores do (backend=\"fused\", or \"auto\" where the planner picks it)")
     if "linear" in config.fp8:
         if config.expert_parallel:
             raise ValueError("fp8='linear' quantizes the experts' Linear layers, which expert_parallel=True cannot "
@@ -193,9 +193,9 @@ def _resolve(pipe: Any, models: list[nn.Module], config: XStageConfig) -> XStage
     degrees = _degrees(world_size, config, [plan.num_heads(model) for model, plan in zip(models, plans)])
     for model, plan in zip(models, plans):
         _check_heads(model, plan.num_heads(model), degrees)
-    _check_fp8(pipe, models, config)
     cuda_graphs = _cuda_graphs(config.cuda_graphs, local_device())
-    resolve_backend(config.backend, local_device(), cuda_graphs, fp8="attention" in config.fp8)
+    choice = resolve_backend(config.backend, local_device(), cuda_graphs, fp8="attention" in config.fp8)
+    _check_fp8(pipe, models, config, choice)
     degree = degrees.ulysses * degrees.ring
     return dataclasses.replace(config, ulysses_degree=degrees.ulysses, ring_degree=degrees.ring,
                                cuda_graphs=cuda_graphs,
@@ -308,7 +308,7 @@ def enable(pipe: Any, config: XStageConfig | None = None, **knobs: Any) -> Any:
         attention = UlyssesAttention(shard, choice, text_first=plan.text_first, query_key_masks=plan.query_key_masks,
                                      ulysses=groups.ulysses, ring=groups.ring,
                                      local_cross_attention=plan.local_cross_attention,
-                                     fp8=FP8Attention(fp8_choice, precision) if fp8_choice is not None else None)
+                                     precision=precision, fp8_choice=fp8_choice)
         experts = ExpertModes.resolve(config.expert_parallel, shard.degree, fabric_ready=fabric is not None)
         job = ModelJob(model=model, plan=plan, config=config, groups=groups, shard=shard, attention=attention,
                        experts=experts, fabric=fabric, pairs=pairs, precision=precision)

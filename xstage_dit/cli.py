@@ -3,8 +3,8 @@ generation service (the same as `python -m xstage_dit.serve`; under torchrun, `t
 xstage-dit serve ...`); `calibrate` measures its store path and kernels for the Burst-Gap planner; `plan` prints
 what the planner predicts for one attention layer: every Ulysses x ring split of its ranks with each backend that
 runs it and the pick (under Ulysses alone, also what backend="auto" would run and what each backend says of its
-plan: the fused kernel's tile order) and, given `--experts`, for one expert-choice MoE layer (each mode, and the
-stores mode's schedule)."""
+plan: the fused kernel's tile order; `--fp8 payloads` prices the fused path's stores as FP8 payloads) and, given
+`--experts`, for one expert-choice MoE layer (each mode, and the stores mode's schedule)."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,7 @@ from .burst_gap.moe_plan import SCHEDULES, ExpertMode, ExpertShape
 from .burst_gap.planner import Planner, widest_ulysses
 from .burst_gap.ring_plan import INTERNODE_RATE, Nodes, RingBlocks, RingTransport
 from .burst_gap.ulysses_plan import AttentionShape
+from .sizes import fp8_payload_bytes
 
 
 def _version(package: str) -> str:
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     layer.add_argument("--internode-gbps", type=positive_float, default=INTERNODE_RATE * 8 / 1e9,
                        help="what one rank sends to another node, Gb/s (an assumption: no calibration measures it)")
     layer.add_argument("--batch", type=positive_int, default=1)
+    layer.add_argument("--fp8", nargs="+", choices=["payloads"], default=[],
+                       help="what runs in FP8, as enable's fp8 knob: \"payloads\" (the fused path's stores send e4m3 "
+                            "rows and their scales: about half the bytes)")
     layer.add_argument("--experts", type=positive_int,
                        help="also plan an expert-choice MoE layer of this many experts")
     layer.add_argument("--dim", type=positive_int, default=2048, help="the MoE layer's model width")
@@ -217,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             calibration = _load(args.calibration, layer, "--calibration")
         else:
             calibration = _this_machine(args.ranks)
-        shape = AttentionShape(args.batch, args.tokens, args.text, args.heads, args.head_dim, args.ranks)
+        shape = AttentionShape(args.batch, args.tokens, args.text, args.heads, args.head_dim, args.ranks,
+                               payload_bytes=fp8_payload_bytes(args.head_dim) if "payloads" in args.fp8 else None)
         if args.ranks > calibration.world_size:
             print(f"note: {calibration.filename} measured {calibration.world_size} rank(s); the predictions for "
                   f"{args.ranks} extrapolate its store path to more peers")

@@ -74,8 +74,8 @@ class XStageConfig:
     fp8: what runs in FP8 (e4m3 with float32 scales): any of "attention" (the attention kernel's two products:
         q·kᵀ in INT8 of smoothed keys, p·v in e4m3; the backend keeps its exchange), "linear" (the projections of
         the transformer's blocks, as torchao's FP8 GEMMs; layers the model keeps in float32, diffusers'
-        layerwise-casting skip list and the layers outside the blocks stay out) and "payloads" (the all-to-all and
-        ring payloads, quantized where they are stored and dequantized where they are read), or "all"; None
+        layerwise-casting skip list and the layers outside the blocks stay out) and "payloads" (the fused backend's
+        Ulysses payloads, quantized where they are stored and dequantized where they are read), or "all"; None
         (default) or () runs everything in the model's dtype. Stored as a tuple in FP8_PARTS' order.
     fp8_full_precision_steps: the first and last this many denoising steps of a pipeline call run without FP8
         (the steps that set the layout and the fine detail are the ones most sensitive to rounding).

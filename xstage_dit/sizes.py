@@ -1,7 +1,8 @@
 """Sizes that modules on different floors must compute alike, defined once here, below all of them: how a length
 splits into equal parts (a sequence's tokens per rank: sp/sharding.py splits tensors by it, the planner predicts
-with it), the expert kernel's tiles (kernels/experts.py launches them, the planner models their stores) and the
-Hopper attention kernel's tiles (kernels/attention_hopper.py, whose key tiles the X-Stage ring forwards)."""
+with it), the expert kernel's tiles (kernels/experts.py launches them, the planner models their stores), the
+Hopper attention kernel's tiles (kernels/attention_hopper.py, whose key tiles the X-Stage ring forwards) and the
+bytes of an FP8 payload (kernels/fp8.py stores them, the planner prices them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,3 +46,9 @@ class AttentionTiles:
 
 
 ATTENTION_TILES = AttentionTiles(rows=128, keys=128)
+
+
+def fp8_payload_bytes(head_dim: int) -> float:
+    """Bytes per element of an FP8 payload (kernels/fp8.py): its e4m3 byte, and its share of the float32 scale of
+    its row of `head_dim` elements."""
+    return 1 + 4 / head_dim

@@ -10,6 +10,8 @@ the bytes of one of this rank's q, k, v or output tensors (B * L * H * D element
   all-to-alls), simulated in the order sp/attention/overlap.py issues it;
 - fused: the pre-all-to-all store kernel (remote bytes V (N-1)/N per tensor, delivered at the model's rate),
   a barrier, our attention kernel whose epilogue stores each finished tile remotely, a barrier, one copy out.
+  With FP8 payloads (shape.payload_bytes) the stores send e4m3 rows and their scales instead, and the gathered
+  q, k, v and the output are dequantized (one pass each, in place of the copy out).
   The epilogue costs what the Burst-Gap model says a train of bursts costs beyond its backpressure-free issue:
   one burst per wave of K = #SMs tiles (V_w = K * tile bytes * (N-1)/N), gap G = one tile's Q loop, so each
   wave stalls max(0, V_w/R - G - T0_iss(K, V_w)), and the last wave's bytes must land before the barrier
@@ -48,6 +50,12 @@ class AttentionShape:
     head_dim: int
     degree: int
     element_bytes: int = 2
+    payload_bytes: float | None = None  # per element of the fused path's stores (FP8: sizes.fp8_payload_bytes)
+
+    @property
+    def payload_ratio(self) -> float:
+        """Bytes the fused path's stores send per byte of the model's dtype (below 1 with FP8 payloads)."""
+        return 1.0 if self.payload_bytes is None else self.payload_bytes / self.element_bytes
 
     @property
     def local_tokens(self) -> int:
@@ -97,20 +105,22 @@ class UlyssesPlanner:
         producers = min(self.core.costs.sms, tiles)
         waves = tiles / producers
         remote = (n - 1) / n
-        wave_bytes = producers * tile_rows * shape.head_dim * shape.element_bytes * remote
+        wave_bytes = producers * tile_rows * shape.head_dim * shape.element_bytes * shape.payload_ratio * remote
         model = self.core.model
         drain = model.drain_rate if order is TileOrder.ROTATED else model.drain_rate / (n - 1)
         path = replace(model, drain_rate=drain)
         return compute + store_train(path, compute / waves, wave_bytes, producers, math.ceil(waves))
 
     def pre_all_to_all(self, shape: AttentionShape) -> float:
-        """The fused path's store kernels for q, k, v plus the local copy of this rank's text heads."""
+        """The fused path's store kernels for q, k, v plus the local copy of this rank's text heads (each reads the
+        model's dtype and writes the payload: a copy of their mean)."""
         costs = self.core.costs
         volume = 3 * shape.tensor_bytes()
-        remote = volume * (shape.degree - 1) / shape.degree
+        mean = (1 + shape.payload_ratio) / 2
+        remote = volume * shape.payload_ratio * (shape.degree - 1) / shape.degree
         delivery = self.core.model.delivery_time(remote, costs.sms) if remote else 0.0
-        stores = 3 * costs.launch + max(volume / costs.copy_rate, delivery)
-        text = self.core.copy(3 * shape.text_bytes(shape.heads_per_rank)) if shape.text_tokens else 0.0
+        stores = 3 * costs.launch + max(volume * mean / costs.copy_rate, delivery)
+        text = self.core.copy(3 * shape.text_bytes(shape.heads_per_rank) * mean) if shape.text_tokens else 0.0
         return stores + text
 
     def tile_order(self, shape: AttentionShape, tile_rows: int) -> TileOrder:
@@ -128,12 +138,17 @@ class UlyssesPlanner:
 
     def fused_call(self, shape: AttentionShape, tile_rows: int) -> float:
         """Store kernels, a barrier, our kernel with the scatter epilogue in its better order, a barrier, the copy
-        out of the pooled buffer."""
+        out of the pooled buffer (FP8 payloads: the gathered q, k, v dequantized before the kernel, the output
+        after it, each pass reading the payload and writing the model's dtype)."""
         if shape.degree == 1:
             return self.attention(shape, own=True)
+        mean = (1 + shape.payload_ratio) / 2
         out_bytes = shape.tensor_bytes() + shape.text_bytes(shape.heads)
+        gathered_bytes = shape.tensor_bytes() + shape.text_bytes(shape.heads_per_rank)
+        dequantize = 0.0 if shape.payload_bytes is None else 3 * self.core.copy(gathered_bytes * mean)
         kernel = self.fused_kernel(shape, self.tile_order(shape, tile_rows), tile_rows)
-        return self.pre_all_to_all(shape) + 2 * self.core.costs.launch + kernel + self.core.copy(out_bytes)
+        return (self.pre_all_to_all(shape) + 2 * self.core.costs.launch + dequantize + kernel
+                + self.core.copy(out_bytes * mean))
 
     def overlap_call(self, shape: AttentionShape, max_chunks: int = 4) -> float:
         """Two streams, in sp/attention/overlap.py's issue order: the compute stream packs, unpacks and attends, the

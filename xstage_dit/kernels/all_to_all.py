@@ -7,14 +7,18 @@ buffer `base` (kernels/tables.py: symmetric-memory peers, or local buffers in lo
 
 The tokens are read as the caller holds them (`JointTokens`): up to two parts joined on the way, and, where the
 caller asks for it, each head vector normalised by its part's RMSNorm and rotated (rotary.norm_rotate's
-arithmetic), so that a joint-attention prologue costs no pass of its own."""
+arithmetic), so that a joint-attention prologue costs no pass of its own.
+
+Given the scale buffers of an FP8 payload (`PayloadScales`), each head vector is quantized in registers right
+before its store (kernels/fp8.py): the destination buffers are e4m3, half the bytes of bf16 on the wire."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .attention_args import Destinations, Strides, StoreRows
+from .attention_args import Destinations, PayloadScales, Strides, StoreRows
+from .fp8 import PAYLOAD_DTYPE, quantize_rows
 from .rotary import joined_rows, part_normed, rotated
 from .rotary_args import JointTokens, PartArgs, RotaryTables
 from .tables import ALIGN_ELEMENTS
@@ -28,10 +32,12 @@ INTERPRETED_BLOCK = 256
 
 
 @triton.jit
-def _store_heads_kernel(first, second, first_rows, rows, heads, tables, dest, store_rows,
-                        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, NORM_ROPE: tl.constexpr):
+def _store_heads_kernel(first, second, first_rows, rows, heads, tables, dest, store_rows, scales,
+                        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, NORM_ROPE: tl.constexpr,
+                        FP8: tl.constexpr):
     """`first` and `second`: PartArgs records (with their norms and `tables`, a RotaryTables record, where
-    NORM_ROPE; else None); `dest` a Destinations record, `store_rows` a StoreRows record."""
+    NORM_ROPE; else None); `dest` a Destinations record, `store_rows` a StoreRows record; `scales` a PayloadScales
+    record where FP8 (else None)."""
     # one program: BLOCK joined rows of one (batch, head)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // heads).to(tl.int64)
@@ -46,14 +52,15 @@ def _store_heads_kernel(first, second, first_rows, rows, heads, tables, dest, st
     if NORM_ROPE:
         normed = part_normed(x, first, second, row, first_rows, ok, HEAD_DIM)
         x = rotated(normed, tables, row, ok, BLOCK, HEAD_DIM).to(x.dtype)
-    _store_tile(x, dest, store_rows, batch, head, row, is_text, ok, HEAD_DIM, ALIGN)
+    _store_tile(x, dest, store_rows, scales, batch, head, row, is_text, ok, HEAD_DIM, ALIGN, FP8)
 
 
 @triton.jit
-def _store_tokens_kernel(part, tables, dest, store_rows, rows, heads,
-                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+def _store_tokens_kernel(part, tables, dest, store_rows, scales, rows, heads,
+                         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, FP8: tl.constexpr):
     """`part`: a PartArgs record whose norm spans a token's every head (weight (heads * HEAD_DIM,)); `tables` a
-    RotaryTables record, `dest` a Destinations record, `store_rows` a StoreRows record."""
+    RotaryTables record, `dest` a Destinations record, `store_rows` a StoreRows record, `scales` a PayloadScales
+    record where FP8 (else None)."""
     # one program: BLOCK tokens of one batch, every head (the RMSNorm spans a token's whole vector): a first pass
     # over the heads sums the squares, a second (from cache) normalises, rotates and stores each head
     batch = tl.program_id(1).to(tl.int64)
@@ -76,37 +83,48 @@ def _store_tokens_kernel(part, tables, dest, store_rows, rows, heads,
         x = rotated(normed, tables, row, in_rows, BLOCK, HEAD_DIM).to(x.dtype)
         # every rank holds the text: it keeps the rows of its own heads
         ok = in_rows & (~is_text | (head // dest.heads_per_rank == dest.rank))[:, None]
-        _store_tile(x, dest, store_rows, batch, head, row, is_text, ok, HEAD_DIM, ALIGN)
+        _store_tile(x, dest, store_rows, scales, batch, head, row, is_text, ok, HEAD_DIM, ALIGN, FP8)
 
 
 @triton.jit
-def _store_tile(x, dest, store_rows, batch, head, row, is_text, ok, HEAD_DIM: tl.constexpr, ALIGN: tl.constexpr):
+def _store_tile(x, dest, store_rows, scales, batch, head, row, is_text, ok, HEAD_DIM: tl.constexpr,
+                ALIGN: tl.constexpr, FP8: tl.constexpr):
     """Store the tile x, rows `row` of head `head`: text rows to this rank's own buffer (their owner, where
-    `ok` lets them through), sequence rows to the head chunk's owner after its text."""
+    `ok` lets them through), sequence rows to the head chunk's owner after its text; where FP8, as e4m3 with each
+    row's scale stored alike into the owner's scale buffer."""
     d = tl.arange(0, HEAD_DIM)[None, :]
     sequence_row = tl.where(row < store_rows.text_start, row, row - store_rows.text_rows)
-    to_row = tl.where(is_text, row - store_rows.text_start, store_rows.sequence_row0 + sequence_row)
-    to_rank = tl.multiple_of(tl.load(dest.offsets + head // dest.heads_per_rank), ALIGN)
-    tl.store(dest.base + to_rank + batch * dest.strides.batch + (head % dest.heads_per_rank) * dest.strides.head
-             + to_row[:, None] * dest.strides.seq + d, x, mask=ok)
+    to_row = tl.where(is_text, row - store_rows.text_start, store_rows.sequence_row0 + sequence_row)[:, None]
+    owner = head // dest.heads_per_rank
+    to_rank = tl.multiple_of(tl.load(dest.offsets + owner), ALIGN)
+    at = dest.base + to_rank + batch * dest.strides.batch + (head % dest.heads_per_rank) * dest.strides.head
+    if FP8:
+        x, row_scales = quantize_rows(x)
+        tl.store(scales.base + tl.load(scales.offsets + owner) + batch * scales.strides.batch
+                 + (head % dest.heads_per_rank) * scales.strides.head + to_row * scales.strides.seq,
+                 row_scales[:, None], mask=ok)
+    tl.store(at + to_row * dest.strides.seq + d, x, mask=ok)
 
 
 def store_heads(tokens: JointTokens, rows: StoreRows, offsets: torch.Tensor, base: torch.Tensor, rank: int,
-                warmup: bool = False) -> None:
+                scales: PayloadScales | None = None, warmup: bool = False) -> None:
     """Store the joined `tokens` (B, T + L, H, D) as `rows` says: head chunk j of the sequence rows to rank j's
     buffer, `offsets[j]` elements from `base` (this rank's own buffer, (B, rows, H/N, D), which gives the strides);
-    the text rows of this rank's own chunk to `base`. `warmup` only compiles the kernel for the active driver's
-    target."""
+    the text rows of this rank's own chunk to `base`. `scales`: `base` is an FP8 payload (e4m3) whose row scales go
+    there. `warmup` only compiles the kernel for the active driver's target."""
     batch, joined, heads, head_dim = tokens.joined_shape
     n_dest = offsets.numel()
     if heads % n_dest or any(part.stride(-1) != 1 for part in tokens.parts) or len(tokens.parts) > 2:
         raise ValueError(f"store_heads: {heads} heads over {n_dest} ranks, {len(tokens.parts)} parts (at most "
                          "2), head_dim axis must be contiguous")
+    if (base.dtype == PAYLOAD_DTYPE) != (scales is not None):
+        raise ValueError(f"store_heads: an {PAYLOAD_DTYPE} buffer takes the scale buffers of its rows, any other "
+                         f"none; got {base.dtype} with{'out' if scales is None else ''} scales")
     dest = Destinations(base=base, offsets=offsets, strides=Strides.of(base), heads_per_rank=heads // n_dest,
                         rank=rank)
     norm_rope = tokens.norm_rope
     if norm_rope is not None and norm_rope.across_heads:
-        _store_tokens(tokens, rows, dest, warmup)
+        _store_tokens(tokens, rows, dest, scales, warmup)
         return
     block = PLAIN_BLOCK if norm_rope is None else NORM_ROPE_BLOCK
     block = block if base.is_cuda or warmup else INTERPRETED_BLOCK
@@ -115,11 +133,12 @@ def store_heads(tokens: JointTokens, rows: StoreRows, offsets: torch.Tensor, bas
     # no FMA contraction in the rotation, as rotary.norm_rotate computes it
     _launch(_store_heads_kernel, (triton.cdiv(joined, block), batch * heads), warmup, first=first, second=second,
             first_rows=first.tokens.shape[1], rows=joined, heads=heads, tables=tables, dest=dest, store_rows=rows,
-            HEAD_DIM=head_dim, BLOCK=block, ALIGN=ALIGN_ELEMENTS, NORM_ROPE=norm_rope is not None, num_warps=4,
-            enable_fp_fusion=False)
+            scales=scales, HEAD_DIM=head_dim, BLOCK=block, ALIGN=ALIGN_ELEMENTS, NORM_ROPE=norm_rope is not None,
+            FP8=scales is not None, num_warps=4, enable_fp_fusion=False)
 
 
-def _store_tokens(tokens: JointTokens, rows: StoreRows, dest: Destinations, warmup: bool) -> None:
+def _store_tokens(tokens: JointTokens, rows: StoreRows, dest: Destinations, scales: PayloadScales | None,
+                  warmup: bool) -> None:
     """`store_heads` with a norm across heads (one part)."""
     if len(tokens.parts) != 1:
         raise ValueError(f"store_heads: a norm across heads takes one part, not {len(tokens.parts)}")
@@ -129,8 +148,9 @@ def _store_tokens(tokens: JointTokens, rows: StoreRows, dest: Destinations, warm
     # no FMA contraction in the rotation, as rotary.rotate computes it
     _launch(_store_tokens_kernel, (triton.cdiv(joined, block), batch), warmup,
             part=PartArgs.of(x, norm_rope.weights[0], norm_rope.eps[0]),
-            tables=RotaryTables.of(norm_rope.cos, norm_rope.sin), dest=dest, store_rows=rows, rows=joined,
-            heads=heads, HEAD_DIM=head_dim, BLOCK=block, ALIGN=ALIGN_ELEMENTS, num_warps=4, enable_fp_fusion=False)
+            tables=RotaryTables.of(norm_rope.cos, norm_rope.sin), dest=dest, store_rows=rows, scales=scales,
+            rows=joined, heads=heads, HEAD_DIM=head_dim, BLOCK=block, ALIGN=ALIGN_ELEMENTS, FP8=scales is not None,
+            num_warps=4, enable_fp_fusion=False)
 
 
 def _launch(kernel: triton.runtime.JITFunction, grid: tuple[int, int], warmup: bool, **args: object) -> None:

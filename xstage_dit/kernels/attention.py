@@ -10,7 +10,8 @@ tile locally, the tile's owner stores each finished row straight into the buffer
 token, in that rank's (B, T + L, H, D) layout (text rows go to every rank), then moves on to its next tile: the
 stores drain while the next tile's Q loop computes. Destinations are a table of element offsets from Scatter.out
 (this rank's own buffer; kernels/tables.py: symmetric-memory peers, or local buffers in loopback), all with the
-strides of Scatter.out.
+strides of Scatter.out. A Scatter with `scales` sends an FP8 payload into e4m3 buffers: each row quantized in
+registers before its store, its scale stored alike into the destination's scale buffer (kernels/fp8.py).
 
 This Triton kernel is the portable one (any CUDA GPU, and Triton's CPU interpreter in the tests). On Hopper,
 flash_attention runs kernels/attention_hopper.py instead (same interface and epilogue, warp-specialized in Gluon),
@@ -30,6 +31,7 @@ from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, 
                              KeyForward, Merge, QuantizedOperands, Scatter, Store, Strides)
 from .attention_fp8 import E4M3_MAX, INTERPRETED, quantize, to_e4m3
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
+from .fp8 import quantize_rows
 from .tables import ALIGN_ELEMENTS
 
 
@@ -116,13 +118,14 @@ def _forward_keys(k_base, v_base, k_to, v_to, first_tile, tile_step, kv_len, str
 def _attention_kernel(
     Q, K, V, Out, Lse, KeyMask, Dest, q_desc, k_desc, v_desc, fp8,
     sm_scale, q_len, kv_rows, kv_len, kv_full_end, key_mask_len, stride_mb,
-    q_strides, k_strides, v_strides, o_strides, heads, kv_group, scatter, k_to, v_to,
+    q_strides, k_strides, v_strides, o_strides, heads, kv_group, scatter, scales, k_to, v_to,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FORWARD: tl.constexpr, MERGE: tl.constexpr, ALIGN: tl.constexpr,
-    FP8: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    FP8: tl.constexpr, ROUND_FIRST: tl.constexpr, PAYLOAD: tl.constexpr,
 ):
-    """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py). With FORWARD, the
+    """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py), `scales` a
+    PayloadScales record where PAYLOAD (the scatter's rows travel as an FP8 payload; else None). With FORWARD, the
     program of query tile i also stores key tiles i, i + #query tiles, ... of its key head `k_to` and `v_to`
     elements further on (KeyForward), where its head is the first of its key head's group. With MERGE, Out and Lse
     hold a running float32 output and log-sum-exp that the tile's rows are merged into, in place. With FP8, the
@@ -223,7 +226,10 @@ def _attention_kernel(
                + acc * (tl.math.exp2(mine - merged) / l_i)[:, None])
         tl.store(at, out, mask=row_ok[:, None])
     else:
-        out = (acc / l_i[:, None]).to(Out.dtype.element_ty)
+        out = acc / l_i[:, None]
+        if PAYLOAD:
+            out, row_scales = quantize_rows(out)
+        out = out.to(Out.dtype.element_ty)
         if WRITE_LSE:
             tl.store(Lse + pid_bh.to(tl.int64) * q_len + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
                      mask=row_ok)
@@ -236,6 +242,10 @@ def _attention_kernel(
             column = batch * o_strides.batch + (scatter.head0 + h) * o_strides.head + offs_d[None, :]
             to_rank = tl.multiple_of(tl.load(Dest + dest), ALIGN)
             tl.store(Out + to_rank[:, None] + column + dest_row[:, None] * o_strides.seq, out, mask=is_image[:, None])
+            if PAYLOAD:
+                scale_column = batch * scales.strides.batch + (scatter.head0 + h) * scales.strides.head
+                tl.store(scales.base + tl.load(scales.offsets + dest) + scale_column + dest_row * scales.strides.seq,
+                         row_scales, mask=is_image)
             if pid_m * BLOCK_M < scatter.text_rows:
                 # text rows: every rank needs every head of them
                 is_text = offs_m < scatter.text_rows
@@ -243,6 +253,9 @@ def _attention_kernel(
                 for j in range(scatter.n_dest):
                     to_j = tl.multiple_of(tl.load(Dest + j), ALIGN)
                     tl.store(Out + to_j + column + text_row[:, None] * o_strides.seq, out, mask=is_text[:, None])
+                    if PAYLOAD:
+                        tl.store(scales.base + tl.load(scales.offsets + j) + scale_column
+                                 + text_row * scales.strides.seq, row_scales, mask=is_text)
         else:
             tl.store(Out + batch * o_strides.batch + h * o_strides.head + offs_m[:, None] * o_strides.seq
                      + offs_d[None, :], out, mask=row_ok[:, None])
@@ -379,12 +392,13 @@ def launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool, fp8: Quan
         fp8,
         call.scale, q_len, k.shape[1], call.kv_len, call.kv_len // cfg.block_n * cfg.block_n, call.key_mask_len,
         call.key_mask_stride, Strides.of(q), Strides.of(k), Strides.of(call.v), Strides.of(out), heads,
-        call.kv_group, call.scatter_args(cfg.block_m), *_forward_offsets(call))
+        call.kv_group, call.scatter_args(cfg.block_m), call.payload_scales, *_forward_offsets(call))
     switches = dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WRITE_LSE=lse is not None, HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, FORWARD=call.forward is not None, MERGE=call.merge,
         ALIGN=ALIGN_ELEMENTS, FP8=fp8 is not None, ROUND_FIRST=INTERPRETED,
+        PAYLOAD=call.payload_scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     grid = (triton.cdiv(q_len, cfg.block_m), batch * heads)

@@ -13,6 +13,9 @@ import torch
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # and float32 in Triton's interpreter
 FP8_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the inputs FP8 attention quantizes
+# an FP8 payload's values and its rows' scales (kernels/fp8.py)
+PAYLOAD_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float32
 
 
 class Strides(NamedTuple):
@@ -25,6 +28,20 @@ class Strides(NamedTuple):
     @classmethod
     def of(cls, t: torch.Tensor) -> "Strides":
         return cls(t.stride(0), t.stride(1), t.stride(2))
+
+
+class PayloadScales(NamedTuple):
+    """Where the row scales of an FP8 payload go (kernels/fp8.py): one float32 per (batch, row, head) of the
+    payload's destination buffers, into scale buffers (B, rows, H) at `offsets` elements from `base` (this rank's
+    own, whose strides all share), by destination in the payload's order."""
+
+    base: torch.Tensor
+    offsets: torch.Tensor
+    strides: Strides
+
+    @classmethod
+    def of(cls, base: torch.Tensor, offsets: torch.Tensor) -> "PayloadScales":
+        return cls(base, offsets, Strides.of(base))
 
 
 class ScatterArgs(NamedTuple):
@@ -55,6 +72,11 @@ class Store:
     out: torch.Tensor | None = None
     lse: bool = False
 
+    def __post_init__(self) -> None:
+        if self.out is not None and self.out.dtype == PAYLOAD_DTYPE:
+            raise ValueError(f"an {PAYLOAD_DTYPE} output is an FP8 payload, which only a Scatter with the scale "
+                             f"buffers of its rows stores")
+
     def result_for(self, q: torch.Tensor) -> Attended:
         batch, rows, heads, _ = q.shape
         lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32) if self.lse else None
@@ -66,7 +88,8 @@ class Scatter:
     """The epilogue that sends output rows to other ranks (the X-Stage piggyback of the post-attention all-to-all):
     `out` is this rank's own destination buffer (B, rows, H, D), whose shape and strides every destination shares,
     and `destinations` holds every destination's buffer as an element offset from it (kernels/tables.py). Rows and
-    heads map as ScatterArgs says; programs start at the query tile that holds `first_row`."""
+    heads map as ScatterArgs says; programs start at the query tile that holds `first_row`. `scales`: the rows
+    travel as an FP8 payload (`out` is e4m3) whose row scales go there; None: in `out`'s dtype."""
 
     out: torch.Tensor
     destinations: torch.Tensor
@@ -76,6 +99,13 @@ class Scatter:
     image_row0: int
     head0: int
     first_row: int = 0
+    scales: PayloadScales | None = None
+
+    def __post_init__(self) -> None:
+        if (self.out.dtype == PAYLOAD_DTYPE) != (self.scales is not None):
+            raise ValueError(f"a Scatter into an {PAYLOAD_DTYPE} output sends an FP8 payload, with the scale buffers "
+                             f"of its rows, and only it does; got a {self.out.dtype} output "
+                             f"{'with' if self.scales is not None else 'without'} them")
 
     def args(self, block_m: int) -> ScatterArgs:
         """The kernels' view, for query tiles of `block_m` rows."""
@@ -211,6 +241,11 @@ class AttentionCall:
     def destinations(self) -> torch.Tensor:
         """The kernels' destination-table pointer (unread without a scatter)."""
         return self.scatter.destinations if self.scatter is not None else self.result.out
+
+    @property
+    def payload_scales(self) -> PayloadScales | None:
+        """Where a scatter of an FP8 payload stores its row scales (None: the output is stored in its dtype)."""
+        return self.scatter.scales if self.scatter is not None else None
 
     @property
     def key_mask_len(self) -> int:

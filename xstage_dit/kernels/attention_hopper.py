@@ -15,7 +15,8 @@ finished last) and writes the rows. No program waits for another. A program has 
 - two consumer warpgroups, 64 query rows each, share those tiles. For key tile j a consumer issues tile j's q·kᵀ
   and tile j-1's p·v as asynchronous wgmmas, then runs tile j's softmax while p·v is still on the tensor cores;
   with PINGPONG the two take turns issuing (a `turn` mbarrier each), so one's softmax runs under the other's GEMMs.
-Each consumer writes its own rows: a local store or the X-Stage scatter into the destination ranks' buffers. For
+Each consumer writes its own rows: a local store or the X-Stage scatter into the destination ranks' buffers (as an
+FP8 payload into e4m3 ones: kernels/fp8.py's quantization, compiled from its Triton source as Gluon). For
 the X-Stage ring the producer also forwards each key and value tile, once, from shared memory into the next rank's
 buffers (TMA stores, `_produce`), so that the next ring step's block drains under this one's attention.
 Shapes, masking and the epilogue mean what they mean in kernels/attention.py, which chooses between the kernels.
@@ -39,10 +40,12 @@ from triton.language.core import _aggregate as aggregate
 
 from ..sizes import ATTENTION_TILES
 from .attention_args import AttentionCall, DeviceAddress, Strides
+from .fp8 import quantize_rows
 from .tables import ALIGN_ELEMENTS
 
 ROWS_PER_WARPGROUP = ATTENTION_TILES.rows // 2  # query rows per consumer warpgroup (64: one warpgroup's wgmma M)
 WARPGROUP_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)  # the same, for the kernels
+_quantize_rows = gluon.jit(quantize_rows.fn)  # one quantization: the Triton kernels' source, as Gluon
 
 
 @dataclass(frozen=True)
@@ -436,10 +439,10 @@ def _merge_piece(m_i, l_i, acc, Partials, Tickets, piece, splits, WG: gl.constex
 
 
 @gluon.jit
-def _consume(ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
+def _consume(ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter, scales,
              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              HAS_KEY_MASK: gl.constexpr, PINGPONG: gl.constexpr, WRITE_LSE: gl.constexpr, SCATTER: gl.constexpr,
-             MERGE: gl.constexpr, ALIGN: gl.constexpr):
+             MERGE: gl.constexpr, ALIGN: gl.constexpr, PAYLOAD: gl.constexpr):
     """Consumer partition WG: for each of the program's items, attends its 64 rows (from row0 + 64 WG), then
     writes them (a piece: once its tile's pieces are merged)."""
     qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
@@ -459,7 +462,7 @@ def _consume(ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, 
                                                HEAD_DIM)
         if done:
             _write(m_i, l_i, acc, Out, Lse, Dest, row0 + WG * WARPGROUP_ROWS, schedule.q_len, batch, h, pid_bh,
-                   o_strides, scatter, HEAD_DIM, WRITE_LSE, SCATTER, MERGE, ALIGN)
+                   o_strides, scatter, scales, HEAD_DIM, WRITE_LSE, SCATTER, MERGE, ALIGN, PAYLOAD)
 
 
 @gluon.jit
@@ -484,17 +487,22 @@ def _merge_rows(m_i, l_o, acc, Out, Lse, offs_m, q_len, batch, h, pid_bh, o_stri
 
 
 @gluon.jit
-def _write(m_i, l_i, acc, Out, Lse, Dest, first, q_len, batch, h, pid_bh, o_strides, scatter, HEAD_DIM: gl.constexpr,
-           WRITE_LSE: gl.constexpr, SCATTER: gl.constexpr, MERGE: gl.constexpr, ALIGN: gl.constexpr):
+def _write(m_i, l_i, acc, Out, Lse, Dest, first, q_len, batch, h, pid_bh, o_strides, scatter, scales,
+           HEAD_DIM: gl.constexpr, WRITE_LSE: gl.constexpr, SCATTER: gl.constexpr, MERGE: gl.constexpr,
+           ALIGN: gl.constexpr, PAYLOAD: gl.constexpr):
     """Normalise a consumer's 64 rows (from `first`) and store them (and their LSE): locally, or scattered into
-    the destination ranks' buffers; or (MERGE) merge them into the running output and LSE there."""
+    the destination ranks' buffers (where PAYLOAD, quantized, their scales into `scales`, a PayloadScales
+    record); or (MERGE) merge them into the running output and LSE there."""
     ROWS: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     offs_m = first + gl.arange(0, WARPGROUP_ROWS, layout=ROWS)
     l_o = gl.convert_layout(l_i, ROWS, assert_trivial=True)
     if MERGE:
         _merge_rows(m_i, l_o, acc, Out, Lse, offs_m, q_len, batch, h, pid_bh, o_strides, HEAD_DIM)
     else:
-        out = (acc / gl.expand_dims(l_o, 1)).to(Out.dtype.element_ty)
+        out = acc / gl.expand_dims(l_o, 1)
+        if PAYLOAD:
+            out, row_scales = _quantize_rows(out)
+        out = out.to(Out.dtype.element_ty)
         if WRITE_LSE:
             lse = (gl.convert_layout(m_i, ROWS, assert_trivial=True) + gl.log2(l_o)) * 0.6931471805599453
             gl.store(Lse + pid_bh.to(gl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
@@ -512,6 +520,10 @@ def _write(m_i, l_i, acc, Out, Lse, Dest, first, q_len, batch, h, pid_bh, o_stri
             image_row = gl.where(is_image, scatter.image_row0 + r % scatter.rows_per_rank, 0)
             to_rank = gl.multiple_of(gl.load(Dest + dest), ALIGN) + image_row.to(gl.int64) * o_strides.seq
             gl.store(Out + gl.expand_dims(to_rank, 1) + column, out, mask=gl.expand_dims(is_image, 1))
+            if PAYLOAD:
+                scale_column = batch.to(gl.int64) * scales.strides.batch + (scatter.head0 + h) * scales.strides.head
+                gl.store(scales.base + gl.load(scales.offsets + dest) + scale_column
+                         + image_row.to(gl.int64) * scales.strides.seq, row_scales, mask=is_image)
             if first < scatter.text_rows:
                 # text rows: every rank needs every head of them
                 is_text = gl.expand_dims(offs_m < scatter.text_rows, 1)
@@ -519,6 +531,10 @@ def _write(m_i, l_i, acc, Out, Lse, Dest, first, q_len, batch, h, pid_bh, o_stri
                 for j in range(scatter.n_dest):
                     to_j = gl.multiple_of(gl.load(Dest + j), ALIGN)
                     gl.store(Out + to_j + text_row + column, out, mask=is_text)
+                    if PAYLOAD:
+                        gl.store(scales.base + gl.load(scales.offsets + j) + scale_column
+                                 + (scatter.text_row0 + offs_m).to(gl.int64) * scales.strides.seq, row_scales,
+                                 mask=offs_m < scatter.text_rows)
         else:
             rows = batch.to(gl.int64) * o_strides.batch + h * o_strides.head + offs_m.to(gl.int64) * o_strides.seq
             gl.store(Out + gl.expand_dims(rows, 1) + gl.expand_dims(offs_d, 0), out, mask=gl.expand_dims(row_ok, 1))
@@ -527,20 +543,21 @@ def _write(m_i, l_i, acc, Out, Lse, Dest, first, q_len, batch, h, pid_bh, o_stri
 @gluon.jit
 def _attention_kernel(
     q_desc, k_desc, v_desc, k_to, v_to, Out, Lse, KeyMask, Dest, Partials, Tickets, sm_scale, schedule, keys,
-    o_strides, scatter,
+    o_strides, scatter, scales,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_KEY_MASK: gl.constexpr, SCATTER: gl.constexpr,
     MERGE: gl.constexpr, HEADS_MAJOR: gl.constexpr, FORWARD: gl.constexpr, ALIGN: gl.constexpr,
+    PAYLOAD: gl.constexpr,
 ):
     ring = _allocate_ring(q_desc, k_desc, v_desc, HEAD_DIM, BLOCK_N, STAGES)
     # the two consumers' arguments differ only in their warpgroup index
     gl.warp_specialize([
         (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
-                    gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, MERGE,
-                    ALIGN)),
+                    scales, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER,
+                    MERGE, ALIGN, PAYLOAD)),
         (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
-                    gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER, MERGE,
-                    ALIGN)),
+                    scales, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER,
+                    MERGE, ALIGN, PAYLOAD)),
         (_produce, (q_desc, k_desc, v_desc, k_to, v_to, ring, schedule, scatter.tile_shift, HEAD_DIM, BLOCK_N,
                     STAGES, HEADS_MAJOR, FORWARD)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -614,12 +631,12 @@ def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: boo
             call.key_mask if call.key_mask is not None else out, call.destinations, partials, tickets,
             call.scale, schedule, Keys(kv_len=call.kv_len, mask_len=call.key_mask_len,
                                        mask_stride=call.key_mask_stride),
-            Strides.of(out), call.scatter_args(config.block_m))
+            Strides.of(out), call.scatter_args(config.block_m), call.payload_scales)
     switches = dict(HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, PINGPONG=config.pingpong,
                     CONSUMER_REGS=config.consumer_regs, WRITE_LSE=lse is not None,
                     HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None, MERGE=call.merge,
                     HEADS_MAJOR=view is TmaRows.HEADS, FORWARD=call.forward is not None, ALIGN=ALIGN_ELEMENTS,
-                    num_warps=4)
+                    PAYLOAD=call.payload_scales is not None, num_warps=4)
     if warmup:
         _attention_kernel.warmup(*args, grid=grid, **switches)
     else:

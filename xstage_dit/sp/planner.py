@@ -12,6 +12,7 @@ from ..runtime.distributed import job_placement
 from ..burst_gap.calibration import find_calibration
 from ..burst_gap.planner import Planner
 from ..burst_gap.ulysses_plan import AttentionShape
+from ..sizes import fp8_payload_bytes
 from .attention.layout import UlyssesLayout
 
 
@@ -43,14 +44,15 @@ def forget_planners() -> None:
     _planners.clear()
 
 
-def attention_shape(query: torch.Tensor, layout: UlyssesLayout | None) -> AttentionShape:
+def attention_shape(query: torch.Tensor, layout: UlyssesLayout | None,
+                    fp8_payloads: bool = False) -> AttentionShape:
     """One call's shape: a rank's (B, T + L, H, D) query under `layout`, or the whole sequence (layout None:
-    degree 1)."""
+    degree 1); `fp8_payloads`: the fused path's stores send FP8 payloads."""
     batch, tokens, heads, head_dim = query.shape
     if layout is None:
         return AttentionShape(batch, tokens, 0, heads, head_dim, 1, query.element_size())
     return AttentionShape(batch, layout.seq_len, layout.text_len, heads, head_dim, layout.degree,
-                          query.element_size())
+                          query.element_size(), fp8_payload_bytes(head_dim) if fp8_payloads else None)
 
 
 def ring_shape(query: torch.Tensor, layout: UlyssesLayout) -> AttentionShape:

@@ -46,7 +46,7 @@ class Auto:
             return fallback.pick(call)
         if call.ring:
             return decide_ring(planner, ring_shape(query, layout), layout.ring_degree, layout.degree, runnable)
-        return decide(planner, attention_shape(query, layout), runnable)
+        return decide(planner, attention_shape(query, layout, call.fp8_payloads), runnable)
 
 
 @lru_cache(maxsize=256)

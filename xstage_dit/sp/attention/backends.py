@@ -5,9 +5,10 @@ attends them (`ulysses`, and its exchange alone around another attention of the 
 the key/value blocks of a ring travel under it (`ring`: none, point-to-point sends, or stores from our attention
 kernel), what it runs at degree 1 (`local`), what calls it takes (`supports`: dtypes, head dims, devices, masks,
 pair biases, CUDA graphs; a call it does not take runs FALLBACK's, said once) and its cost for the planner
-(`cost`, and the ring transport the planner prices). The router (ulysses.py), the custom op (ops.py), the ring
-(ring.py), the planner (burst_gap/planner.py, through `costs_of`) and `enable` (which fabrics to open) read those
-fields; none of them compares a strategy's name.
+(`cost`, and the ring transport the planner prices), and its call with FP8 payloads where it has one
+(`fp8_payloads`: what `enable(fp8="payloads")` runs while the step runs payloads in FP8). The router
+(ulysses.py), the custom op (ops.py), the ring (ring.py), the planner (burst_gap/planner.py, through `costs_of`)
+and `enable` (which fabrics to open) read those fields; none of them compares a strategy's name.
 
 What `enable(backend=...)` names is a *choice*: a strategy (which is its own choice), or a chooser such as "auto"
 (sp/attention/auto.py) that picks a strategy per call among its candidates.
@@ -151,6 +152,7 @@ class Call:
     pair_bias: bool = False
     masked: bool = False
     whole_keys: bool = False
+    fp8_payloads: bool = False  # asked for: the model's step runs payloads in FP8 (XStageConfig.fp8 "payloads")
 
     @property
     def ring(self) -> bool:
@@ -196,9 +198,11 @@ class Strategy:
     the planner's for `ring.planned`); `symmetric`: its exchange stores into the Ulysses group's fabric
     (`enable` opens it; the output is a fabric buffer, which the custom op copies out); `own_attention`: it
     attends with its own kernel, not the `attend` it is given (an attention backend set on the model cannot
-    apply, said once); `describe_plan`: what `xstage-dit plan` prints of its plan for a shape; `precision`: what
-    its attention computes in (an FP8 strategy attends the gathered heads with its `local` kernel, and its ring
-    with our FP8 kernel); `fp8`: its FP8 variant (`with_fp8`), or None."""
+    apply, said once); `fp8_payloads`: its own Ulysses call with its payloads in FP8 (q, k, v as JointTokens; the
+    output a tensor of its own), None where its payloads travel in the model's dtype; `describe_plan`: what
+    `xstage-dit plan` prints of its plan for a shape; `precision`: what its attention computes in (an FP8 strategy
+    attends the gathered heads with its `local` kernel, and its ring with our FP8 kernel); `fp8`: its FP8 variant
+    (`with_fp8`), or None."""
 
     name: str
     ulysses: UlyssesBackend
@@ -210,6 +214,7 @@ class Strategy:
     symmetric: bool = False
     own_attention: bool = False
     joint: JointUlyssesBackend | None = None
+    fp8_payloads: JointUlyssesBackend | None = None
     describe_plan: PlanDescription | None = None
     precision: Precision = Precision.NATIVE
     fp8: Strategy | None = None
@@ -249,6 +254,20 @@ class Strategy:
                                       supports=self.supports.in_fp8(), own_attention=True, precision=Precision.FP8,
                                       **own)
         return dataclasses.replace(self, fp8=variant)
+
+    def sends_fp8_payloads(self, call: Call) -> bool:
+        """Whether `call` runs this strategy's call with FP8 payloads: asked for, and its own call at a degree above
+        1 (a ring's exchanges and blocks, and an exchange around another attention, carry the model's dtype); where
+        asked for and not run, said once."""
+        if not call.fp8_payloads or call.layout is None:
+            return False
+        why = (f"backend {self.name!r} sends none" if self.fp8_payloads is None
+               else "a ring's exchanges and key/value blocks carry the model's dtype" if call.ring
+               else "a call with a pair bias or keys every rank holds whole exchanges around another attention, "
+                    "in the model's dtype" if not call.own_call else None)
+        if why is not None and not torch.compiler.is_compiling():
+            warn_once(f"xstage_dit: fp8 payloads: {why}; such calls send {call.query.dtype}")
+        return why is None
 
     def exchange_around(self) -> UlyssesExchange:
         """The exchange that runs around another attention of the gathered heads under this strategy: its own, or

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...kernels.attention_args import Scatter, StoreRows
+from ...kernels.attention_args import PayloadScales, Scatter, StoreRows
 from ...burst_gap.ulysses_plan import TileOrder
 
 
@@ -91,10 +91,11 @@ class UlyssesLayout:
         return self.query_text_len + (self.rank + 1) % self.degree * self.local_len
 
     def output_scatter(self, out: torch.Tensor, destinations: torch.Tensor, heads_per_rank: int,
-                       order: TileOrder) -> Scatter:
+                       order: TileOrder, scales: PayloadScales | None = None) -> Scatter:
         """The attention epilogue's stores for this rank's heads: image row r of the head-sharded output to rank
         r // L at its row r % L, text rows to every rank, into buffers shaped like the queries: `out`, this rank's,
-        and every rank's at `destinations` (element offsets from `out`)."""
+        and every rank's at `destinations` (element offsets from `out`); `scales`: an FP8 payload's (`out` e4m3)
+        row scales go there."""
         return Scatter(
             out=out,
             destinations=destinations,
@@ -104,6 +105,7 @@ class UlyssesLayout:
             image_row0=self.query_text_len if self.text_first else 0,
             head0=self.rank * heads_per_rank,
             first_row=self.first_row(order),
+            scales=scales,
         )
 
 

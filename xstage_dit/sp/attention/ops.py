@@ -79,12 +79,13 @@ class UlyssesOpArgs:
     attention_backend: str | None
     pair_bias: bool
     ring_group_name: str
+    fp8_payloads: bool
 
     @classmethod
     def of(cls, query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
            text_mask: torch.Tensor | None, backend: str, group: dist.ProcessGroup | None, scale: float | None,
            attention_backend: str | None, pair_bias: bool, ring_group: dist.ProcessGroup | None,
-           whole: WholeKeys | None) -> UlyssesOpArgs:
+           whole: WholeKeys | None, fp8_payloads: bool) -> UlyssesOpArgs:
         query_norm, key_norm = query.norm_rope, key.norm_rope
         return cls(
             query_parts=list(query.parts), key_parts=list(key.parts), value_parts=list(value.parts),
@@ -99,7 +100,7 @@ class UlyssesOpArgs:
             **{name: getattr(layout, name) for name in _LAYOUT_FIELDS},
             backend=backend, group_name="" if group is None else group.group_name, scale=scale,
             attention_backend=attention_backend, pair_bias=pair_bias,
-            ring_group_name="" if ring_group is None else ring_group.group_name)
+            ring_group_name="" if ring_group is None else ring_group.group_name, fp8_payloads=fp8_payloads)
 
     @property
     def layout(self) -> UlyssesLayout:
@@ -135,7 +136,8 @@ def _op_signature(record: type) -> inspect.Signature:
 def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, layout: UlyssesLayout,
                       text_mask: torch.Tensor | None, backend: str, group: dist.ProcessGroup | None,
                       scale: float | None, attention_backend: str | None, pair_bias: bool = False,
-                      ring_group: dist.ProcessGroup | None = None, whole: WholeKeys | None = None) -> torch.Tensor:
+                      ring_group: dist.ProcessGroup | None = None, whole: WholeKeys | None = None,
+                      fp8_payloads: bool = False) -> torch.Tensor:
     """Ulysses attention of q, k and v as their joint tokens (1 or 2 parts (B, rows, H, D) each), through
     xstage::ulysses_attention. Where q and k come with a NormRope (both, sharing the tables and `across_heads`:
     a joint-attention processor's prologue), a strategy with a joint entry (the fused one) applies it in its stores
@@ -144,9 +146,10 @@ def ulysses_attention(query: JointTokens, key: JointTokens, value: JointTokens, 
     attention backend the user chose for the model, if any; `pair_bias`: `text_mask` is the text tokens' factor
     of a pair bias (masks.QueryKeyMasks.PAIR_BIAS), which strategies that support it attend with. `group`: the
     Ulysses group (None at Ulysses degree 1); `ring_group`: the ring's, where `layout.ring_degree` is above 1
-    (ring.py); `whole`: keys and values every rank holds whole, attended besides the sequence's."""
+    (ring.py); `whole`: keys and values every rank holds whole, attended besides the sequence's; `fp8_payloads`:
+    the exchanged payloads travel in FP8 where the strategy sends them so (Strategy.sends_fp8_payloads)."""
     args = UlyssesOpArgs.of(query, key, value, layout, text_mask, backend, group, scale, attention_backend, pair_bias,
-                            ring_group, whole)
+                            ring_group, whole, fp8_payloads)
     values = {name: getattr(args, name) for name in _ULYSSES_SIGNATURE.parameters}
     return ulysses_attention_op(*[values.pop(name) for name in _ULYSSES_TENSORS], **values)
 
@@ -160,8 +163,9 @@ def _ulysses_attention(*args: object, **kwargs: object) -> torch.Tensor:
     ring_fabric = fabric_of(op.ring_group_name) if ring_group is not None and op.query_parts[0].is_cuda else None
     call = Call(op.query_parts[0], layout, fabric_ready=fabric_of(op.group_name) is not None,
                 ring_fabric_ready=ring_fabric is not None, pair_bias=op.pair_bias, masked=op.text_mask is not None,
-                whole_keys=whole is not None)
+                whole_keys=whole is not None, fp8_payloads=op.fp8_payloads)
     chosen = get_choice(op.backend).pick(call)
+    payloads_in_fp8 = chosen.sends_fp8_payloads(call)
     scale, text_mask = op.scale, op.text_mask
     if call.ring:
         return ring_exchange(_joined(query), _joined(key), _joined(value), layout, group, ring_group, scale,
@@ -172,6 +176,8 @@ def _ulysses_attention(*args: object, **kwargs: object) -> torch.Tensor:
     if not call.own_call:  # its exchange around an attention that takes the pair bias or the whole keys
         return chosen.exchange(_joined(query), _joined(key), _joined(value), layout, group,
                                over_gathered(layout, scale, text_mask, attend, op.pair_bias, whole))
+    if payloads_in_fp8:  # its output is its own
+        return chosen.fp8_payloads(query, key, value, layout, group, scale, text_mask)
     if chosen.joint is not None:
         out = chosen.joint(query, key, value, layout, group, scale, text_mask)
     else:

@@ -1,8 +1,6 @@
 """The attention entry point a patched model's processors call instead of diffusers' dispatcher."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ...kernels.rotary_args import JointTokens
@@ -16,27 +14,23 @@ from ...runtime.distributed import Axis
 from ..sharding import SequenceShard
 
 
-class FP8Attention(NamedTuple):
-    """The FP8 variant of a model's backend choice (enable(fp8="attention")) and the model's step precision,
-    which says at each call whether it attends (precision/steps.py: the full-precision steps do not)."""
-
-    choice: BackendChoice
-    precision: StepPrecision
-
-
 class UlyssesAttention:
     """Ulysses attention for one model: knows the model's token split and the backend choice, not the model. The
     split's ranks may form a ring of Ulysses groups (`ring`, ring.py); by default they are one Ulysses group.
     `local_cross_attention`: the model's calls whose queries and keys differ in count are cross-attention over
-    keys every rank holds whole (SequenceParallelPlan.local_cross_attention)."""
+    keys every rank holds whole (SequenceParallelPlan.local_cross_attention). `precision`: the model's step
+    precision (precision/steps.py), which says at each call whether it attends with `fp8_choice` (the FP8 variant
+    of the choice, enable(fp8="attention")) and whether its exchanges send FP8 payloads where the strategy can
+    (enable(fp8="payloads")): the full-precision steps do neither."""
 
     def __init__(self, shard: SequenceShard, choice: BackendChoice, text_first: bool = True,
                  query_key_masks: QueryKeyMasks | None = None, ulysses: Axis | None = None,
-                 ring: Axis = Axis(), local_cross_attention: bool = False,
-                 fp8: FP8Attention | None = None) -> None:
+                 ring: Axis = Axis(), local_cross_attention: bool = False, precision: StepPrecision | None = None,
+                 fp8_choice: BackendChoice | None = None) -> None:
         self.shard = shard
         self.native_choice = choice
-        self.fp8 = fp8
+        self.precision = StepPrecision() if precision is None else precision
+        self.fp8_choice = fp8_choice
         self.text_first = text_first
         self.query_key_masks = query_key_masks
         self.ulysses = Axis(shard.degree, shard.rank, shard.group) if ulysses is None else ulysses
@@ -46,8 +40,15 @@ class UlyssesAttention:
     @property
     def choice(self) -> BackendChoice:
         """What attends now: the FP8 variant while the model's step runs attention in FP8, else the choice."""
-        fp8 = self.fp8
-        return fp8.choice if fp8 is not None and fp8.precision.fp8("attention") else self.native_choice
+        if self.fp8_choice is not None and self.precision.fp8("attention"):
+            return self.fp8_choice
+        return self.native_choice
+
+    @property
+    def fp8_payloads(self) -> bool:
+        """Whether the exchanges send FP8 payloads now (where the strategy can): while the model's step runs
+        payloads in FP8."""
+        return self.precision.fp8("payloads")
 
     def routes(self, queries: int, keys: int) -> bool:
         """Whether a call of `queries` queries over `keys` keys is this attention's: not one within a prefix every
@@ -91,7 +92,7 @@ class UlyssesAttention:
         return ulysses_attention(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout,
                                  text_mask=text_key_mask(attn_mask, layout), backend=self.choice.name,
                                  group=self.ulysses.group, scale=scale, attention_backend=attention_backend,
-                                 pair_bias=pair_bias, ring_group=self.ring.group)
+                                 pair_bias=pair_bias, ring_group=self.ring.group, fp8_payloads=self.fp8_payloads)
 
     def joint(self, query: JointTokens, key: JointTokens, value: JointTokens, attn_mask: torch.Tensor | None = None,
               scale: float | None = None, attention_backend: str | None = None) -> torch.Tensor | None:
@@ -103,7 +104,7 @@ class UlyssesAttention:
         layout = self._layout(query.rows, key.rows)
         return ulysses_attention(query, key, value, layout, text_mask=text_key_mask(_four_dims(attn_mask), layout),
                                  backend=self.choice.name, group=self.ulysses.group, scale=scale,
-                                 attention_backend=attention_backend)
+                                 attention_backend=attention_backend, fp8_payloads=self.fp8_payloads)
 
     def with_whole_keys(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, whole: WholeKeys,
                         scale: float | None = None) -> torch.Tensor | None:
@@ -116,7 +117,8 @@ class UlyssesAttention:
         layout = self._layout(query.shape[1], key.shape[1])
         return ulysses_attention(JointTokens((query,)), JointTokens((key,)), JointTokens((value,)), layout,
                                  text_mask=None, backend=self.choice.name, group=self.ulysses.group, scale=scale,
-                                 attention_backend=None, ring_group=self.ring.group, whole=whole)
+                                 attention_backend=None, ring_group=self.ring.group, whole=whole,
+                                 fp8_payloads=self.fp8_payloads)
 
     def takes_joint_tokens(self, device: torch.device) -> bool:
         """What `joint` asks before it looks at the tensors: a Ulysses degree above 1, no masks over query-key
