@@ -29,9 +29,9 @@ from ..logging_utils import warn_once
 from . import attention_hopper
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionCall, Attended, Epilogue,
                              KeyForward, Merge, QuantizedOperands, Scatter, Store, Strides)
-from .attention_fp8 import E4M3_MAX, INTERPRETED, quantize, to_e4m3
+from .attention_fp8 import INTERPRETED, quantize, to_e4m3
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
-from .fp8 import quantize_rows
+from .fp8 import E4M3_MAX, quantize_rows
 from .tables import ALIGN_ELEMENTS
 
 

@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from .attention_args import QuantizedOperands, Strides
+from .fp8 import E4M3_MAX, on_e4m3_grid
 
 # the kernels' constants (the host reads their `.value`)
 INT8_MAX = tl.constexpr(127.0)
-E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 # the smallest range a scale covers: a tile of smaller values (zeros, say: one key, smoothed) quantizes on a step
 # still far from float32's underflow, so that a query tile's and a key tile's scales multiplied leave masked keys'
 # scores (attention.py: a large negative times that product) negligible
@@ -43,12 +43,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def to_e4m3(x, ROUND_FIRST: tl.constexpr):
     """x (float32, |x| <= 448) as e4m3, rounded to nearest even. Triton's CPU interpreter truncates a mantissa
     that rounds up past its top instead of carrying into the exponent: with ROUND_FIRST, x is put on the e4m3 grid
-    in float32 first (spacing 2^(e-3) at exponent e, 2^-9 among the subnormals), which it then converts exactly."""
+    in float32 first (fp8.on_e4m3_grid, the FP8 payloads' rounding), which it then converts exactly."""
     if ROUND_FIRST:
-        exponent = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
-        spacing = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
-        big = spacing * 12582912.0  # 1.5 * 2^23 spacings: adding it rounds x to a whole number of spacings
-        x = (x + big) - big
+        x = on_e4m3_grid(x)
     return x.to(tl.float8e4nv)
 
 

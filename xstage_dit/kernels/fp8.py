@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .attention_args import PAYLOAD_DTYPE, SCALE_DTYPE
 
-_E4M3_MAX = tl.constexpr(448.0)
+E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value (the host reads its `.value`)
 _SMALLEST_NORMAL = tl.constexpr(0.015625)  # 2^-6: below it e4m3's values are subnormal, 2^-9 apart
 _SUBNORMAL_ROUNDER = tl.constexpr(24576.0)  # 1.5 * 2^14: float32 numbers near it lie 2^-9 apart
 _AMAX_FLOOR = tl.constexpr(1e-30)  # a row of zeros gets a tiny normal scale, never a division by zero
@@ -30,13 +30,14 @@ _SIGN = tl.constexpr(-2147483648)  # 0x80000000 as int32
 
 
 @triton.jit
-def _on_e4m3_grid(x):
-    """x (|x| <= 448, up to rounding) rounded to nearest even on e4m3's grid, in float32: exactly representable."""
+def on_e4m3_grid(x):
+    """x (|x| <= 448, up to rounding) rounded to nearest even on e4m3's grid, in float32: exactly representable
+    (FP8 attention's conversions use it too where Triton's interpreter runs them: attention_fp8.to_e4m3)."""
     magnitude = tl.abs(x)
     bits = magnitude.to(tl.int32, bitcast=True)
     normal = ((bits + _BELOW_HALF + ((bits >> _DROPPED) & 1)) & _KEPT).to(tl.float32, bitcast=True)
     subnormal = (magnitude + _SUBNORMAL_ROUNDER) - _SUBNORMAL_ROUNDER
-    rounded = tl.minimum(tl.where(magnitude < _SMALLEST_NORMAL, subnormal, normal), _E4M3_MAX)
+    rounded = tl.minimum(tl.where(magnitude < _SMALLEST_NORMAL, subnormal, normal), E4M3_MAX)
     sign = x.to(tl.int32, bitcast=True) & _SIGN
     return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
@@ -46,9 +47,9 @@ def quantize_rows(x):
     """A (ROWS, D) tile as its e4m3 payload (ROWS, D) and each row's float32 scale (ROWS,)."""
     x = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
-    inverse = _E4M3_MAX / amax
-    payload = _on_e4m3_grid(x * tl.expand_dims(inverse, 1)).to(tl.float8e4nv)
-    return payload, amax / _E4M3_MAX
+    inverse = E4M3_MAX / amax
+    payload = on_e4m3_grid(x * tl.expand_dims(inverse, 1)).to(tl.float8e4nv)
+    return payload, amax / E4M3_MAX
 
 
 @triton.jit
