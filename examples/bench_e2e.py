@@ -17,13 +17,15 @@ A variant is stock or xstage-BACKEND in one of the --modes: eager; compiled (the
 Stock has no graphs mode. Variants are enabled anew for every call, so a graphs variant's call includes its
 warm-up steps and its capture: they count in the end-to-end time, while its per-step figures are over the steps
 that only replayed (`replayed_steps` in the record; every step where none did).
-FP8: a backend name ending in +fp8-PARTS runs enable(fp8=PARTS) (e.g. reference+fp8-linear, +fp8-all: every step
-in FP8); --torchao-fp8 adds stock-torchao-fp8 in the stock modes: a copy of the transformer with every Linear
-quantized by torchao's `quantize_` with the config fp8="linear" uses (float8 rowwise), as users quantize a model.
+FP8: a backend name ending in +fp8-PARTS runs enable(fp8=PARTS) (e.g. reference+fp8-linear,
+auto+fp8-attention,linear, +fp8-all: every step in FP8); --torchao-fp8 adds stock-torchao-fp8 in the stock modes:
+a copy of the transformer with every Linear quantized by torchao's `quantize_` with the config fp8="linear" uses
+(float8 rowwise), as users quantize a model.
 torchao's `quantize_` would also turn on its recommended inductor settings for the whole process, which would
 then apply to every variant compiled after it; neither path does here: every variant compiles with torch's
-defaults. --errors adds each variant's relative L2 error against stock eager (the latents of one more call,
-seeded alike, after the timed ones).
+defaults. --errors adds each variant's relative L2 error against stock eager for the transformer's first forward and
+for the final latents (one more call, seeded alike, after the timed ones), and with --decode the decoded output's
+PSNR against stock eager's (one more call).
 
     python examples/bench_e2e.py --config flux-dev --modes compiled compiled+graphs \
         --backend reference reference+fp8-linear --torchao-fp8 --errors --out docs/benchmarks/fp8-linear
@@ -35,7 +37,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -55,7 +59,7 @@ from step_timer import StepTimer, reporting_steps
 DIFFUSERS_ROPE = "+diffusers-rope"  # backend-name suffix: that backend with enable(fuse_rope=False)
 DIFFUSERS_MLP = "+diffusers-mlp"  # backend-name suffix: that backend with enable(fuse_mlp=False)
 EXPERT_PARALLEL = "+expert-parallel"  # backend-name suffix: that backend with enable(expert_parallel=True)
-FP8 = re.compile(r"\+fp8-(\w+)")  # backend-name suffix: that backend with enable(fp8=<parts>)
+FP8 = re.compile(r"\+fp8-([\w,]+)")  # backend-name suffix: that backend with enable(fp8=<parts>, comma-separated)
 TORCHAO_FP8 = "stock-torchao-fp8"
 MODES = ["eager", "compiled", "graphs", "compiled+graphs"]
 
@@ -170,6 +174,8 @@ def variant_of(pipe, variant: str):
     [+fp8-<parts>]" enables xstage_dit for the block, "stock-torchao-fp8" runs a torchao-quantized copy of the
     transformer, "+compiled" compiles the repeated blocks, "+graphs" captures the transformers' forwards."""
     fp8 = FP8.search(variant)
+    parts = fp8.group(1).split(",") if fp8 else []
+    fp8_parts = tuple(parts) if len(parts) > 1 else parts[0] if parts else None
     name = FP8.sub("", variant)
     for suffix in (DIFFUSERS_ROPE, DIFFUSERS_MLP, EXPERT_PARALLEL):
         name = name.replace(suffix, "")
@@ -183,7 +189,7 @@ def variant_of(pipe, variant: str):
             xstage_dit.enable(pipe, backend=base.removeprefix("xstage-"), fuse_rope=DIFFUSERS_ROPE not in variant,
                               fuse_mlp=DIFFUSERS_MLP not in variant,
                               cuda_graphs="graphs" in modes, expert_parallel=EXPERT_PARALLEL in variant,
-                              fp8=fp8.group(1) if fp8 else None)
+                              fp8=fp8_parts)
             stack.callback(xstage_dit.disable, pipe)
         yield
 
@@ -216,18 +222,64 @@ def measure(pipe, variants: list[str], call: dict, device: torch.device, repeats
     return samples
 
 
-def output_errors(pipe, variants: list[str], call: dict) -> dict[str, float]:
-    """Each variant's relative L2 error against stock eager: the latents of one call per variant (its enable's
-    warm-up included, as in the timed calls), its noise seeded alike."""
-    def latents() -> torch.Tensor:
-        seeded = {**call, "output_type": "latent", "generator": torch.Generator().manual_seed(1)}
-        return pipe(**seeded, return_dict=False)[0].double()
+@dataclasses.dataclass(frozen=True)
+class Errors:
+    """A variant's distance from stock eager on the same seeded call: relative L2 of the transformer's first output
+    (one forward on the same inputs) and of the final latents; with --decode, the decoded output's PSNR."""
+    first_forward: float
+    final_latents: float
+    psnr_db: float | None
 
-    reference = latents()
+
+class FirstForward:
+    """The first output of the pipeline's (first) transformer while installed, copied: a CUDA graph's replay
+    overwrites its output buffer at the next step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.output: torch.Tensor | None = None
+        self._handle = model.register_forward_hook(self._record)
+
+    def _record(self, module, args, output) -> None:
+        if self.output is None:
+            first = output[0] if isinstance(output, tuple) else output.sample
+            self.output = first.detach().double().clone()
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def relative_l2(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((value - reference).norm() / reference.norm()).item()
+
+
+def psnr_db(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """PSNR of decoded outputs in [0, 1] (output_type "pt")."""
+    mse = torch.mean((value.clamp(0, 1) - reference.clamp(0, 1)) ** 2).item()
+    return float("inf") if mse == 0 else 10 * math.log10(1 / mse)
+
+
+def output_errors(pipe, variants: list[str], call: dict, decode: bool) -> dict[str, Errors]:
+    """Each variant's errors against stock eager: one call per variant (its enable's warm-up included, as in the
+    timed calls), its noise seeded alike; with `decode` one more, decoded."""
+    def seeded(output_type: str) -> dict:
+        return {**call, "output_type": output_type, "generator": torch.Generator().manual_seed(1)}
+
+    def outputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        first = FirstForward(pipe.transformer)  # inside the variant: torchao's swaps the transformer
+        try:
+            latents = pipe(**seeded("latent"), return_dict=False)[0].double()
+        finally:
+            first.remove()
+        decoded = pipe(**seeded("pt"), return_dict=False)[0].double() if decode else None
+        return first.output, latents, decoded
+
+    reference = outputs()
     errors = {}
     for variant in variants:
         with variant_of(pipe, variant):
-            errors[variant] = ((latents() - reference).norm() / reference.norm()).item()
+            first, latents, decoded = outputs()
+        errors[variant] = Errors(relative_l2(first, reference[0]), relative_l2(latents, reference[1]),
+                                 psnr_db(decoded, reference[2]) if decode else None)
     return errors
 
 
@@ -273,7 +325,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
     variants = variant_names(args.backend, args.modes, world_size, args.torchao_fp8)
     samples = measure(pipe, variants, call, device, args.repeats)
     tokens.remove()
-    errors = output_errors(pipe, variants, call) if args.errors else {}
+    errors = output_errors(pipe, variants, call, args.decode) if args.errors else {}
     profiles = []
     if args.profile and device.type == "cuda":  # torch.profiler's kernel times need a GPU
         profiles = profile_variants(pipe, variants, call, name, args.steps)
@@ -313,7 +365,9 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
             "decode_s": statistics.median(samples[variant]["after_loop"]) if args.decode else None,
             "peak_gib": max(samples[variant]["peak"], default=None),
             "ratio_to_first_variant": step / baseline, "first_variant": variants[0],
-            "rel_l2_vs_stock_eager": errors.get(variant),
+            "rel_l2_vs_stock_eager": errors[variant].final_latents if variant in errors else None,
+            "rel_l2_first_forward_vs_stock_eager": errors[variant].first_forward if variant in errors else None,
+            "psnr_db_vs_stock_eager": errors[variant].psnr_db if variant in errors else None,
             **provenance(),
         })
     return records, profiles
@@ -335,8 +389,8 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
         "",
         "| config | size (h×w×frames) | tokens | ranks | variant | per step (ms) | host (ms) | ratio "
         "| end to end (s) | of which decode (s) | peak (GiB) | speedup vs 1-GPU stock | efficiency "
-        "| rel. L2 vs stock eager | command at commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rel. L2 vs stock eager: first forward, final latents | PSNR vs stock eager (dB) | command at commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
@@ -345,12 +399,15 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
         speedup = scaling(r, rows)
         scaled = f"{speedup:.2f}x | {speedup / r['world_size']:.0%}" if speedup else "- | -"
         replayed = f" ({r['replayed_steps']} replayed steps)" if r.get("replayed_steps") is not None else ""
-        error = f"{r['rel_l2_vs_stock_eager']:.2e}" if r.get("rel_l2_vs_stock_eager") is not None else "-"
+        first = r.get("rel_l2_first_forward_vs_stock_eager")  # absent from older records
+        error = (f"{'-' if first is None else f'{first:.2e}'}, {r['rel_l2_vs_stock_eager']:.2e}"
+                 if r.get("rel_l2_vs_stock_eager") is not None else "-")
+        psnr = f"{r['psnr_db_vs_stock_eager']:.1f}" if r.get("psnr_db_vs_stock_eager") is not None else "-"
         lines.append(
             f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['tokens']} | {r['world_size']} | "
             f"{r['variant']}{replayed} | {r['step_ms']:.1f} | {host} | "
             f"{r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
-            f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | {error} | `{r['command']}` at {r.get('commit', '-')} |"
+            f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | {error} | {psnr} | `{r['command']}` at {r.get('commit', '-')} |"
         )
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, prefix.with_suffix(".png"))
@@ -411,8 +468,10 @@ def main() -> None:
             print(f"{r['config']:>9} {r['variant']:>30} ranks={r['world_size']} step {r['step_ms']:8.1f} ms "
                   f"host {r['host_ms']:7.1f} ms "
                   f"ratio {r['ratio_to_first_variant']:.3f} e2e {r['e2e_s']:.2f} s peak {r['peak_gib']} GiB"
-                  + (f" rel. L2 vs stock eager {r['rel_l2_vs_stock_eager']:.3e}"
-                     if r["rel_l2_vs_stock_eager"] is not None else ""))
+                  + (f" rel. L2 vs stock eager: first forward {r['rel_l2_first_forward_vs_stock_eager']:.3e}, "
+                     f"final latents {r['rel_l2_vs_stock_eager']:.3e}" if r["rel_l2_vs_stock_eager"] is not None
+                     else "")
+                  + (f" PSNR {r['psnr_db_vs_stock_eager']:.1f} dB" if r["psnr_db_vs_stock_eager"] is not None else ""))
 
 
 if __name__ == "__main__":
