@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from xstage_dit.runtime.distributed import free_port
 
-PRELOADED = ["torch", "torch.distributed", "xstage_dit", "xstage_dit.testing.zoo"]
+PRELOADED = ["torch", "torch.distributed", "xstage_dit", "xstage_dit.testing.preload"]
 START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
 mp.set_forkserver_preload(PRELOADED)
 
