@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Before/after of a change, side by side on one GPU machine: an old tree and this checkout, alternating, FLUX.1-dev
-# 1024^2 and Wan 2.1 1.3B 720p (E2E_CONFIGS) at degree 1 compiled + graphs, E2E_STEPS steps a call (PARTS e2e), then
-# bench_kernels.py's parts $KPARTS (default loopback; PARTS kernels). The old tree is made here and carried (.dev is in .git/info/exclude):
+# 1024^2 and Wan 2.1 1.3B 720p (E2E_RUNS) at degree 1 compiled + graphs, E2E_STEPS steps a call (PARTS e2e), then
+# bench_kernels.py's parts $KPARTS (default loopback; PARTS kernels). The old tree is made here and carried (.dev
+# is in .git/info/exclude):
 #   git archive REV | tar -x -C .dev/before           then, on the device (carry .whl and .dev):
 #   [TESTS_K="pytest -k expr"] [PARTS="e2e kernels"] [KPARTS="loopback"] bash .ci/before_after.sh
 # The old tree is installed without csrc/ (the benchmarks do not use the probes). Results go to $OUT.
@@ -21,10 +22,14 @@ if [ -n "${TESTS_K:-}" ]; then
   echo "tests: $(( $(date +%s) - t0 )) s"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-touched2.log" | tail -12
 fi
 if [[ "${PARTS:-kernels e2e}" == *e2e* ]]; then
-  for config in ${E2E_CONFIGS:-flux-dev wan-1.3b}; do
-    E="--config $config --steps ${E2E_STEPS:-8} --repeats 2 --backend auto --modes compiled+graphs"
-    run "$REPO/.dev/before" /tmp/site_before "e2e-before $config" bench_e2e.py $E --out "$OUT/eb-$config"
-    run "$REPO" /tmp/site "e2e-after $config" bench_e2e.py $E --out "$OUT/ea-$config"
+  # one bench_e2e run per ;-separated spec: a config and its extra arguments
+  IFS=';' read -ra specs <<< "${E2E_RUNS:-flux-dev;wan-1.3b --height 720 --width 1280}"
+  for spec in "${specs[@]}"; do
+    label=${spec%% *}; label=${label//./_}  # bench_e2e takes the text after a dot in --out as a suffix
+    # shellcheck disable=SC2086  # spec is a list of arguments
+    E="--config $spec --steps ${E2E_STEPS:-8} --repeats 2 --backend auto --modes compiled+graphs"
+    run "$REPO/.dev/before" /tmp/site_before "e2e-before $label" bench_e2e.py $E --out "$OUT/eb-$label"
+    run "$REPO" /tmp/site "e2e-after $label" bench_e2e.py $E --out "$OUT/ea-$label"
   done
 fi
 if [[ "${PARTS:-kernels e2e}" == *kernels* ]]; then
