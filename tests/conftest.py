@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     # run one thread each likewise (dist_harness), and the processes that tests start inherit the setting
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    import xstage_dit.testing.preload  # noqa: F401  (every kernel defined interpreted now; see its docstring)
 
 
 # `pytest -m quick`: minutes on 2 cores where the whole suite takes 15-25; each area's fast checks and one run of
@@ -32,6 +33,17 @@ QUICK = (
     "test_kernels.py::test_rotary_interpreted", "test_generate.py::test_an_input_image_reaches_the_pipeline",
     "test_serve.py::test_health_models_metrics_and_an_image", "test_serve.py::test_the_queue_batches",
 )
+
+
+@pytest.fixture(autouse=True)
+def _cpu_paths(request, monkeypatch):
+    """Tests marked cpu_paths run the library as a CPU user does: without Triton's interpreter, whose Python runs of
+    our kernels took about half of their time. The kernels are defined interpreted once (TRITON_INTERPRET=1 above);
+    the library reads the variable at each call (kernels.triton_runs_on), as do the ranks and services a test
+    starts with its environment. A test also marked `kernels` keeps the interpreter."""
+    marked = request.node.get_closest_marker
+    if marked("cpu_paths") and not marked("kernels") and not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,6 +21,9 @@ from dist_harness import run_on_ranks
 from numerics import relative_error
 from pipeline_checks import TOLERANCE, seeded_latents
 
+# the library's CPU paths (conftest.py): these tests' subject is not our kernels, which their own tests run
+pytestmark = pytest.mark.cpu_paths
+
 STEPS = 3
 
 

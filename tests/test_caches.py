@@ -16,6 +16,9 @@ from dist_harness import run_on_ranks
 from numerics import relative_error
 from pipeline_checks import SIZES, TOLERANCE, local_statistics, seeded_latents
 
+# the library's CPU paths (conftest.py): these tests' subject is not our kernels, which their own tests run
+pytestmark = pytest.mark.cpu_paths
+
 
 def _stock_with(pipe: Any, make: Callable[[], Any], generate: Callable[[], torch.Tensor]) -> torch.Tensor | None:
     """One process's result with the cache, or None where diffusers' cache does not take this family."""

@@ -12,6 +12,9 @@ from dist_harness import run_on_ranks
 from numerics import relative_error
 from pipeline_checks import SIZES, TOLERANCE, pipelines_worker
 
+# the library's CPU paths (conftest.py): these tests' subject is not our kernels, which their own tests run
+pytestmark = pytest.mark.cpu_paths
+
 # the single Flux ControlNet runs in the IP-Adapter's worker
 CONTROLNETS = ["tiny-flux-multi-controlnet", "tiny-qwenimage-controlnet", "tiny-zimage-controlnet"]
 

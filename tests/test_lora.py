@@ -24,6 +24,9 @@ from numerics import relative_error
 from xstage_dit.fusions.plain import why_not_plain
 from xstage_dit.patches.image import flux_mlp
 
+# the library's CPU paths (conftest.py): these tests' subject is not our kernels, which their own tests run
+pytestmark = pytest.mark.cpu_paths
+
 TOLERANCE = 1e-4
 SPLIT_PROJECTION = {"tiny-flux", "tiny-chroma"}
 WARNED = {"tiny-flux": "FluxSingleTransformerBlock.proj_out in the split projection is a peft.tuners.lora.layer.Linear",

@@ -50,7 +50,13 @@ CFG = {
 }
 
 
-@pytest.mark.parametrize("world_size, name", per_pipeline(ULYSSES))
+# the library's CPU paths (conftest.py), but for every family once through our kernels (norm, rotation) at degree 2
+pytestmark = pytest.mark.cpu_paths
+
+
+@pytest.mark.parametrize("world_size, name", [
+    pytest.param(*case.values, id=case.id, marks=pytest.mark.kernels if case.values[0] == 2 else ())
+    for case in per_pipeline(ULYSSES)])
 def test_parallel_pipelines_match_single_process(world_size: int, name: str) -> None:
     # N = 2 runs every case; N = 3 and 4 each batch and each size once (uneven sizes with batch 2)
     run_on_ranks(world_size, pipeline_worker, name, 1, 3.0, "reference", False, world_size == 2)

@@ -24,6 +24,9 @@ from lora_weights import generate_latents as generate
 from model_change_checks import assert_moves, flux_inputs
 from xstage_dit.runtime.agreement import stored_tensors
 
+# the library's CPU paths (conftest.py): these tests' subject is not our kernels, which their own tests run
+pytestmark = pytest.mark.cpu_paths
+
 torchao = pytest.importorskip("torchao", reason="the quantized-model tests need torchao")
 torchao_quantization = pytest.importorskip("torchao.quantization", reason="the quantized-model tests need torchao")
 

@@ -26,6 +26,9 @@ from xstage_dit import api
 from xstage_dit.config import XStageConfig
 from xstage_dit.runtime.distributed import build_groups, ensure_process_group, free_port
 
+# the library's CPU paths (conftest.py): these tests' subject is not our kernels, which their own tests run
+pytestmark = pytest.mark.cpu_paths
+
 
 @pytest.mark.parametrize("world, given, heads, node, expected", [
     (4, {}, [6], 4, (2, 2)),        # 6 heads: Ulysses 2 is the widest that splits them
