@@ -1,4 +1,5 @@
 import gc
+import importlib
 import os
 
 import pytest
@@ -12,10 +13,13 @@ if not torch.cuda.is_available():
     # run one thread each likewise (dist_harness), and the processes that tests start inherit the setting
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    import xstage_dit.testing.preload  # noqa: F401  (every kernel defined interpreted now; see its docstring)
+    # what the ranks' fork server imports, imported here too: every kernel defined interpreted (dist_harness)
+    import dist_harness
+    for module in dist_harness.PRELOADED:
+        importlib.import_module(module)
 
 
-# `pytest -m quick`: minutes on 2 cores where the whole suite takes 15-25; each area's fast checks and one run of
+# `pytest -m quick`: minutes on 2 cores where the whole suite takes about 22; each area's fast checks and one run of
 # each distributed path (node ids under tests/, a whole module or the start of a test's id)
 QUICK = (
     "test_layers.py", "test_docs.py", "test_backend_registry.py", "test_provenance.py", "test_step_timer.py",

@@ -12,6 +12,7 @@ import faulthandler
 import gc
 import logging
 import os
+import pkgutil
 import sys
 import time
 import traceback
@@ -21,9 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from xstage_dit import kernels
 from xstage_dit.runtime.distributed import free_port
 
-PRELOADED = ["torch", "torch.distributed", "xstage_dit", "xstage_dit.testing.preload"]
+# every module that defines a Triton kernel: Triton reads TRITON_INTERPRET when a kernel is defined, so the test
+# session (conftest.py) and the fork server import them all first, defining every kernel alike whatever a test later
+# sets to steer the library's calls; then the zoo's tiny pipelines, built once (xstage_dit.testing.preload)
+KERNEL_MODULES = [module.name for module in pkgutil.iter_modules(kernels.__path__, f"{kernels.__name__}.")]
+PRELOADED = ["torch", "torch.distributed", "xstage_dit", *KERNEL_MODULES, "xstage_dit.testing.preload"]
 START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
 mp.set_forkserver_preload(PRELOADED)
 
