@@ -407,7 +407,8 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
             f"| {r['config']} | {r['height']}×{r['width']}×{r['num_frames']} | {r['tokens']} | {r['world_size']} | "
             f"{r['variant']}{replayed} | {r['step_ms']:.1f} | {host} | "
             f"{r['ratio_to_first_variant']:.3f} (vs {r['first_variant']}) | "
-            f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | {error} | {psnr} | `{r['command']}` at {r.get('commit', '-')} |"
+            f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | {error} | {psnr} | "
+            f"`{r['command']}` at {r.get('commit', '-')} |"
         )
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, prefix.with_suffix(".png"))
