@@ -41,8 +41,8 @@ QUICK = (
 
 @pytest.fixture(autouse=True)
 def _cpu_paths(request, monkeypatch):
-    """Tests marked cpu_paths run the library as a CPU user does: without Triton's interpreter, whose Python runs of
-    our kernels took about half of their time. The kernels are defined interpreted once (TRITON_INTERPRET=1 above);
+    """Tests marked cpu_paths run the library as a CPU user does: without Triton's interpreter, which runs our
+    kernels as slow Python. The kernels are defined interpreted once (TRITON_INTERPRET=1 above);
     the library reads the variable at each call (kernels.triton_runs_on), as do the ranks and services a test
     starts with its environment. A test also marked `kernels` keeps the interpreter."""
     marked = request.node.get_closest_marker
