@@ -242,7 +242,8 @@ class FirstForward:
     def _record(self, module, args, output) -> None:
         if self.output is None:
             first = output[0] if isinstance(output, tuple) else output.sample
-            self.output = first.detach().double().clone()
+            items = first if isinstance(first, list) else [first]  # Z-Image's: one tensor per batch item
+            self.output = torch.cat([item.detach().double().flatten() for item in items])
 
     def remove(self) -> None:
         self._handle.remove()
