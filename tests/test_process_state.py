@@ -45,6 +45,7 @@ def test_the_placement_is_the_launchers_facts_whatever_torchs_flag_says(placemen
 def _placement_with_the_flag() -> None:
     os.environ[OVERLAPPING] = "1"  # the user's own reasons
     ensure_process_group(60.0)
+    dist.barrier()  # rank 0 holds the group's store: it must not end before the other rank has joined
     placed = job_placement()
     forget_groups()
     del os.environ[OVERLAPPING]

@@ -163,10 +163,17 @@ class Liveness:
                    f"(every thread's stack is above)"
         return None
 
+    def agent_gone(self) -> str | None:
+        """This rank's torchrun agent gone, in words (the root cause of whatever else failed with it: the job's
+        store and the other ranks go with the agent); None while it runs, or outside torchrun."""
+        if self._agent is not None and os.getppid() != self._agent:
+            return f"rank {self.rank}: its torchrun agent (process {self._agent}) is gone"
+        return None
+
     def _silence(self, seen: dict[int, tuple[int, float]]) -> str | None:
         draining = self._drain_until is not None
-        if self._agent is not None and os.getppid() != self._agent and not draining:
-            return f"rank {self.rank}: its torchrun agent (process {self._agent}) is gone"
+        if not draining and (gone := self.agent_gone()):
+            return gone
         if self._store is None:
             return None
         try:

@@ -130,7 +130,7 @@ class Service:
                 else:
                     self.channel.command(Command("idle"))
             except RanksOutOfStep as error:
-                self._fail(f"a rank stopped answering: {error}")
+                self._fail(self.liveness.agent_gone() or f"a rank stopped answering: {error}")
 
     def drain(self, signum: int, frame: object) -> None:
         """SIGTERM's and SIGINT's handler. A rank can get the signal twice at once (from whoever sent it and from
@@ -277,6 +277,7 @@ def follow(loaded: LoadedPipeline, channel: SideChannel, timeout_s: float) -> in
                 _, error = call_on_this_rank(loaded, list(command.batch), liveness, channel, timeout_s)
                 channel.statuses(CallStatus(channel.rank, error))
     except RanksOutOfStep as error:
-        logger.critical("rank %d: rank 0 stopped answering: %s; exiting", channel.rank, error)
+        why = liveness.agent_gone() or f"rank {channel.rank}: rank 0 stopped answering: {error}"
+        logger.critical("%s; exiting", why)
         return 1
 
