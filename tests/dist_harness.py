@@ -27,9 +27,10 @@ from xstage_dit.runtime.distributed import free_port
 
 # every module that defines a Triton kernel: Triton reads TRITON_INTERPRET when a kernel is defined, so the test
 # session (conftest.py) and the fork server import them all first, defining every kernel alike whatever a test later
-# sets to steer the library's calls; then the zoo's tiny pipelines, built once (xstage_dit.testing.preload)
+# sets to steer the library's calls; then the zoo's tiny pipelines, built once (xstage_dit.testing.preload), and
+# Dynamo, which every rank of a compile test would otherwise import anew
 KERNEL_MODULES = [module.name for module in pkgutil.iter_modules(kernels.__path__, f"{kernels.__name__}.")]
-PRELOADED = ["torch", "torch.distributed", "xstage_dit", *KERNEL_MODULES, "xstage_dit.testing.preload"]
+PRELOADED = ["torch", "torch.distributed", "xstage_dit", *KERNEL_MODULES, "xstage_dit.testing.preload", "torch._dynamo"]
 START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
 mp.set_forkserver_preload(PRELOADED)
 

@@ -114,22 +114,23 @@ def _equal_to_one_process(name: str, pipe: Any, generate: Callable[[], torch.Ten
     assert torch.equal(generate(), uncached), f"{name}: cache-dit or xstage_dit left something behind"
 
 
-def _cache_dit_worker(names: list[str], size: str) -> None:
+def _cache_dit_worker(name: str, size: str) -> None:
     """The threshold lies between the whole sequence's statistic at DBCache's first comparison (below it: cached)
     and the nearest above it of one rank's tokens alone (that rank alone would compute)."""
-    for name in names:
-        pipe = zoo.build_pipeline(name)
-        pipe.set_progress_bar_config(disable=True)
-        generate = _generator(name, size, pipe)
-        (whole, *_), (alone, *_), uncached = _compared(pipe, generate)
-        threshold = _between(whole, min(statistic for statistic in alone if statistic > whole))
-        _equal_to_one_process(name, pipe, generate, threshold, uncached)
-        if torch.distributed.get_world_size() == 2 and name in ("tiny-flux", "tiny-wan"):
-            # the same split of the tokens as a ring of two (cache-dit's hooks at the input, and in its wrapper)
-            _equal_to_one_process(name, pipe, generate, threshold, uncached, ring_degree=2)
-    if torch.distributed.get_world_size() == 2:
-        _cfg_split()
-        _refuses_cache_dits_parallelism()
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    generate = _generator(name, size, pipe)
+    (whole, *_), (alone, *_), uncached = _compared(pipe, generate)
+    threshold = _between(whole, min(statistic for statistic in alone if statistic > whole))
+    _equal_to_one_process(name, pipe, generate, threshold, uncached)
+    if torch.distributed.get_world_size() == 2 and name in ("tiny-flux", "tiny-wan"):
+        # the same split of the tokens as a ring of two (cache-dit's hooks at the input, and in its wrapper)
+        _equal_to_one_process(name, pipe, generate, threshold, uncached, ring_degree=2)
+
+
+def _cfg_split_and_parallelism_worker() -> None:
+    _cfg_split()
+    _refuses_cache_dits_parallelism()
 
 
 def _cfg_split() -> None:
@@ -181,10 +182,18 @@ def _refuses_cache_dits_parallelism() -> None:
 FAMILIES = ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-cogvideox"]
 
 
-@pytest.mark.parametrize("world_size, size", [(2, "even"), (3, "uneven")])
-def test_cache_dit_before_and_after_enable_equals_one_process(world_size: int, size: str) -> None:
-    """At two ranks, cache-dit's own parallelism is also refused whichever comes first."""
-    run_on_ranks(world_size, _cache_dit_worker, FAMILIES, size, deadline_s=600)
+@pytest.mark.parametrize("world_size, size, name",
+                         [(world_size, size, name) for world_size, size in [(2, "even"), (3, "uneven")]
+                          for name in FAMILIES])
+def test_cache_dit_before_and_after_enable_equals_one_process(world_size: int, size: str, name: str) -> None:
+    """At two ranks FLUX.1 and Wan also as a ring of two."""
+    run_on_ranks(world_size, _cache_dit_worker, name, size, deadline_s=600)
+
+
+def test_cache_dit_on_a_cfg_split_equals_one_process_and_its_parallelism_is_refused() -> None:
+    """Two ranks: CFG split (batched, and refused in pairs of calls); cache-dit's own parallelism refused whichever
+    comes first."""
+    run_on_ranks(2, _cfg_split_and_parallelism_worker, deadline_s=600)
 
 
 def test_diffusers_context_parallelism_is_refused_before_any_collective() -> None:

@@ -171,20 +171,19 @@ def test_families_without_repeated_blocks_compile_whole_as_often_as_stock(name):
     torch.testing.assert_close(ours.compiled, ours.eager, rtol=0, atol=0)
 
 
-def _depth_independent_worker(mode: str, names: list[str]) -> None:
+def _depth_independent_worker(name: str, mode: str) -> None:
     # a model compiled whole is one frame that inlines every block: its graphs cannot depend on the depth
     depths = (2, 3) if mode == "blocks" else (2,)
-    for name in names:
-        graphs = {}
-        for depth in depths:
-            with _at_depth(name, depth) as deep:
-                run = _compiled_pipeline(deep, mode, True)
-            graphs[depth] = run.graphs
-            error = ((run.compiled - run.eager).norm() / run.eager.norm()).item()
-            assert error < 1e-5, f"compiled {name} ({mode}) at depth {depth} differs from eager: {error:.2e}"
-        if mode == "blocks":
-            assert graphs[3] == graphs[2], (f"{name} ({mode}): {graphs[3]} graphs at depth 3, {graphs[2]} at depth "
-                                            "2: a block instance compiled anew")
+    graphs = {}
+    for depth in depths:
+        with _at_depth(name, depth) as deep:
+            run = _compiled_pipeline(deep, mode, True)
+        graphs[depth] = run.graphs
+        error = ((run.compiled - run.eager).norm() / run.eager.norm()).item()
+        assert error < 1e-5, f"compiled {name} ({mode}) at depth {depth} differs from eager: {error:.2e}"
+    if mode == "blocks":
+        assert graphs[3] == graphs[2], (f"{name} ({mode}): {graphs[3]} graphs at depth 3, {graphs[2]} at depth "
+                                        "2: a block instance compiled anew")
 
 
 # (mode, degree) -> the families compiled in that mode on that many ranks: each family in each mode at one degree
@@ -214,12 +213,14 @@ def test_every_family_compiles_on_several_ranks_in_each_mode():
         assert degrees & {3, 4}, f"{name} compiles on no degree that leaves uneven token counts"
 
 
-@pytest.mark.parametrize("mode, world_size", list(ON_SEVERAL_RANKS))
-def test_every_family_compiles_each_block_class_once_on_several_ranks(mode, world_size):
+@pytest.mark.parametrize("name, mode, world_size",
+                         [(name, mode, world_size) for (mode, world_size), names in ON_SEVERAL_RANKS.items()
+                          for name in names])
+def test_every_family_compiles_each_block_class_once_on_several_ranks(name, mode, world_size):
     """Every family on several ranks (reference backend), in each mode (ON_SEVERAL_RANKS): no graph break
     (fullgraph), compiled equal to eager; with compile_repeated_blocks one block instance more compiles nothing
     more (as many graphs at three blocks of each kind as at two; the graphs of the split's hooks come once)."""
-    run_on_ranks(world_size, _depth_independent_worker, mode, ON_SEVERAL_RANKS[mode, world_size], deadline_s=600)
+    run_on_ranks(world_size, _depth_independent_worker, name, mode, deadline_s=600)
 
 
 def test_hidream_compiles_whole_without_a_graph_break():
