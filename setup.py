@@ -59,8 +59,9 @@ setup(
         # the video extra's packages: the MP4 outputs of the example and the service are tested too
         # openai: the service is checked with OpenAI's own client; setuptools: a test builds the wheel
         # torchao and gguf: quantized models under enable (tests/test_quantized.py), on the versions tested
-        "test": ["pytest", "setuptools>=70.1", "transformers", "triton==3.6.0", "numpy<2.4", "peft", "fastapi",
-                 "uvicorn", "httptools", "prometheus-client", "python-multipart", "openai", "httpx",
+        # pytest-xdist: the suite runs on two workers (.ci/run), each taking whole test files
+        "test": ["pytest", "pytest-xdist", "setuptools>=70.1", "transformers", "triton==3.6.0", "numpy<2.4", "peft",
+                 "fastapi", "uvicorn", "httptools", "prometheus-client", "python-multipart", "openai", "httpx",
                  "cache-dit[parallelism]>=1.5,<1.6", "imageio", "imageio-ffmpeg", "av", "torchao>=0.18,<0.19",
                  "gguf>=0.19,<0.20"],
     },
