@@ -58,12 +58,13 @@ setup(
         # cache-dit: its caches are tested with xstage_dit, its parallelism (einops) refused
         # the video extra's packages: the MP4 outputs of the example and the service are tested too
         # openai: the service is checked with OpenAI's own client; setuptools: a test builds the wheel
-        # torchao and gguf: quantized models under enable (tests/test_quantized.py), on the versions tested
+        # torchao, gguf and bitsandbytes: quantized models under enable (tests/test_quantized.py), on the versions
+        # tested
         # pytest-xdist: the suite runs on two workers (.ci/run), each taking whole test files
         "test": ["pytest", "pytest-xdist", "setuptools>=70.1", "transformers", "triton==3.6.0", "numpy<2.4", "peft",
                  "fastapi", "uvicorn", "httptools", "prometheus-client", "python-multipart", "openai", "httpx",
                  "cache-dit[parallelism]>=1.5,<1.6", "imageio", "imageio-ffmpeg", "av", "torchao>=0.18,<0.19",
-                 "gguf>=0.19,<0.20"],
+                 "gguf>=0.19,<0.20", "bitsandbytes>=0.50,<0.51"],
     },
     license="MIT",
     license_files=["LICENSE"],

@@ -1,6 +1,7 @@
 """Models quantized the ways diffusers users quantize them run under `enable` as they run in one process: torchao's
 `quantize_` (int8 weight-only, int8 dynamic, float8 weight-only on CPU; float8 dynamic rowwise and tensorwise on a
-GPU of compute capability 8.9 or above), diffusers' `TorchAoConfig` at `from_pretrained`, and GGUF files. Each
+GPU of compute capability 8.9 or above), diffusers' `TorchAoConfig` at `from_pretrained`, GGUF files, and
+bitsandbytes' 4-bit (NF4) and 8-bit layers. Each
 case runs the same quantized pipeline stock first, then enabled on 1, 2 or 3 gloo ranks (float32, CPU: relative
 error below 1e-4; dynamic activation quantization within DYNAMIC_TOLERANCE, which says why), and `disable` gives
 back the quantized weights exactly. Layers whose weights xstage_dit reads (FLUX.1's split single-stream projection,
@@ -287,6 +288,42 @@ def test_gguf_equals_one_process(world_size: int, tmp_path) -> None:
     write_gguf(transformer, str(tmp_path / "transformer.gguf"))
     transformer.save_pretrained(tmp_path / "transformer")  # its config
     run_on_ranks(world_size, _gguf_worker, str(tmp_path))
+
+
+def bitsandbytes_quantized(name: str, bits: int):
+    """The tiny pipeline `name` with its transformer's Linear layers as bitsandbytes' NF4 `Linear4bit` or int8
+    `Linear8bitLt` with `Params4bit` / `Int8Params` weights: the modules diffusers' `BitsAndBytesConfig` makes at
+    `from_pretrained`, which loads only onto a GPU; bitsandbytes itself runs them on CPU."""
+    import bitsandbytes
+
+    pipe = zoo.build_pipeline(name)
+    pipe.set_progress_bar_config(disable=True)
+    for parent in list(pipe.transformer.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            shape = (child.in_features, child.out_features)
+            layer = (bitsandbytes.nn.Linear4bit(*shape, bias=child.bias is not None, compute_dtype=torch.float32,
+                                                quant_type="nf4") if bits == 4 else
+                     bitsandbytes.nn.Linear8bitLt(*shape, bias=child.bias is not None, has_fp16_weights=False))
+            layer.load_state_dict(child.state_dict())
+            setattr(parent, child_name, layer.to("cpu"))  # the move quantizes the weight
+    assert pipe.transformer.transformer_blocks[0].attn.to_q.weight.dtype == (torch.uint8 if bits == 4 else torch.int8)
+    return pipe
+
+
+def _bitsandbytes_worker(bits: int) -> None:
+    kind = "Linear4bit" if bits == 4 else "Linear8bitLt"
+    _enabled_equals_stock(lambda: bitsandbytes_quantized("tiny-flux", bits), "tiny-flux",
+                          warning="FluxSingleTransformerBlock.proj_out in the split projection is a "
+                                  f"bitsandbytes.nn.modules.{kind}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bitsandbytes_equals_one_process(bits: int, world_size: int) -> None:
+    pytest.importorskip("bitsandbytes", reason="the bitsandbytes tests need bitsandbytes")
+    run_on_ranks(world_size, _bitsandbytes_worker, bits)
 
 
 HIDREAM_WARNING = "HiDream's grouped MoE: 2 of 2 MoE layers hold quantized experts"
