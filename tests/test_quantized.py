@@ -312,9 +312,9 @@ def bitsandbytes_quantized(name: str, bits: int):
     return pipe
 
 
-def _bitsandbytes_worker(bits: int) -> None:
+def _bitsandbytes_worker(bits: int, compiled: bool = False) -> None:
     kind = "Linear4bit" if bits == 4 else "Linear8bitLt"
-    _enabled_equals_stock(lambda: bitsandbytes_quantized("tiny-flux", bits), "tiny-flux",
+    _enabled_equals_stock(lambda: bitsandbytes_quantized("tiny-flux", bits), "tiny-flux", compiled,
                           warning="FluxSingleTransformerBlock.proj_out in the split projection is a "
                                   f"bitsandbytes.nn.modules.{kind}")
 
@@ -324,6 +324,12 @@ def _bitsandbytes_worker(bits: int) -> None:
 def test_bitsandbytes_equals_one_process(bits: int, world_size: int) -> None:
     pytest.importorskip("bitsandbytes", reason="the bitsandbytes tests need bitsandbytes")
     run_on_ranks(world_size, _bitsandbytes_worker, bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bitsandbytes_compiled_equals_one_process(bits: int) -> None:
+    pytest.importorskip("bitsandbytes", reason="the bitsandbytes tests need bitsandbytes")
+    run_on_ranks(2, _bitsandbytes_worker, bits, True)
 
 
 HIDREAM_WARNING = "HiDream's grouped MoE: 2 of 2 MoE layers hold quantized experts"
