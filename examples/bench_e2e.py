@@ -39,6 +39,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import logging
 import math
 import re
 import statistics
@@ -48,6 +49,7 @@ import torch
 
 import xstage_dit
 from xstage_dit import patches
+from xstage_dit.logging_utils import fresh_warnings, logger
 from xstage_dit.precision.linear import quantization_config
 from xstage_dit.runtime import world_from_env
 
@@ -168,6 +170,23 @@ def compiled_blocks(pipe):
                 module._compiled_call_impl = None
 
 
+# per variant, what xstage_dit warned of while it ran (a fallback: an FP8 part that did not run, say), for its record
+SAID: dict[str, set[str]] = {}
+
+
+@contextlib.contextmanager
+def said_while(variant: str):
+    """xstage_dit's warnings meanwhile, into SAID[variant] (each said anew: a warning is said once a process)."""
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: SAID.setdefault(variant, set()).add(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        with fresh_warnings():
+            yield
+    finally:
+        logger.removeHandler(handler)
+
+
 @contextlib.contextmanager
 def variant_of(pipe, variant: str):
     """The pipeline as `variant` runs it: "xstage-<backend>[+diffusers-rope][+diffusers-mlp][+expert-parallel]
@@ -181,6 +200,7 @@ def variant_of(pipe, variant: str):
         name = name.replace(suffix, "")
     base, *modes = name.split("+")
     with contextlib.ExitStack() as stack:
+        stack.enter_context(said_while(variant))
         if base == TORCHAO_FP8:
             stack.enter_context(torchao_fp8_transformer(pipe))
         if "compiled" in modes:
@@ -323,6 +343,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
     call.update(generator=torch.Generator().manual_seed(0), output_type="pil" if args.decode else "latent")
 
     tokens = CountTokens(pipe.transformer)
+    SAID.clear()
     variants = variant_names(args.backend, args.modes, world_size, args.torchao_fp8)
     samples = measure(pipe, variants, call, device, args.repeats)
     tokens.remove()
@@ -369,6 +390,7 @@ def bench_config(name: str, args: argparse.Namespace, world_size: int) -> tuple[
             "rel_l2_vs_stock_eager": errors[variant].final_latents if variant in errors else None,
             "rel_l2_first_forward_vs_stock_eager": errors[variant].first_forward if variant in errors else None,
             "psnr_db_vs_stock_eager": errors[variant].psnr_db if variant in errors else None,
+            "warnings": sorted(SAID.get(variant, ())),
             **provenance(),
         })
     return records, profiles
@@ -411,6 +433,10 @@ def write_outputs(records: list[dict], prefix: Path) -> None:
             f"{r['e2e_s']:.2f} | {decode} | {peak} | {scaled} | {error} | {psnr} | "
             f"`{r['command']}` at {r.get('commit', '-')} |"
         )
+    said = [f"- {r['config']}, {r['variant']}: {message}" for r in rows for message in r.get("warnings", ())]
+    if said:
+        lines += ["", "xstage_dit's warnings while a variant ran (a fallback runs another path than its name says):",
+                  "", *said]
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, prefix.with_suffix(".png"))
 
