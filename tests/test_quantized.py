@@ -21,6 +21,7 @@ from torch import nn
 import xstage_dit
 from xstage_dit.testing import zoo
 from dist_harness import run_on_ranks, share_one_gpu, xstage_warnings
+from gpu_checks import PIPELINE_TOLERANCE
 from lora_weights import generate_latents as generate
 from model_change_checks import assert_moves, flux_inputs
 from xstage_dit.runtime.agreement import stored_tensors
@@ -38,6 +39,8 @@ TOLERANCE = 1e-4
 # FLUX.1's latents by ~8e-3 under int8 dynamic, by ~3e-7 under int8 weight-only.
 DYNAMIC_TOLERANCE = 3e-2
 DYNAMIC = {"Int8DynamicActivationInt8WeightConfig", "float8 dynamic rowwise", "float8 dynamic tensorwise"}
+# bfloat16 on a GPU: our attention and fused layers round in another order than diffusers' (gpu_checks.py)
+BF16_TOLERANCE = PIPELINE_TOLERANCE
 SPLIT_PROJECTION_WARNING = "FluxSingleTransformerBlock.proj_out in the split projection holds its weight as"
 
 
@@ -408,6 +411,39 @@ def _gpu_worker(config: str) -> None:
     _enabled_equals_stock(lambda: quantized("tiny-flux", config, "cuda", torch.bfloat16), "tiny-flux",
                           tolerance=DYNAMIC_TOLERANCE, warning=SPLIT_PROJECTION_WARNING, cuda_graphs=True)
 
+
+
+def _bitsandbytes_config_worker(directory: str, bits: int) -> None:
+    """diffusers' BitsAndBytesConfig at `from_pretrained` (the GPU load path), bfloat16, enable's defaults (CUDA
+    graphs on)."""
+    from diffusers import BitsAndBytesConfig, FluxTransformer2DModel
+
+    share_one_gpu()
+    config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+              if bits == 4 else BitsAndBytesConfig(load_in_8bit=True))
+
+    def load():
+        pipe = zoo.build_pipeline("tiny-flux", device="cuda", dtype=torch.bfloat16)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.transformer = FluxTransformer2DModel.from_pretrained(directory, quantization_config=config,
+                                                                  torch_dtype=torch.bfloat16)
+        return pipe
+
+    kind = "Linear4bit" if bits == 4 else "Linear8bitLt"
+    _enabled_equals_stock(load, "tiny-flux", tolerance=BF16_TOLERANCE,
+                          warning="FluxSingleTransformerBlock.proj_out in the split projection is a "
+                                  f"bitsandbytes.nn.modules.{kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bitsandbytes_config_on_gpu_equals_one_process(bits: int, world_size: int, tmp_path) -> None:
+    """The load path users take: a transformer saved, then loaded with BitsAndBytesConfig (4-bit NF4, 8-bit), at
+    one rank and at two ranks sharing the GPU, against the same quantized pipeline in one process."""
+    pytest.importorskip("bitsandbytes", reason="the bitsandbytes tests need bitsandbytes")
+    zoo.build_pipeline("tiny-flux").transformer.save_pretrained(tmp_path)
+    run_on_ranks(world_size, _bitsandbytes_config_worker, str(tmp_path), bits, deadline_s=300)
 
 
 def _quantized_otherwise_worker() -> None:
