@@ -39,8 +39,6 @@ TOLERANCE = 1e-4
 # FLUX.1's latents by ~8e-3 under int8 dynamic, by ~3e-7 under int8 weight-only.
 DYNAMIC_TOLERANCE = 3e-2
 DYNAMIC = {"Int8DynamicActivationInt8WeightConfig", "float8 dynamic rowwise", "float8 dynamic tensorwise"}
-# bfloat16 on a GPU: our attention and fused layers round in another order than diffusers' (gpu_checks.py)
-BF16_TOLERANCE = PIPELINE_TOLERANCE
 SPLIT_PROJECTION_WARNING = "FluxSingleTransformerBlock.proj_out in the split projection holds its weight as"
 
 
@@ -315,11 +313,15 @@ def bitsandbytes_quantized(name: str, bits: int):
     return pipe
 
 
-def _bitsandbytes_worker(bits: int, compiled: bool = False) -> None:
+def bitsandbytes_warning(bits: int) -> str:
+    """What `enable` says once of FLUX.1's split projection over a bitsandbytes layer."""
     kind = "Linear4bit" if bits == 4 else "Linear8bitLt"
+    return f"FluxSingleTransformerBlock.proj_out in the split projection is a bitsandbytes.nn.modules.{kind}"
+
+
+def _bitsandbytes_worker(bits: int, compiled: bool = False) -> None:
     _enabled_equals_stock(lambda: bitsandbytes_quantized("tiny-flux", bits), "tiny-flux", compiled,
-                          warning="FluxSingleTransformerBlock.proj_out in the split projection is a "
-                                  f"bitsandbytes.nn.modules.{kind}")
+                          warning=bitsandbytes_warning(bits))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -412,7 +414,6 @@ def _gpu_worker(config: str) -> None:
                           tolerance=DYNAMIC_TOLERANCE, warning=SPLIT_PROJECTION_WARNING, cuda_graphs=True)
 
 
-
 def _bitsandbytes_config_worker(directory: str, bits: int) -> None:
     """diffusers' BitsAndBytesConfig at `from_pretrained` (the GPU load path), bfloat16, enable's defaults (CUDA
     graphs on)."""
@@ -429,10 +430,8 @@ def _bitsandbytes_config_worker(directory: str, bits: int) -> None:
                                                                   torch_dtype=torch.bfloat16)
         return pipe
 
-    kind = "Linear4bit" if bits == 4 else "Linear8bitLt"
-    _enabled_equals_stock(load, "tiny-flux", tolerance=BF16_TOLERANCE,
-                          warning="FluxSingleTransformerBlock.proj_out in the split projection is a "
-                                  f"bitsandbytes.nn.modules.{kind}")
+    # bfloat16 on a GPU: our attention and fused layers round in another order than diffusers' (gpu_checks.py)
+    _enabled_equals_stock(load, "tiny-flux", tolerance=PIPELINE_TOLERANCE, warning=bitsandbytes_warning(bits))
 
 
 @pytest.mark.gpu
