@@ -10,9 +10,10 @@ the Burst-Gap planner's prediction where a calibration of this GPU exists (xstag
 - host time per call (GPU kept busy) of our degree-1 attention entry and routed RoPE vs what they replace;
 - own attention kernel vs cuDNN SDPA and FlashAttention-2 SDPA (bf16, the shapes of docs/benchmarks), after a
   sweep of tile configurations; at the e2e benchmark's attention shapes also vs cuDNN back to back (no L2 flush);
-- FP8 attention (fp8=True: INT8 q·kᵀ, e4m3 p·v, its quantization pass included) vs our bf16 kernel and cuDNN's bf16
-  SDPA at Flux's one-GPU shape, 16k tokens and Wan 14B 720p's 75.6k (12 heads), TFLOP/s and each one's relative
-  error against float32 on sampled query rows, after a sweep of FP8 tile configurations (`--parts fp8`);
+- FP8 attention (fp8=True: INT8 q·kᵀ, e4m3 p·v, its quantization pass included) vs the same on the portable
+  Triton kernel, our bf16 kernel, cuDNN's bf16 SDPA and SageAttention (where installed) at Flux's one-GPU shape,
+  16k tokens and Wan 14B 720p's 75.6k (12 heads), TFLOP/s and each one's relative error against float32 on
+  sampled query rows, after a sweep of FP8 configurations (`--parts fp8`);
 - the attention kernel with its last round of tiles cut over the keys vs whole tiles only, at one rank's shapes,
   and vs cuDNN in CUDA graphs (the GPU's time alone: a short call timed on its own also times its launch);
 - one rank of N-rank Ulysses attention in loopback (N ranks simulated on this GPU; every "remote" store lands in
@@ -35,6 +36,7 @@ import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -219,16 +221,32 @@ def sampled_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: t
     return torch.stack(out, dim=2)
 
 
+def sage_attention() -> Callable | None:
+    """SageAttention's PyPI release (INT8 q·kᵀ, FP16/FP8 p·v in Triton) on (B, S, H, D) inputs, where installed."""
+    try:
+        from sageattention import sageattn
+    except ImportError:
+        return None
+    return lambda q, k, v: sageattn(q, k, v, tensor_layout="NHD", is_causal=False)
+
+
 def bench_fp8_attention() -> list[dict]:
-    """FP8 attention as flash_attention(fp8=True) runs it (quantization pass and kernel) vs our bf16 kernel (its
-    default config: the Gluon kernel on Hopper) and cuDNN bf16, with the relative error of each against float32 on
-    SAMPLED_ROWS query rows spread over the sequence; and FP8 tile configurations side by side."""
-    records = tune_attention([FP8_CONFIG, TileConfig(128, 64, 4, 3), TileConfig(128, 64, 8, 4),
-                              TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 2)], fp8=True)
+    """FP8 attention as flash_attention(fp8=True) runs it (quantization pass and kernel: on Hopper the Gluon
+    kernel) vs the same FP8 on the portable Triton kernel, our bf16 kernel (its default config: the Gluon kernel on
+    Hopper), cuDNN bf16 and SageAttention where installed, with the relative error of each against float32 on
+    SAMPLED_ROWS query rows spread over the sequence; and FP8 configurations side by side."""
+    records = tune_attention([HopperConfig(), HopperConfig(block_n=64), HopperConfig(pingpong=False),
+                              HopperConfig(block_n=64, pingpong=False), HopperConfig(stages=4),
+                              HopperConfig(block_n=64, stages=4), HopperConfig(persistent=False), FP8_CONFIG],
+                             fp8=True)
+    sage = sage_attention()
     for b, h, s, d in FP8_SHAPES:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        calls = {"fp8": lambda: flash_attention(q, k, v, fp8=True).out, "bf16": lambda: flash_attention(q, k, v).out,
-                 "cudnn": lambda: cudnn(q, k, v)}
+        calls = {"fp8": lambda: flash_attention(q, k, v, fp8=True).out,
+                 "fp8-triton": lambda: flash_attention(q, k, v, fp8=True, config=FP8_CONFIG).out,
+                 "bf16": lambda: flash_attention(q, k, v).out, "cudnn": lambda: cudnn(q, k, v)}
+        if sage is not None:
+            calls["sageattention"] = lambda: sage(q, k, v)
         ms = compare_ms(calls)
         rows = torch.linspace(0, s - 1, SAMPLED_ROWS, device="cuda").long()
         want = sampled_reference(q, k, v, rows)
@@ -237,7 +255,10 @@ def bench_fp8_attention() -> list[dict]:
         print(f"FP8 attention {(b, s, h, d)}: " + ", ".join(
             f"{name} {ms[name]:.3f} ms {flops / ms[name] / 1e9:.0f} TFLOP/s error {errors[name]:.2e}"
             for name in calls))
-        for name, baseline in (("bf16", "xstage_attention"), ("cudnn", "cudnn_sdpa")):
+        for name, baseline in (("fp8-triton", "xstage_attention_fp8 (Triton kernel)"), ("bf16", "xstage_attention"),
+                               ("cudnn", "cudnn_sdpa"), ("sageattention", "sageattention")):
+            if name not in calls:
+                continue
             records.append(record("xstage_attention_fp8", (b, s, h, d), ms["fp8"], baseline, ms[name],
                                   tflops=flops / ms["fp8"] / 1e9, baseline_tflops=flops / ms[name] / 1e9,
                                   error=errors["fp8"], baseline_error=errors[name]))
@@ -534,7 +555,7 @@ def write(records: list[dict], prefix: Path, calibration: Calibration | None) ->
                   for r in fp8]
     fp8_tuning = [r for r in records if r["kernel"] == "xstage_attention_fp8_tuning"]
     if fp8_tuning:
-        lines += ["", "FP8 attention configurations (the table above runs the default, FP8_CONFIG):", "",
+        lines += ["", "FP8 attention configurations (the table above runs the default, HopperConfig() on an H200):", "",
                   "| shape (B, S, H, D) | config | ms |", "|---|---|---|"]
         lines += [f"| {tuple(r['shape'])} | {r['config']} | {r['ms']:.3f} |" for r in fp8_tuning]
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")

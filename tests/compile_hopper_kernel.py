@@ -8,7 +8,8 @@ kernel, the norm + RoPE kernel and the fused backend's store kernel (plain, and 
 FP8 payload) for bf16 at head_dim 128, whose PTX must have no fused multiply-add (they round as diffusers' code
 does), the MoE expert kernel, whose matmuls must be Hopper's wgmma, and FP8 attention (the Triton attention kernel
 and its quantization kernel, head_dim 64 and 128, with the key mask, LSE and scatter (of an FP8 payload once), and
-the ring's forward and merge), whose products must be wgmma's INT8 and e4m3 ones.
+the ring's forward and merge; the Gluon kernel the same, 64-key tiles at head_dim 64, merging without the forward),
+whose products must be wgmma's INT8 and e4m3 ones.
 Exits non-zero on the first failure."""
 from __future__ import annotations
 
@@ -156,13 +157,18 @@ def main() -> None:
                                            text_row0=0, image_row0=7, head0=0, scales=scales),
                             key_mask=torch.empty(batch, 8, dtype=torch.int8))
         attention.launch_triton(fp8_call, config, use_tma=False, fp8=operands, warmup=True)
-    # the Gluon kernel shares the name, and its FP8 payload's scatter converts to e4m3 too: FP8 attention's are the
-    # PTX with INT8 products in it
+        if ring:  # the Hopper kernel forwards no keys: the ring's step merges without forwarding
+            fp8_call = call(q, kv, Merge(running))
+        hopper_config = hopper.HopperConfig(block_n=64 if head_dim == 64 else 128)
+        hopper_operands = quantize(q, kv, kv, seq, hopper_config.block_m, hopper_config.block_n, warmup=True)
+        hopper.launch(fp8_call, hopper_config, hopper.TmaRows.HEADS, warmup=True, fp8=hopper_operands)
+    # the kernels share the name, and an FP8 payload's scatter converts to e4m3 too: FP8 attention's are the PTX
+    # with INT8 products in it, three of each kernel
     ptx = [path.read_text() for path in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/_attention_kernel.ptx")]
-    fp8 = [text for text in ptx if "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in text]
-    assert len(fp8) == 3 and all(".f32.e4m3.e4m3" in text for text in fp8), \
+    fp8 = [text for text in ptx if "wgmma.mma_async.sync.aligned.m64n" in text and ".s32.s8.s8" in text]
+    assert len(fp8) == 6 and all(".f32.e4m3.e4m3" in text for text in fp8), \
         "FP8 attention's products do not run on Hopper's INT8 and e4m3 wgmma"
-    print("compiled FP8 attention (wgmma INT8 q·kᵀ, e4m3 p·v)")
+    print("compiled FP8 attention, Triton and Hopper kernels (wgmma INT8 q·kᵀ, e4m3 p·v)")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from ..logging_utils import warn_once
 from . import attention_hopper
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionCall, Attended, Epilogue,
                              KeyForward, Merge, QuantizedOperands, Scatter, Store, Strides)
-from .attention_fp8 import INTERPRETED, quantize, to_e4m3
+from .attention_fp8 import INTERPRETED, int_to_float, key_tile_scale, quantize, to_e4m3
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
 from .fp8 import E4M3_MAX, quantize_rows
 from .tables import ALIGN_ELEMENTS
@@ -50,7 +50,7 @@ def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr,
     accumulator."""
     scores = tl.dot(q, k)
     if FP8:
-        scores = _int_to_float(scores)
+        scores = int_to_float(scores)
     if MASKED:
         scores = tl.where(key_ok[None, :], scores, -1.0e30)
     m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
@@ -63,21 +63,6 @@ def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr,
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
-
-
-@triton.jit
-def _int_to_float(x):
-    """int32 x, |x| < 2^22, as float32, exactly, with an integer add and a float subtract: x's bits added to those
-    of 1.5 * 2^23 make the float 1.5 * 2^23 + x. (q·kᵀ of INT8 q and k over 128 channels stays below 2^21.)"""
-    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-
-
-@triton.jit
-def _key_tile_scale(qk_scale, k_scales, start_n, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
-    """The scores' scale for the key tile at `start_n`: with FP8, times that tile's key scale."""
-    if FP8:
-        return qk_scale * tl.load(k_scales + start_n // BLOCK_N)
-    return qk_scale
 
 
 @triton.jit
@@ -180,7 +165,7 @@ def _attention_kernel(
             keys = start_n + offs_n
             allowed = tl.load(KeyMask + batch * stride_mb + keys, mask=keys < key_mask_len, other=1)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v,
-                                         _key_tile_scale(scores_scale, k_scales, start_n, BLOCK_N, FP8),
+                                         key_tile_scale(scores_scale, k_scales, start_n, BLOCK_N, FP8),
                                          (keys < kv_len) & (allowed != 0), True, FP8, ROUND_FIRST)
     else:
         # full tiles unmasked, then the partial tail tile masked
@@ -189,13 +174,13 @@ def _attention_kernel(
             k, v = _load_keys(k_base, v_base, start_n, kx_strides.seq, vx_strides.seq, offs_n, offs_d, kv_len,
                               k_desc, v_desc, kv_row0, head_col, USE_TMA, FP8)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v,
-                                         _key_tile_scale(scores_scale, k_scales, start_n, BLOCK_N, FP8), offs_n, False,
+                                         key_tile_scale(scores_scale, k_scales, start_n, BLOCK_N, FP8), offs_n, False,
                                          FP8, ROUND_FIRST)
         if full_end < kv_len:
             k, v = _load_keys(k_base, v_base, full_end, kx_strides.seq, vx_strides.seq, offs_n, offs_d, kv_len,
                               k_desc, v_desc, kv_row0, head_col, USE_TMA, FP8)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v,
-                                         _key_tile_scale(scores_scale, k_scales, full_end, BLOCK_N, FP8),
+                                         key_tile_scale(scores_scale, k_scales, full_end, BLOCK_N, FP8),
                                          full_end + offs_n < kv_len, True, FP8, ROUND_FIRST)
 
     if FP8:
@@ -275,11 +260,12 @@ class TileConfig:
 FP8_CONFIG = TileConfig()
 
 
-def _default_config(q: torch.Tensor, hopper_runs: bool, fp8: bool) -> TileConfig | HopperConfig:
+def _default_config(q: torch.Tensor, hopper_runs: bool, fp8: bool, forwards: bool) -> TileConfig | HopperConfig:
     if q.device.type == "cpu":  # Triton's interpreter
         return TileConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     if fp8:
-        return FP8_CONFIG
+        # the Hopper kernel loads its own operands' layouts; it does not forward the ring's keys
+        return HopperConfig() if attention_hopper.is_available(q, fp8=True) and not forwards else FP8_CONFIG
     if hopper_runs:
         return HopperConfig()
     if attention_hopper.is_available(q):
@@ -327,8 +313,9 @@ def flash_attention(
     epilogue: what becomes of the output: stored locally (Store), scattered into other ranks' buffers (Scatter) or
     merged into a running result (Merge). forward: the kernel also stores the keys and values it reads there
     (KeyForward), whichever the epilogue. `fp8`: both products in FP8 (kernels/attention_fp8.py: 8-bit operands
-    with float32 scales, float32 accumulation; the log-sum-exp in float32 as without it), through the Triton
-    kernel. Returns what the epilogue wrote (Attended)."""
+    with float32 scales, float32 accumulation; the log-sum-exp in float32 as without it), through the Hopper
+    kernel on sm_90 (the Triton kernel where the call forwards keys, or elsewhere). Returns what the epilogue wrote
+    (Attended)."""
     batch, q_len, heads, head_dim = q.shape
     if not accepts(q, fp8):
         dtypes = "bf16/fp16/fp32" if fp8 else "bf16/fp16 (fp32 in Triton's interpreter)"
@@ -353,12 +340,18 @@ def flash_attention(
     # checked once per call: TMA loads (the Hopper kernel's, the Triton kernel's option) need row-viewable inputs
     rows = tma_rows(q, k, v)
     hopper_runs = rows is not None and attention_hopper.is_available(q)
-    cfg = config or _default_config(q, hopper_runs, fp8)
+    cfg = config or _default_config(q, hopper_runs, fp8, forward is not None)
     if fp8:
-        if isinstance(cfg, HopperConfig) or cfg.tma:
-            raise ValueError("flash_attention with fp8 runs the Triton kernel with pointer loads: give a TileConfig "
-                             "with tma=False")
-        launch_triton(call, cfg, use_tma=False, fp8=quantize(q, k, v, kv_len, cfg.block_m, cfg.block_n))
+        operands = quantize(q, k, v, kv_len, cfg.block_m, cfg.block_n)
+        if isinstance(cfg, HopperConfig):
+            if not attention_hopper.is_available(q, fp8=True):
+                raise ValueError("HopperConfig needs an sm_90 GPU")
+            attention_hopper.launch(call, cfg, TmaRows.HEADS, fp8=operands)
+        elif cfg.tma:
+            raise ValueError("the Triton kernel's FP8 attention loads its operands through pointers: give a "
+                             "TileConfig with tma=False")
+        else:
+            launch_triton(call, cfg, use_tma=False, fp8=operands)
     elif isinstance(cfg, HopperConfig):
         if not hopper_runs:
             raise ValueError("HopperConfig needs an sm_90 GPU, bf16/fp16, head_dim 64/128 and contiguous "

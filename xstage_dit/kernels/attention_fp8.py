@@ -50,6 +50,21 @@ def to_e4m3(x, ROUND_FIRST: tl.constexpr):
 
 
 @triton.jit
+def int_to_float(x):
+    """int32 x, |x| < 2^22, as float32, exactly, with an integer add and a float subtract: x's bits added to those
+    of 1.5 * 2^23 make the float 1.5 * 2^23 + x. (q·kᵀ of INT8 q and k over 128 channels stays below 2^21.)"""
+    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def key_tile_scale(qk_scale, k_scales, start_n, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+    """The scores' scale for the key tile at `start_n`: with FP8, times that tile's key scale."""
+    if FP8:
+        return qk_scale * tl.load(k_scales + start_n // BLOCK_N)
+    return qk_scale
+
+
+@triton.jit
 def _quantize_kernel(X, Out, Scale, Mean, Shift, x_strides, o_strides, o_channel, rows, heads, kv_group,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SMOOTH: tl.constexpr, SHIFT: tl.constexpr,
                      VALUES: tl.constexpr, ROUND_FIRST: tl.constexpr):
@@ -105,6 +120,9 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, blo
     q8, k8 = _heads_major(q, q_len), _heads_major(k, kv_len)
     channel_rows = triton.cdiv(kv_len, CHANNEL_ALIGN) * CHANNEL_ALIGN
     v8 = torch.empty(batch, kv_heads, head_dim, channel_rows, device=v.device, dtype=torch.float8_e4m3fn)
+    # the padding keys read as zeros (the Hopper kernel loads whole tiles: uninitialised bytes could be e4m3's NaN,
+    # which a zero weight does not cancel)
+    v8[..., kv_len:].zero_()
     q_scale = torch.empty(batch, heads, triton.cdiv(q_len, block_m), device=q.device, dtype=torch.float32)
     k_scale = torch.empty(batch, kv_heads, triton.cdiv(kv_len, block_n), device=q.device, dtype=torch.float32)
     q_shift = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)

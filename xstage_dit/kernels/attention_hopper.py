@@ -25,6 +25,7 @@ travel between the partitions as one Ring.
 
 (No `from __future__ import annotations` here: Triton checks an aggregate's fields against its annotations.)"""
 import functools
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -39,13 +40,19 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from ..sizes import ATTENTION_TILES
-from .attention_args import AttentionCall, DeviceAddress, Strides
-from .fp8 import quantize_rows
+from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, AttentionCall, DeviceAddress, QuantizedOperands,
+                             Strides)
+from .attention_fp8 import int_to_float, key_tile_scale
+from .fp8 import E4M3_MAX, quantize_rows
 from .tables import ALIGN_ELEMENTS
 
 ROWS_PER_WARPGROUP = ATTENTION_TILES.rows // 2  # query rows per consumer warpgroup (64: one warpgroup's wgmma M)
 WARPGROUP_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)  # the same, for the kernels
-_quantize_rows = gluon.jit(quantize_rows.fn)  # one quantization: the Triton kernels' source, as Gluon
+# one implementation each: the Triton kernels' source, as Gluon
+_quantize_rows = gluon.jit(quantize_rows.fn)
+_int_to_float = gluon.jit(int_to_float.fn)
+_key_tile_scale = gluon.jit(key_tile_scale.fn)
+LOG2_E4M3_MAX = gl.constexpr(math.log2(E4M3_MAX.value))  # FP8's p is scaled onto e4m3's range in its exponent
 
 
 @dataclass(frozen=True)
@@ -177,10 +184,10 @@ class Ring:
 
 @gluon.jit
 def _allocate_ring(q_desc, k_desc, v_desc, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    dtype: gl.constexpr = q_desc.dtype
-    ring = Ring(gl.allocate_shared_memory(dtype, [2, WARPGROUP_ROWS, HEAD_DIM], q_desc.layout),
-                gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout),
-                gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout),
+    V_TILE: gl.constexpr = v_desc.block_type.shape  # (BLOCK_N, HEAD_DIM), or channel-major (HEAD_DIM, BLOCK_N)
+    ring = Ring(gl.allocate_shared_memory(q_desc.dtype, [2, WARPGROUP_ROWS, HEAD_DIM], q_desc.layout),
+                gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout),
+                gl.allocate_shared_memory(v_desc.dtype, [STAGES, V_TILE[0], V_TILE[1]], v_desc.layout),
                 gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
                 gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
                 gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout()),
@@ -251,11 +258,13 @@ def _first_forward(tile, h, first_key, schedule):
 
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, k_to, v_to, ring, schedule, tile_shift, HEAD_DIM: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEADS_MAJOR: gl.constexpr, FORWARD: gl.constexpr):
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEADS_MAJOR: gl.constexpr, FORWARD: gl.constexpr,
+             FP8: gl.constexpr):
     """Producer partition, per item: the two Q halves once their consumers released the last item's, then its K
     and V tiles into the ring, the c-th tile of the program into stage c % STAGES once both consumers freed it.
     Q and the stages are free on their first lap (waiting for the parity before a fresh barrier's first phase
-    returns at once).
+    returns at once). FP8: the values are channel-major (B * H_kv * HEAD_DIM rows of keys), a tile is a key
+    head's HEAD_DIM channels over BLOCK_N keys.
 
     FORWARD (the X-Stage ring): each key tile of a key head is also stored from the ring, once it landed, into the
     same rows of `k_to` and `v_to` (another rank's buffers) by one item that loads it (`_first_forward`): TMA
@@ -270,6 +279,7 @@ def _produce(q_desc, k_desc, v_desc, k_to, v_to, ring, schedule, tile_shift, HEA
         q_row, column = _tma_origin(batch, h, schedule.heads, schedule.q_len, HEAD_DIM, HEADS_MAJOR)
         kv_row, kv_column = _tma_origin(batch, h // schedule.kv_group, kv_heads, schedule.kv_rows, HEAD_DIM,
                                         HEADS_MAJOR)
+        channel_row = (batch * kv_heads + h // schedule.kv_group) * HEAD_DIM  # FP8: the key head's first channel
         forward = _first_forward(tile, h, first_key, schedule)
         for half in gl.static_range(2):
             mbarrier.wait(ring.q_free.index(half), (it & 1) ^ 1)
@@ -287,8 +297,12 @@ def _produce(q_desc, k_desc, v_desc, k_to, v_to, ring, schedule, tile_shift, HEA
             tma.async_copy_global_to_shared(k_desc, [row, kv_column], ring.k_ready.index(stage),
                                             ring.k.index(stage))
             mbarrier.expect(ring.v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, kv_column], ring.v_ready.index(stage),
-                                            ring.v.index(stage))
+            if FP8:
+                tma.async_copy_global_to_shared(v_desc, [channel_row, j * BLOCK_N], ring.v_ready.index(stage),
+                                                ring.v.index(stage))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [row, kv_column], ring.v_ready.index(stage),
+                                                ring.v.index(stage))
             if FORWARD:
                 if j == forward:
                     if read_by > c:
@@ -316,44 +330,106 @@ def _mask_keys(s, start_n, keys, KeyMask, HAS_KEY_MASK: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, qk_scale):
-    """Online-softmax step in base 2 for a score tile: the weights p, the new row maximum and the factor that
-    rescales what was accumulated under the old one."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+def _softmax(s, m_i, scale, P_SHIFT: gl.constexpr):
+    """Online-softmax step in base 2 for a score tile: the weights p (times 2^P_SHIFT), the new row maximum and
+    the factor that rescales what was accumulated under the old one."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+    p = gl.exp2(s * scale - gl.expand_dims(m_new - P_SHIFT, 1))
     return p, m_new, gl.exp2(m_i - m_new)
 
 
 @gluon.jit
-def _attend(ring, it, c0, t0, first_key, n_tiles, qk_scale, keys, KeyMask, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_KEY_MASK: gl.constexpr, PINGPONG: gl.constexpr):
+def _scores(s, FP8: gl.constexpr):
+    """A q·kᵀ tile as float32 (FP8: from INT8 products' int32)."""
+    if FP8:
+        s = _int_to_float(s)
+    return s
+
+
+@gluon.jit
+def _issue_pv(p, v_tile, acc, zero_o, FP8: gl.constexpr):
+    """Issue a key tile's p·v: accumulated into acc, or with FP8 into a fresh float32 tile (the caller adds it to
+    acc: FP8 products accumulate in the tensor cores with fewer bits than float32) from channel-major values."""
+    if FP8:
+        product = warpgroup_mma(p, v_tile.permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    else:
+        product = warpgroup_mma(p, v_tile, acc, is_async=True)
+    return product
+
+
+@gluon.jit
+def _retire(product, p, FP8: gl.constexpr):
+    """Waits for the p·v _issue_pv issued last, holding p's registers until then (else the compiler could reuse
+    them for the next tile's weights while the wgmma still reads them). warpgroup_mma_wait holds only 16- and
+    32-bit operands: an FP8 p is held by a use after the wait."""
+    if FP8:
+        product = warpgroup_mma_wait(0, deps=[product])
+        gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p], dtype=p.dtype, is_pure=False, pack=4)
+    else:
+        product, p = warpgroup_mma_wait(0, deps=[product, p])
+    return product
+
+
+@gluon.jit
+def _accumulate(acc, product, FP8: gl.constexpr):
+    """What _issue_pv's retired product makes of the accumulator."""
+    if FP8:
+        product = acc + product
+    return product
+
+
+@gluon.jit
+def _restore_fp8(m_i, l_i, acc, fp8, kv_bh, pid_bh, first, q_len, qk_scale, HEAD_DIM: gl.constexpr):
+    """A consumer's statistics and accumulator over FP8 operands (kernels/attention_fp8.py) in the bf16 kernel's
+    terms: p's e4m3 range and v's channel scales out, and what the smoothing took back in: the values' mean (each
+    row's weights sum to l) and each query's q · mean key in its row maximum (base 2)."""
+    ACC: gl.constexpr = acc.type.layout
+    channels = kv_bh.to(gl.int64) * HEAD_DIM + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ACC))
+    l_i = l_i / E4M3_MAX
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, ACC), assert_trivial=True)
+    acc = (acc * gl.expand_dims(gl.load(fp8.v_scale + channels) / E4M3_MAX, 0)
+           + gl.expand_dims(l_o, 1) * gl.expand_dims(gl.load(fp8.v_mean + channels), 0))
+    rows = first + gl.arange(0, WARPGROUP_ROWS, layout=m_i.type.layout)
+    m_i = m_i + gl.load(fp8.q_shift + pid_bh.to(gl.int64) * q_len + rows, mask=rows < q_len, other=0.0) * qk_scale
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _attend(ring, it, c0, t0, first_key, n_tiles, scale, k_scales, keys, KeyMask, WG: gl.constexpr,
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_KEY_MASK: gl.constexpr,
+            PINGPONG: gl.constexpr, FP8: gl.constexpr):
     """One consumer warpgroup's 64 rows of the program's it-th item over its n_tiles key tiles (from first_key):
     returns the row maxima, row sums and unnormalised output. Key tile j's q·kᵀ and tile j-1's p·v are issued
     together; the wait for the first leaves the second on the tensor cores while tile j's softmax runs. The
     accumulator is rescaled only once its p·v retired. The item's j-th key tile is the program's (c0 + j)-th, and
-    its ping-pong turns follow the program's t0 earlier ones."""
+    its ping-pong turns follow the program's t0 earlier ones. The scores' scale is `scale`, with FP8 times each
+    key tile's scale (k_scales, by key tile); FP8's p, at most 1, is scaled onto e4m3's range, so its row sums and
+    accumulator are E4M3_MAX times the weights' (_restore_fp8 takes that out)."""
+    K_STEP: gl.constexpr = 32 if FP8 else 16  # a wgmma's reduction depth: 32 bytes of each operand row
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_STEP])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM, K_STEP])
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4 if FP8 else 2)
+    P_SHIFT: gl.constexpr = LOG2_E4M3_MAX if FP8 else 0.0
     O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     q = ring.q.index(WG)
     # only the last key tile can hold keys past kv_len; with a key mask every tile is masked
     last_full = 0 if HAS_KEY_MASK else keys.kv_len // BLOCK_N
-    zero_s = gl.zeros([WARPGROUP_ROWS, BLOCK_N], gl.float32, S_LAYOUT)
-    acc = gl.zeros([WARPGROUP_ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
+    zero_s = gl.zeros([WARPGROUP_ROWS, BLOCK_N], gl.int32 if FP8 else gl.float32, S_LAYOUT)
+    zero_o = gl.zeros([WARPGROUP_ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
+    acc = zero_o
     m_i = gl.full([WARPGROUP_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     mbarrier.wait(ring.q_ready.index(WG), it & 1)
 
     mbarrier.wait(ring.k_ready.index(c0 % STAGES), (c0 // STAGES) & 1)
     s = warpgroup_mma(q, ring.k.index(c0 % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=[s])
+    s = _scores(warpgroup_mma_wait(0, deps=[s]), FP8)
     if first_key >= last_full:
         s = _mask_keys(s, first_key * BLOCK_N, keys, KeyMask, HAS_KEY_MASK)
-    p, m_i, alpha = _softmax(s, m_i, qk_scale)
+    p, m_i, alpha = _softmax(s, m_i, _key_tile_scale(scale, k_scales, first_key * BLOCK_N, BLOCK_N, FP8), P_SHIFT)
     l_i = gl.sum(p, 1)
-    p = gl.convert_layout(p.to(ring.v.dtype), P_LAYOUT, assert_trivial=True)
+    p = gl.convert_layout(p.to(ring.v.dtype), P_LAYOUT, assert_trivial=not FP8)
 
     for j in range(1, n_tiles):
         c = c0 + j
@@ -366,26 +442,28 @@ def _attend(ring, it, c0, t0, first_key, n_tiles, qk_scale, keys, KeyMask, WG: g
             # the parity before a fresh barrier's first phase
             mbarrier.wait(ring.turn.index(WG), (t0 + j - WG) & 1)
         s = warpgroup_mma(q, ring.k.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p, ring.v.index(before), acc, is_async=True)
+        product = _issue_pv(p, ring.v.index(before), acc, zero_o, FP8)
         if PINGPONG:
             mbarrier.arrive(ring.turn.index(1 - WG))
-        s = warpgroup_mma_wait(1, deps=[s])
+        s = _scores(warpgroup_mma_wait(1, deps=[s]), FP8)
         if first_key + j >= last_full:
             s = _mask_keys(s, (first_key + j) * BLOCK_N, keys, KeyMask, HAS_KEY_MASK)
-        p_next, m_i, alpha = _softmax(s, m_i, qk_scale)
+        p_next, m_i, alpha = _softmax(s, m_i, _key_tile_scale(scale, k_scales, (first_key + j) * BLOCK_N, BLOCK_N,
+                                                              FP8), P_SHIFT)
         l_i = l_i * alpha + gl.sum(p_next, 1)
-        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+        product = _retire(product, p, FP8)
         mbarrier.arrive(ring.free.index(before))
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, O_ROWS, assert_trivial=True), 1)
-        p = gl.convert_layout(p_next.to(ring.v.dtype), P_LAYOUT, assert_trivial=True)
+        acc = _accumulate(acc, product, FP8) * gl.expand_dims(gl.convert_layout(alpha, O_ROWS, assert_trivial=True),
+                                                              1)
+        p = gl.convert_layout(p_next.to(ring.v.dtype), P_LAYOUT, assert_trivial=not FP8)
 
     mbarrier.arrive(ring.q_free.index(WG))  # every q·kᵀ retired: the producer may load the next item's Q
     c = c0 + n_tiles - 1
     mbarrier.wait(ring.v_ready.index(c % STAGES), (c // STAGES) & 1)
-    acc = warpgroup_mma(p, ring.v.index(c % STAGES), acc, is_async=True)
-    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+    product = _issue_pv(p, ring.v.index(c % STAGES), acc, zero_o, FP8)
+    product = _retire(product, p, FP8)
     mbarrier.arrive(ring.free.index(c % STAGES))
-    return m_i, l_i, acc
+    return m_i, l_i, _accumulate(acc, product, FP8)
 
 
 @gluon.jit
@@ -440,20 +518,32 @@ def _merge_piece(m_i, l_i, acc, Partials, Tickets, piece, splits, WG: gl.constex
 
 @gluon.jit
 def _consume(ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter, scales,
-             WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             fp8, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              HAS_KEY_MASK: gl.constexpr, PINGPONG: gl.constexpr, WRITE_LSE: gl.constexpr, SCATTER: gl.constexpr,
-             MERGE: gl.constexpr, ALIGN: gl.constexpr, PAYLOAD: gl.constexpr):
+             MERGE: gl.constexpr, ALIGN: gl.constexpr, PAYLOAD: gl.constexpr, FP8: gl.constexpr):
     """Consumer partition WG: for each of the program's items, attends its 64 rows (from row0 + 64 WG), then
-    writes them (a piece: once its tile's pieces are merged)."""
+    writes them (a piece: once its tile's pieces are merged). FP8: the products read the operands of `fp8`, a
+    QuantizedOperands record (else None), whose scales the scores and the result take."""
     qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
     c = 0  # the program's key tiles so far
     t = 0  # its ping-pong turns so far
     for it in range(_programs_items(schedule)):
         tile, first_key, n_keys, piece = _item(it, schedule)
         batch, h, pid_bh, row0 = _work_tile(tile, schedule, scatter.tile_shift)
-        m_i, l_i, acc = _attend(ring, it, c, t, first_key, n_keys, qk_scale, keys,
+        first = row0 + WG * WARPGROUP_ROWS
+        scale = qk_scale
+        k_scales = KeyMask  # unread without FP8
+        kv_bh = batch * (schedule.heads // schedule.kv_group) + h // schedule.kv_group
+        if FP8:  # times the query tile's scale; each key tile's is k_scales[j]
+            scale = qk_scale * gl.load(fp8.q_scale + pid_bh.to(gl.int64) * schedule.row_tiles
+                                       + row0 // (2 * WARPGROUP_ROWS))
+            k_scales = fp8.k_scale + kv_bh.to(gl.int64) * schedule.key_tiles
+        m_i, l_i, acc = _attend(ring, it, c, t, first_key, n_keys, scale, k_scales, keys,
                                 KeyMask + batch.to(gl.int64) * keys.mask_stride, WG, HEAD_DIM, BLOCK_N, STAGES,
-                                HAS_KEY_MASK, PINGPONG)
+                                HAS_KEY_MASK, PINGPONG, FP8)
+        if FP8:
+            m_i, l_i, acc = _restore_fp8(m_i, l_i, acc, fp8, kv_bh, pid_bh, first, schedule.q_len, qk_scale,
+                                         HEAD_DIM)
         c += n_keys
         t += n_keys - 1
         done = True
@@ -461,7 +551,7 @@ def _consume(ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, 
             done, m_i, l_i, acc = _merge_piece(m_i, l_i, acc, Partials, Tickets, piece, schedule.splits, WG,
                                                HEAD_DIM)
         if done:
-            _write(m_i, l_i, acc, Out, Lse, Dest, row0 + WG * WARPGROUP_ROWS, schedule.q_len, batch, h, pid_bh,
+            _write(m_i, l_i, acc, Out, Lse, Dest, first, schedule.q_len, batch, h, pid_bh,
                    o_strides, scatter, scales, HEAD_DIM, WRITE_LSE, SCATTER, MERGE, ALIGN, PAYLOAD)
 
 
@@ -543,30 +633,31 @@ def _write(m_i, l_i, acc, Out, Lse, Dest, first, q_len, batch, h, pid_bh, o_stri
 @gluon.jit
 def _attention_kernel(
     q_desc, k_desc, v_desc, k_to, v_to, Out, Lse, KeyMask, Dest, Partials, Tickets, sm_scale, schedule, keys,
-    o_strides, scatter, scales,
+    o_strides, scatter, scales, fp8,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_KEY_MASK: gl.constexpr, SCATTER: gl.constexpr,
     MERGE: gl.constexpr, HEADS_MAJOR: gl.constexpr, FORWARD: gl.constexpr, ALIGN: gl.constexpr,
-    PAYLOAD: gl.constexpr,
+    PAYLOAD: gl.constexpr, FP8: gl.constexpr,
 ):
     ring = _allocate_ring(q_desc, k_desc, v_desc, HEAD_DIM, BLOCK_N, STAGES)
     # the two consumers' arguments differ only in their warpgroup index
     gl.warp_specialize([
         (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
-                    scales, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER,
-                    MERGE, ALIGN, PAYLOAD)),
+                    scales, fp8, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE,
+                    SCATTER, MERGE, ALIGN, PAYLOAD, FP8)),
         (_consume, (ring, schedule, keys, sm_scale, KeyMask, Out, Lse, Dest, Partials, Tickets, o_strides, scatter,
-                    scales, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE, SCATTER,
-                    MERGE, ALIGN, PAYLOAD)),
+                    scales, fp8, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES, HAS_KEY_MASK, PINGPONG, WRITE_LSE,
+                    SCATTER, MERGE, ALIGN, PAYLOAD, FP8)),
         (_produce, (q_desc, k_desc, v_desc, k_to, v_to, ring, schedule, scatter.tile_shift, HEAD_DIM, BLOCK_N,
-                    STAGES, HEADS_MAJOR, FORWARD)),
+                    STAGES, HEADS_MAJOR, FORWARD, FP8)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-def is_available(q: torch.Tensor) -> bool:
+def is_available(q: torch.Tensor, fp8: bool = False) -> bool:
     """Whether this kernel runs for `q`'s device and dtype (head_dim and the TMA row view are flash_attention's
-    checks, shared with the Triton kernel)."""
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _properties(q.device).major == 9
+    checks, shared with the Triton kernel); with `fp8`, FP8 attention, whose quantization takes float32 too."""
+    return (q.is_cuda and q.dtype in (FP8_DTYPES if fp8 else SUPPORTED_DTYPES)
+            and _properties(q.device).major == 9)
 
 
 # a launch's host time matters: at degree 8 a rank's attention call can be shorter than its launch, so what is
@@ -581,10 +672,13 @@ def _unused(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(1, device=device, dtype=dtype)
 
 
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int8: gl.int8,
+                 torch.float8_e4m3fn: gl.float8e4nv}
+
+
 @functools.cache
-def _tile_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype == torch.bfloat16
-                                                else gl.float16)
+def _tile_layout(rows: int, columns: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([rows, columns], _GLUON_DTYPES[dtype])
 
 
 def _descriptor(t: torch.Tensor, rows: int, view: TmaRows, address: int | None = None) -> TensorDescriptor:
@@ -596,10 +690,25 @@ def _descriptor(t: torch.Tensor, rows: int, view: TmaRows, address: int | None =
     return TensorDescriptor(base, list(flat.shape), list(flat.stride()), [rows, d], _tile_layout(rows, d, t.dtype))
 
 
-def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: bool = False) -> None:
-    """Run the kernel on a call flash_attention checked, its q, k, v seen as `view` rows. `warmup` only compiles
-    it for the active driver's target (the CPU tests compile for sm_90a without a GPU)."""
-    q, k = call.q, call.k
+def _channel_descriptor(v: torch.Tensor, keys: int) -> TensorDescriptor:
+    """FP8's channel-major values (B, H, D, padded keys) as (B * H * D) rows of keys, in tiles of one head's D
+    channels over `keys` keys."""
+    b, h, d, rows = v.shape
+    flat = v.view(b * h * d, rows)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [d, keys], _tile_layout(d, keys, v.dtype))
+
+
+def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: bool = False,
+           fp8: QuantizedOperands | None = None) -> None:
+    """Run the kernel on a call flash_attention checked, its q, k, v seen as `view` rows; with `fp8`, its
+    products read these operands instead (attention_fp8.quantize for config's tiles; they are heads-major: `view`
+    is ignored), and the call forwards no keys. `warmup` only compiles it for the active driver's target (the CPU
+    tests compile for sm_90a without a GPU)."""
+    if fp8 is not None and call.forward is not None:
+        raise ValueError("the Hopper kernel's FP8 attention forwards no keys (its ring reads 8-bit tiles): the "
+                         "Triton kernel forwards them")
+    q, k = (fp8.q, fp8.k) if fp8 is not None else (call.q, call.k)
+    view = TmaRows.HEADS if fp8 is not None else view
     batch, q_len, heads, head_dim = q.shape
     row_tiles = triton.cdiv(q_len, config.block_m)
     work_tiles = row_tiles * batch * heads
@@ -620,7 +729,9 @@ def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: boo
         tickets = torch.zeros(2 * split_tiles, device=q.device, dtype=torch.int32)
     else:  # unread, but typed as the kernel reads them
         partials, tickets = _unused(q.device, torch.float32), _unused(q.device, torch.int32)
-    k_desc, v_desc = _descriptor(k, config.block_n, view), _descriptor(call.v, config.block_n, view)
+    k_desc = _descriptor(k, config.block_n, view)
+    v_desc = (_channel_descriptor(fp8.v, config.block_n) if fp8 is not None
+              else _descriptor(call.v, config.block_n, view))
     if call.forward is not None:
         k_to = _descriptor(k, config.block_n, view, call.forward.key)
         v_to = _descriptor(call.v, config.block_n, view, call.forward.value)
@@ -631,12 +742,12 @@ def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: boo
             call.key_mask if call.key_mask is not None else out, call.destinations, partials, tickets,
             call.scale, schedule, Keys(kv_len=call.kv_len, mask_len=call.key_mask_len,
                                        mask_stride=call.key_mask_stride),
-            Strides.of(out), call.scatter_args(config.block_m), call.payload_scales)
+            Strides.of(out), call.scatter_args(config.block_m), call.payload_scales, fp8)
     switches = dict(HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, PINGPONG=config.pingpong,
                     CONSUMER_REGS=config.consumer_regs, WRITE_LSE=lse is not None,
                     HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None, MERGE=call.merge,
                     HEADS_MAJOR=view is TmaRows.HEADS, FORWARD=call.forward is not None, ALIGN=ALIGN_ELEMENTS,
-                    PAYLOAD=call.payload_scales is not None, num_warps=4)
+                    PAYLOAD=call.payload_scales is not None, FP8=fp8 is not None, num_warps=4)
     if warmup:
         _attention_kernel.warmup(*args, grid=grid, **switches)
     else:
