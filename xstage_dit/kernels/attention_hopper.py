@@ -19,6 +19,11 @@ Each consumer writes its own rows: a local store or the X-Stage scatter into the
 FP8 payload into e4m3 ones: kernels/fp8.py's quantization, compiled from its Triton source as Gluon). For
 the X-Stage ring the producer also forwards each key and value tile, once, from shared memory into the next rank's
 buffers (TMA stores, `_produce`), so that the next ring step's block drains under this one's attention.
+With FP8 (flash_attention(fp8=True)) the products read kernels/attention_fp8.py's operands: INT8 q and k tiles
+(their q·kᵀ in int32, scaled per query tile and key tile), e4m3 values stored channel-major (the layout e4m3 p·v
+takes from shared memory), p scaled onto e4m3's range; each key tile's p·v is added to the float32 accumulator
+(the tensor cores sum FP8 products with fewer bits), and the scales and smoothing come out before the epilogue
+(`_restore_fp8`), which then runs as in bf16. A call that forwards its keys runs the Triton kernel instead.
 Shapes, masking and the epilogue mean what they mean in kernels/attention.py, which chooses between the kernels.
 Scalars arrive as named records (Schedule, Keys, Strides, ScatterArgs); the shared memory and its mbarriers
 travel between the partitions as one Ring.
