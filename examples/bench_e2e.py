@@ -19,8 +19,9 @@ warm-up steps and its capture: they count in the end-to-end time, while its per-
 that only replayed (`replayed_steps` in the record; every step where none did).
 FP8: a backend name ending in +fp8-PARTS runs enable(fp8=PARTS) (e.g. reference+fp8-linear,
 auto+fp8-attention,linear, +fp8-all: every step in FP8); --torchao-fp8 adds stock-torchao-fp8 in the stock modes:
-a copy of the transformer with every Linear quantized by torchao's `quantize_` with the config fp8="linear" uses
-(float8 rowwise), as users quantize a model.
+a copy of the transformer with every Linear quantized by torchao's `quantize_` with torchao's float8 rowwise config
+as users write it (fp8="linear" uses the same with a floor under each activation row's scale), as users quantize
+a model.
 torchao's `quantize_` would also turn on its recommended inductor settings for the whole process, which would
 then apply to every variant compiled after it; neither path does here: every variant compiles with torch's
 defaults. --errors adds each variant's relative L2 error against stock eager for the transformer's first forward and
@@ -142,12 +143,12 @@ _TORCHAO_COPIES: dict[int, torch.nn.Module] = {}  # the quantized copy of a pipe
 @contextlib.contextmanager
 def torchao_fp8_transformer(pipe):
     """The pipeline with a copy of its transformer whose Linear layers torchao's `quantize_` quantized (all of
-    them, float8 rowwise), undone on exit."""
+    them, float8 rowwise, torchao's defaults), undone on exit."""
     from torchao.quantization import quantize_
 
     if id(pipe) not in _TORCHAO_COPIES:
         quantized = copy.deepcopy(pipe.transformer)
-        quantize_(quantized, quantization_config())
+        quantize_(quantized, quantization_config(floored=False))
         _TORCHAO_COPIES[id(pipe)] = quantized
     original, pipe.transformer = pipe.transformer, _TORCHAO_COPIES[id(pipe)]
     try:

@@ -110,6 +110,26 @@ def test_what_fp8_linear_cannot_take_is_refused_in_words(two_ranks, fp8_on_cpu):
     assert not torch.distributed.is_initialized()
 
 
+def test_an_activation_row_of_zeros_quantizes_to_zeros():
+    """Padding tokens reach projections as rows of zeros (tiny Z-Image's attention projections see some): with
+    torchao's default the row's scale is 0 and it quantizes to 0 / 0, NaN; fp8="linear"'s config floors the scale
+    (torchao's own scale and quantization functions, as its dynamic activation quantization calls them)."""
+    from torchao.quantization.quant_primitives import (_choose_scale_float8, _dequantize_affine_float8,
+                                                       _quantize_affine_float8)
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    x[1] = 0
+
+    def round_trip(config) -> torch.Tensor:
+        scale = _choose_scale_float8(x, [1, x.shape[1]], hp_value_lb=config.activation_value_lb)
+        return _dequantize_affine_float8(_quantize_affine_float8(x, scale), scale)
+
+    assert round_trip(linear.quantization_config(floored=False))[1].isnan().all()
+    floored = round_trip(linear.quantization_config())
+    assert floored.isfinite().all() and (floored[1] == 0).all()
+    torch.testing.assert_close(floored, x.float(), rtol=0.07, atol=0)  # e4m3: within 2^-4 of each value
+
+
 def test_the_layers_that_run_fp8():
     """The projections of the blocks; not the modulation projections (diffusers' skip patterns), the layers
     outside the blocks, layers kept in float32, shapes FP8 GEMMs cannot take."""
@@ -289,7 +309,7 @@ def _gpu_worker(name: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan"])
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-zimage"])
 def test_fp8_linear_on_gpu_stays_near_bf16(name: str, world_size: int) -> None:
     if torch.cuda.get_device_capability() < linear.FP8_GEMM_CAPABILITY:
         pytest.skip("FP8 GEMMs need compute capability 8.9 or above")

@@ -42,12 +42,20 @@ FP8_GEMM_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell: the GPUs with FP8 tensor
 FP8_GEMM_MULTIPLE = 16  # what `torch._scaled_mm` needs of a GEMM's inner and outer dims
 
 
-def quantization_config() -> Any:
-    """torchao's config of the FP8 weights: float8 e4m3 weights and activations, rowwise scales."""
+# the least largest |x| an activation row's scale is computed from: a row of zeros (padding tokens: Z-Image's
+# attention projections see them) would otherwise get the scale 0 and quantize to 0 / 0, NaN, and the GEMM spread
+# the NaN nowhere else but its own output row, which attention then spreads everywhere
+ACTIVATION_FLOOR = 1e-12
+
+
+def quantization_config(floored: bool = True) -> Any:
+    """torchao's config of the FP8 weights: float8 e4m3 weights and activations, rowwise scales, each activation
+    row's scale from at least ACTIVATION_FLOOR (`floored`; without, torchao's default as users configure it)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
     # torchao's recommended inductor settings are process-wide: left to the user (docs/usage.md)
-    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False,
+                                                     activation_value_lb=ACTIVATION_FLOOR if floored else None)
 
 
 def why_no_fp8_gemms(device: torch.device) -> str | None:
