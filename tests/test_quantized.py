@@ -38,6 +38,11 @@ TOLERANCE = 1e-4
 # some values to the next step. One process shows it alone: prompt embeddings scaled by 1 + 1e-7 noise change tiny
 # FLUX.1's latents by ~8e-3 under int8 dynamic, by ~3e-7 under int8 weight-only.
 DYNAMIC_TOLERANCE = 3e-2
+# A tensorwise activation scale is the largest |x| of the whole tensor: at N ranks each rank's tensor is its shard of
+# the tokens, whose scale is its own, so every value rounds on another e4m3 grid than in one process (e4m3 steps
+# are 2^-4 of a value): the outputs differ by about FP8's own error, not by last-bit noise (4.0e-2 seen on an H100
+# at two ranks). Rowwise scales (one per token) do not depend on the sharding.
+TENSORWISE_TOLERANCE = 1e-1
 DYNAMIC = {"Int8DynamicActivationInt8WeightConfig", "float8 dynamic rowwise", "float8 dynamic tensorwise"}
 SPLIT_PROJECTION_WARNING = "FluxSingleTransformerBlock.proj_out in the split projection holds its weight as"
 
@@ -411,7 +416,8 @@ def test_torchao_float8_dynamic_on_gpu_equals_one_process(config: str) -> None:
 def _gpu_worker(config: str) -> None:
     share_one_gpu()
     _enabled_equals_stock(lambda: quantized("tiny-flux", config, "cuda", torch.bfloat16), "tiny-flux",
-                          tolerance=DYNAMIC_TOLERANCE, warning=SPLIT_PROJECTION_WARNING, cuda_graphs=True)
+                          tolerance=TENSORWISE_TOLERANCE if "tensorwise" in config else DYNAMIC_TOLERANCE,
+                          warning=SPLIT_PROJECTION_WARNING, cuda_graphs=True)
 
 
 def _bitsandbytes_config_worker(directory: str, bits: int) -> None:
