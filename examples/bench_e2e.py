@@ -55,6 +55,7 @@ from xstage_dit.precision.linear import quantization_config
 from xstage_dit.runtime import world_from_env
 
 from xstage_dit.testing import zoo
+from xstage_dit.testing.numerics import relative_error
 from kernel_profile import kernel_times, write_profiles
 from provenance import OUTPUT_DIR, described, provenance
 from step_timer import StepTimer, reporting_steps
@@ -270,10 +271,6 @@ class FirstForward:
         self._handle.remove()
 
 
-def relative_l2(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((value - reference).norm() / reference.norm()).item()
-
-
 def psnr_db(value: torch.Tensor, reference: torch.Tensor) -> float:
     """PSNR of decoded outputs in [0, 1] (output_type "pt")."""
     mse = torch.mean((value.clamp(0, 1) - reference.clamp(0, 1)) ** 2).item()
@@ -300,7 +297,7 @@ def output_errors(pipe, variants: list[str], call: dict, decode: bool) -> dict[s
     for variant in variants:
         with variant_of(pipe, variant):
             first, latents, decoded = outputs()
-        errors[variant] = Errors(relative_l2(first, reference[0]), relative_l2(latents, reference[1]),
+        errors[variant] = Errors(relative_error(first, reference[0]), relative_error(latents, reference[1]),
                                  psnr_db(decoded, reference[2]) if decode else None)
     return errors
 

@@ -61,6 +61,7 @@ from xstage_dit.sp.attention.layout import UlyssesLayout
 from xstage_dit.sp.attention.overlap import MAX_CHUNKS, chunked_exchange
 from xstage_dit.sp.attention.reference import serial_exchange
 from xstage_dit.burst_gap import AttentionShape, Calibration, Planner, find_calibration
+from xstage_dit.testing.numerics import relative_error
 from xstage_dit.burst_gap.ulysses_plan import TileOrder
 from xstage_dit.sizes import fp8_payload_bytes
 
@@ -250,7 +251,7 @@ def bench_fp8_attention() -> list[dict]:
         ms = compare_ms(calls)
         rows = torch.linspace(0, s - 1, SAMPLED_ROWS, device="cuda").long()
         want = sampled_reference(q, k, v, rows)
-        errors = {name: ((call()[:, rows].float() - want).norm() / want.norm()).item() for name, call in calls.items()}
+        errors = {name: relative_error(call()[:, rows], want) for name, call in calls.items()}
         flops = AttentionShape(b, s, 0, h, d, 1).flops()
         print(f"FP8 attention {(b, s, h, d)}: " + ", ".join(
             f"{name} {ms[name]:.3f} ms {flops / ms[name] / 1e9:.0f} TFLOP/s error {errors[name]:.2e}"

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import xstage_dit
 from xstage_dit.testing import zoo
+from xstage_dit.testing.numerics import relative_error
 from provenance import OUTPUT_DIR, provenance, write_records
 from xstage_dit.patches.vaes import vae_rule_for
 from xstage_dit.vae.decode import ParallelDecode
@@ -64,7 +65,7 @@ def bench(name: str, repeats: int, device: torch.device) -> dict:
                 print(f"{name} round {round_} {variant}: {seconds:.3f} s, peak {peak:.2f} GiB", flush=True)
     whole, split = (statistics.median(times[v]) for v in ("whole", "split"))
     reference = outputs["whole"].float()
-    error = ((outputs["split"].float() - reference).norm() / reference.norm()).item()
+    error = relative_error(outputs["split"], reference)
     return {"vae": name, "class": type(vae).__name__, "latent": list(z.shape), "output": list(reference.shape),
             "dtype": str(z.dtype).removeprefix("torch."), "ranks": dist.get_world_size(), "repeats": repeats,
             "whole_s": whole, "split_s": split, "time_ratio": split / whole,

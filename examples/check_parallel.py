@@ -25,6 +25,7 @@ from xstage_dit.runtime import world_from_env
 from xstage_dit.serve.loading import EXPERT_PARALLEL
 from xstage_dit.sp.fabric import symmetric_backends_in_use
 from xstage_dit.testing import zoo
+from xstage_dit.testing.numerics import relative_error
 
 from provenance import OUTPUT_DIR, described, provenance
 
@@ -38,9 +39,9 @@ def generate(pipe, name: str, size: dict, steps: int, device: torch.device) -> t
     return pipe(**call, output_type="latent", generator=torch.Generator().manual_seed(5), return_dict=False)[0]
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+def largest_relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest ||a - b|| / ||b|| over ranks."""
-    error = torch.tensor([((a - b).norm() / b.norm()).item()], device=a.device)
+    error = torch.tensor([relative_error(a, b)], device=a.device)
     if dist.is_initialized():
         dist.all_reduce(error, op=dist.ReduceOp.MAX)
     return error.item()
@@ -53,12 +54,12 @@ def check(name: str, backends: list[str], expert_modes: list[str], steps: int, d
     pipe = zoo.build_pipeline(name, device=device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     single = generate(pipe, name, size, steps, device).float()
-    repeat = relative_error(generate(pipe, name, size, steps, device).float(), single)
+    repeat = largest_relative_error(generate(pipe, name, size, steps, device).float(), single)
     tolerance = max(TOLERANCE[dtype], REPEAT_MARGIN * repeat)
     records = []
     for backend, experts in itertools.product(backends, expert_modes):
         xstage_dit.enable(pipe, backend=backend, expert_parallel=EXPERT_PARALLEL[experts])
-        error = relative_error(generate(pipe, name, size, steps, device).float(), single)
+        error = largest_relative_error(generate(pipe, name, size, steps, device).float(), single)
         xstage_dit.disable(pipe)
         records.append({"config": name, **size, "steps": steps, "dtype": str(dtype).removeprefix("torch."),
                         "backend": backend, "expert_parallel": experts, "world_size": world_from_env()[0],

@@ -3,12 +3,7 @@ from __future__ import annotations
 
 import torch
 
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref||, the tests' measure of agreement with a reference, computed in float64 (outputs in
-    bf16 or float32 against references in any precision)."""
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
+from xstage_dit.testing.numerics import relative_error  # noqa: F401  (the tests' measure, shared with examples)
 
 
 # FP8 attention (INT8 q·kᵀ of smoothed keys, e4m3 p·v) against float64 on standard-normal inputs: the relative
