@@ -25,6 +25,7 @@ from gpu_checks import PIPELINE_TOLERANCE
 from lora_weights import generate_latents as generate
 from model_change_checks import assert_moves, flux_inputs
 from xstage_dit.runtime.agreement import stored_tensors
+from xstage_dit.testing.numerics import relative_error
 
 # the library's CPU paths (conftest.py): these tests' subject is not our kernels, which their own tests run
 pytestmark = pytest.mark.cpu_paths
@@ -78,10 +79,6 @@ def quantized(name: str, config: str, device: str = "cpu", dtype: torch.dtype = 
     pipe.set_progress_bar_config(disable=True)
     quantize_(pipe.transformer, GPU_CONFIGS[config]() if config in GPU_CONFIGS else _config(config)())
     return pipe
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def weights_of(model: nn.Module) -> dict[str, tuple[type, list[torch.Tensor]]]:
@@ -359,6 +356,17 @@ def _hidream_worker() -> None:
 
 def test_torchao_quantized_hidream_experts_run_diffusers_code() -> None:
     run_on_ranks(2, _hidream_worker)
+
+
+def test_sharding_quantized_hidream_experts_is_refused_before_any_collective(monkeypatch) -> None:
+    """Rank 0 of a two-rank job alone, without a group: the refusal must come before one is started."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    pipe = quantized("tiny-hidream", "Int8WeightOnlyConfig")
+    with pytest.raises(ValueError, match="expert_parallel=True cannot shard HiDream's .*Int8Tensor"):
+        xstage_dit.enable(pipe, timeout_s=120, expert_parallel=True)
+    assert not torch.distributed.is_initialized()
+    assert xstage_dit.installed_layers(pipe) == []
 
 
 # the layers the adapter trains: FLUX.1's split single-stream projection, attention projections, a feed-forward

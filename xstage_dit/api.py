@@ -147,6 +147,9 @@ def _expert_parallel(asked: bool | None, models: list[nn.Module], degree: int) -
             works = [n for n in range(2, experts + 1) if experts % n == 0]
             raise ValueError(f"expert_parallel=True: {experts} experts do not split over a Ulysses degree of "
                              f"{degree}; degrees that divide them: {works}")
+        why = plan.unshardable_experts(model) if plan.unshardable_experts is not None else None
+        if why is not None:
+            raise ValueError(f"xstage_dit.enable: expert_parallel=True cannot shard {why}")
     return True
 
 

@@ -125,6 +125,8 @@ class SequenceParallelPlan:
         FAMILY_LAYERS: its own modules and hooks, its MoE layers, attention processors, the fused-RoPE processors,
         the split projection's blocks); the layer decides whether they apply (e.g. fuse_rope, fuse_mlp).
     num_experts: routed experts per MoE layer where the plan's MoE can run expert parallel (0: no MoE layers).
+    unshardable_experts: why this model's experts cannot be sharded (expert_parallel=True is then refused at
+        enable, before any collective), or None where they can.
     """
 
     family: str
@@ -144,6 +146,7 @@ class SequenceParallelPlan:
     check_inputs: Callable[[dict[str, Any]], None] | None = None
     installs: Mapping[str, FamilyInstall] = field(default_factory=dict)
     num_experts: Callable[[nn.Module], int] | None = None
+    unshardable_experts: Callable[[nn.Module], str | None] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.installs) - set(FAMILY_LAYERS)

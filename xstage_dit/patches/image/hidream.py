@@ -96,17 +96,32 @@ def _install(model: nn.Module, context: PlanContext) -> list[Any]:
     return [_PatchifyFirst(model)]
 
 
+def _moe_layers(model: nn.Module) -> dict[str, MOEFeedForwardSwiGLU]:
+    return {name: layer for name, layer in model.named_modules() if isinstance(layer, MOEFeedForwardSwiGLU)}
+
+
+def _quantized_experts(model: nn.Module) -> dict[str, str]:
+    """MoE layer name -> why its experts cannot be stacked (a quantized weight), for the layers that hold such."""
+    return {name: why for name, why in ((name, why_not_stackable(layer.experts))
+                                        for name, layer in _moe_layers(model).items()) if why is not None}
+
+
+def _unshardable_experts(model: nn.Module) -> str | None:
+    quantized = _quantized_experts(model)
+    if not quantized:
+        return None
+    name, why = next(iter(quantized.items()))
+    return (f"HiDream's {name}: its {why}; enable with expert_parallel=False (quantized experts run diffusers' "
+            f"code)")
+
+
 def _experts(model: nn.Module, context: PlanContext) -> list[Any]:
     """The grouped MoE on each layer whose experts' weights can be stacked; layers with quantized experts run
-    diffusers' code (said once), and cannot be sharded (refused before any layer is changed)."""
-    layers = {name: layer for name, layer in model.named_modules() if isinstance(layer, MOEFeedForwardSwiGLU)}
-    quantized = {name: why for name, why in ((name, why_not_stackable(layer.experts)) for name, layer in layers.items())
-                 if why is not None}
+    diffusers' code (said once; sharding them is refused before any collective: `_unshardable_experts`)."""
+    layers = _moe_layers(model)
+    quantized = _quantized_experts(model)
     if quantized:
         name, why = next(iter(quantized.items()))
-        if context.experts.sharded:
-            raise ValueError(f"xstage_dit.enable: expert_parallel=True cannot shard HiDream's {name}: its {why}; "
-                             "enable with expert_parallel=False (quantized experts run diffusers' code)")
         warn_once(f"xstage_dit: HiDream's grouped MoE: {len(quantized)} of {len(layers)} MoE layers hold quantized "
                   f"experts ({name}'s {why}): those layers run diffusers' code")
     return [_GroupedMoE(layer, context) for name, layer in layers.items() if name not in quantized]
@@ -129,5 +144,6 @@ PLANS = {
         text_first=False,
         installs={FAMILY_CHANGES: _install, MOE_EXPERTS: _experts},
         num_experts=lambda model: model.config.num_routed_experts,
+        unshardable_experts=_unshardable_experts,
     )
 }
