@@ -1,6 +1,7 @@
 """What the library keeps in the process besides an enabled model: the job's placement (whether ranks share GPUs),
-decided from the launcher's facts and never from an environment variable the library sets itself; the groups,
-meshes and planners, emptied by `disable`; the warnings said once, and the API tests use to hear them again."""
+decided from the launcher's facts and never from an environment variable the library sets itself, and the
+planners, emptied by `disable`; the groups and meshes, kept per default group (enable and disable again make no
+new ones); the warnings said once, and the API tests use to hear them again."""
 from __future__ import annotations
 
 import os
@@ -63,7 +64,11 @@ def _latents(pipe) -> torch.Tensor:
                 generator=torch.Generator().manual_seed(0), return_dict=False)[0]
 
 
-def _disable_empties_the_caches() -> None:
+def _groups_made() -> int:
+    return len(dist.distributed_c10d._world.pg_names)
+
+
+def _disable_empties_the_caches_but_keeps_the_groups() -> None:
     pipe = zoo.build_pipeline("tiny-flux")
     pipe.set_progress_bar_config(disable=True)
     xstage_dit.enable(pipe)
@@ -71,16 +76,19 @@ def _disable_empties_the_caches() -> None:
     distributed.world_group(7.0)  # a group of another timeout than the default group's
     assert distributed._mesh_cache and distributed._world_groups and distributed._placement is not None
     xstage_dit.disable(pipe)
-    assert not distributed._mesh_cache and not distributed._world_groups and distributed._placement is None
-    assert not planner._planners
+    assert distributed._placement is None and not planner._planners
     assert routing._active is None and not routing._rotating and vae_layers._active is None
-    xstage_dit.enable(pipe)  # the groups made anew
-    assert torch.equal(_latents(pipe), first)
-    xstage_dit.disable(pipe)
+    groups = _groups_made()
+    for _ in range(3):  # the same groups again: none made anew
+        xstage_dit.enable(pipe)
+        assert torch.equal(_latents(pipe), first)
+        distributed.world_group(7.0)
+        xstage_dit.disable(pipe)
+        assert _groups_made() == groups
 
 
-def test_disable_empties_the_caches_and_enable_fills_them_again():
-    run_on_ranks(2, _disable_empties_the_caches)
+def test_disable_empties_the_caches_and_enable_and_disable_again_make_no_new_groups():
+    run_on_ranks(2, _disable_empties_the_caches_but_keeps_the_groups)
 
 
 def _a_new_default_group_finds_none_of_the_old_ones(store_path: str) -> None:

@@ -289,12 +289,16 @@ def timed_mesh(shape: tuple[int, int, int], timeout_s: float) -> JobMesh:
 
 
 def forget_groups() -> None:
-    """Let go of the meshes and groups made for earlier jobs and of the placement (`disable` calls it): the next
-    `enable` builds them anew from the process group and the environment then. Groups an enabled model still uses
-    stay registered with torch.distributed, so that model keeps working."""
+    """Let go of the placement (`disable` calls it: the next `enable` decides it anew from the environment) and of
+    the meshes and groups made on a default group that is gone. Those made on the live default group stay for the
+    next `enable` of the same shape and timeout: torch.distributed keeps every group until its default group is
+    destroyed (and destroying one that a captured CUDA graph's collectives use can hang), so groups made anew at
+    every `enable` would pile up."""
     global _placement
-    _mesh_cache.clear()
-    _world_groups.clear()
+    live = dist.group.WORLD if dist.is_initialized() else None
+    for cache in (_mesh_cache, _world_groups):
+        for key in [key for key in cache if key[0] is not live]:
+            del cache[key]
     _placement = None
 
 
