@@ -309,7 +309,7 @@ def _gpu_worker(name: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-zimage"])
+@pytest.mark.parametrize("name", [pytest.param("tiny-flux", marks=pytest.mark.smoke), "tiny-wan", "tiny-zimage"])
 def test_fp8_linear_on_gpu_stays_near_bf16(name: str, world_size: int) -> None:
     if torch.cuda.get_device_capability() < linear.FP8_GEMM_CAPABILITY:
         pytest.skip("FP8 GEMMs need compute capability 8.9 or above")

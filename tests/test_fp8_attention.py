@@ -90,7 +90,7 @@ def test_fp8_attention_is_bounded_per_shape_interpreted(shape, bound):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["default", "triton"])
+@pytest.mark.parametrize("kernel", [pytest.param("default", marks=pytest.mark.smoke), "triton"])
 @pytest.mark.parametrize("shape, bound", GPU_SHAPES.values(), ids=GPU_SHAPES.keys())
 def test_fp8_attention_is_bounded_per_shape_on_gpu(shape, bound, kernel):
     """Both FP8 kernels: the default (on Hopper the Gluon kernel, whose persistent launch splits the tail of
@@ -252,8 +252,8 @@ def test_enable_runs_fp8_attention_where_asked_and_refuses_payloads_without_thei
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend, degrees", [("fused", {}), ("reference", {}), ("auto", {}),
-                                              ("fused", {"ulysses_degree": 2, "ring_degree": 2})],
+@pytest.mark.parametrize("backend, degrees", [pytest.param("fused", {}, marks=pytest.mark.smoke), ("reference", {}),
+                                              ("auto", {}), ("fused", {"ulysses_degree": 2, "ring_degree": 2})],
                          ids=["fused", "reference", "auto", "fused-ring"])
 def test_fp8_attention_on_ranks_of_one_gpu_matches_one_gpu(backend, degrees):
     """A tiny head_dim-64 FLUX.1 enabled with fp8="attention" on ranks sharing one GPU (the fused variant's scatter
@@ -264,6 +264,7 @@ def test_fp8_attention_on_ranks_of_one_gpu_matches_one_gpu(backend, degrees):
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_fp8_attention_replays_in_a_cuda_graph():
     """The quantization and the attention kernel captured once (their operands allocated inside the graph) and
     replayed on fresh inputs equal the eager call on those inputs bit for bit."""
@@ -282,6 +283,7 @@ def test_fp8_attention_replays_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
+@pytest.mark.smoke
 def test_fp8_attention_compiles_into_a_graph_as_the_op():
     """Degree-1 attention under the FP8 variant, in a function torch.compile compiles whole (fullgraph): the
     custom op keeps the kernels opaque, and the output equals the eager call's."""

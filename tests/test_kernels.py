@@ -133,8 +133,8 @@ def test_fp8_attention_merges_into_a_running_result_interpreted():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(4096, 4096, 4096), (1000, 1100, 300), (8000, 700, 613)],
-                         ids=["ring-block", "uneven", "many-work-tiles"])
+@pytest.mark.parametrize("lengths", [(4096, 4096, 4096), pytest.param((1000, 1100, 300), marks=pytest.mark.smoke),
+                                     (8000, 700, 613)], ids=["ring-block", "uneven", "many-work-tiles"])
 def test_fp8_attention_merges_into_a_running_result_on_gpu(lengths):
     _check_merge("cuda", torch.bfloat16, 2, *lengths, 6, 2, fp8=True)
 
@@ -427,7 +427,7 @@ def test_fused_loopback_with_fp8_payloads_and_fp8_attention_interpreted():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_ranks", [2, 4, 8])
+@pytest.mark.parametrize("n_ranks", [pytest.param(2, marks=pytest.mark.smoke), 4, 8])
 @pytest.mark.parametrize("text_first", [True, False])
 @pytest.mark.parametrize("order", list(TileOrder))
 def test_fused_loopback_with_fp8_payloads_on_gpu(n_ranks, text_first, order):
@@ -558,7 +558,7 @@ def test_fused_loopback_on_gpu(n_ranks, text_first, order, text_queries, norm_ro
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_ranks", [2, 8])
+@pytest.mark.parametrize("n_ranks", [pytest.param(2, marks=pytest.mark.smoke), 8])
 @pytest.mark.parametrize("text_first", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fused_loopback_in_fp8_on_gpu(n_ranks, text_first, head_dim):

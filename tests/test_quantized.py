@@ -411,7 +411,8 @@ def test_lora_after_enable_on_a_quantized_model_equals_one_process() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", list(GPU_CONFIGS))
+@pytest.mark.parametrize("config", [pytest.param(name, marks=pytest.mark.smoke) if "rowwise" in name else name
+                                    for name in GPU_CONFIGS])
 def test_torchao_float8_dynamic_on_gpu_equals_one_process(config: str) -> None:
     """torchao's float8 dynamic configs (compute capability 8.9 or above), bfloat16, CUDA graphs on, two ranks
     sharing one GPU; the split projection and the GELU epilogue run diffusers' code for their quantized layers."""
@@ -450,7 +451,7 @@ def _bitsandbytes_config_worker(directory: str, bits: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [pytest.param(4, marks=pytest.mark.smoke), 8])
 def test_bitsandbytes_config_on_gpu_equals_one_process(bits: int, world_size: int, tmp_path) -> None:
     """The load path users take: a transformer saved, then loaded with BitsAndBytesConfig (4-bit NF4, 8-bit), at
     one rank and at two ranks sharing the GPU, against the same quantized pipeline in one process."""
