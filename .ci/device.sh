@@ -4,7 +4,8 @@
 # The copy there has no .git: set XSTAGE_COMMIT=<commit> in the command so that records name their code.
 #   bash .ci/device.sh [smoke] [tests] [calibrate] [kernels] ["BENCH_E2E ARGS" ...]
 # in the order given (no argument: tests): "smoke" runs the GPU tests marked smoke (minutes: every backend on
-# ranks sharing one GPU, every family at degree 1, CUDA-graph replays; log pytest-smoke.log), "tests" all the GPU
+# ranks sharing one GPU, every family at degree 1, CUDA-graph replays, FP8 attention, payloads and linear layers,
+# quantized models; log pytest-smoke.log), "tests" all the GPU
 # tests but the calibration ones (for changes to the kernels or the exchange; longer than one session's device
 # time; log pytest-gpu.log), "calibrate" those and `xstage-dit calibrate`
 # into $XSTAGE_CALIBRATION_DIR (default $OUT/calibration, where the benchmarks and backend="auto" look),
