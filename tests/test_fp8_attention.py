@@ -98,6 +98,21 @@ def test_fp8_attention_is_bounded_per_shape_on_gpu(shape, bound, kernel):
     _check_bounded("cuda", torch.bfloat16, shape, bound, FP8_CONFIG if kernel == "triton" else None)
 
 
+def test_the_hopper_kernel_refuses_to_forward_fp8_keys_in_words():
+    """The Gluon kernel's FP8 ring would read 8-bit tiles: a call that forwards its keys is refused there (by
+    default such calls run the Triton kernel, which forwards the keys as given)."""
+    from xstage_dit.kernels import attention_hopper as hopper
+    from xstage_dit.kernels.attention_args import AttentionCall, KeyForward
+
+    q = torch.randn(1, 16, 2, 64)
+    operands = quantize(q, q, q, 16, 16, 16)
+    epilogue = Store()
+    call = AttentionCall(q, q, q, 0.125, 16, None, epilogue, epilogue.result_for(q),
+                         KeyForward(q.data_ptr(), q.data_ptr()))
+    with pytest.raises(ValueError, match="the Hopper kernel's FP8 attention forwards no keys"):
+        hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, fp8=operands)
+
+
 def test_quantized_operands_invert_to_the_inputs_interpreted():
     """q and the smoothed k come back from their INT8 values and tile scales within half a step, each tile's
     largest |x| on 127; v's e4m3 values are torch's conversion of (v - mean) / scale, value for value; each
