@@ -44,7 +44,8 @@ FP8_GEMM_MULTIPLE = 16  # what `torch._scaled_mm` needs of a GEMM's inner and ou
 
 # the least largest |x| an activation row's scale is computed from: a row of zeros (padding tokens: Z-Image's
 # attention projections see them) would otherwise get the scale 0 and quantize to 0 / 0, NaN, and the GEMM spread
-# the NaN nowhere else but its own output row, which attention then spreads everywhere
+# the NaN nowhere else but its own output row, which attention then spreads everywhere. With a floor torchao
+# quantizes activations with torch operations (which torch.compile fuses), not MSLK's row kernel, which takes none.
 ACTIVATION_FLOOR = 1e-12
 
 
