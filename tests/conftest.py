@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
         importlib.import_module(module)
 
 
-# `pytest -m quick`: minutes on 2 cores where the whole suite takes about 12; each area's fast checks and one run of
+# `pytest -m quick`: minutes on 2 cores where the whole suite takes about 13; each area's fast checks and one run of
 # each distributed path (node ids under tests/, a whole module or the start of a test's id)
 QUICK = (
     "test_layers.py", "test_docs.py", "test_backend_registry.py", "test_provenance.py", "test_step_timer.py",

@@ -116,7 +116,9 @@ def _enabled_equals_stock(build: Callable[[], Any], name: str, compiled: bool = 
 
 
 def tolerance_of(config: str) -> float:
-    """The error allowed to `config` (DYNAMIC_TOLERANCE says why)."""
+    """The error allowed to `config` (DYNAMIC_TOLERANCE and TENSORWISE_TOLERANCE say why)."""
+    if config == "float8 dynamic tensorwise":
+        return TENSORWISE_TOLERANCE
     return DYNAMIC_TOLERANCE if config in DYNAMIC else TOLERANCE
 
 
@@ -425,8 +427,7 @@ def test_torchao_float8_dynamic_on_gpu_equals_one_process(config: str) -> None:
 def _gpu_worker(config: str) -> None:
     share_one_gpu()
     _enabled_equals_stock(lambda: quantized("tiny-flux", config, "cuda", torch.bfloat16), "tiny-flux",
-                          tolerance=TENSORWISE_TOLERANCE if "tensorwise" in config else DYNAMIC_TOLERANCE,
-                          warning=SPLIT_PROJECTION_WARNING, cuda_graphs=True)
+                          tolerance=tolerance_of(config), warning=SPLIT_PROJECTION_WARNING, cuda_graphs=True)
 
 
 def _bitsandbytes_config_worker(directory: str, bits: int) -> None:

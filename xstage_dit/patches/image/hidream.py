@@ -100,14 +100,14 @@ def _moe_layers(model: nn.Module) -> dict[str, MOEFeedForwardSwiGLU]:
     return {name: layer for name, layer in model.named_modules() if isinstance(layer, MOEFeedForwardSwiGLU)}
 
 
-def _quantized_experts(model: nn.Module) -> dict[str, str]:
+def _quantized_experts(layers: dict[str, MOEFeedForwardSwiGLU]) -> dict[str, str]:
     """MoE layer name -> why its experts cannot be stacked (a quantized weight), for the layers that hold such."""
-    return {name: why for name, why in ((name, why_not_stackable(layer.experts))
-                                        for name, layer in _moe_layers(model).items()) if why is not None}
+    return {name: why for name, why in ((name, why_not_stackable(layer.experts)) for name, layer in layers.items())
+            if why is not None}
 
 
 def _unshardable_experts(model: nn.Module) -> str | None:
-    quantized = _quantized_experts(model)
+    quantized = _quantized_experts(_moe_layers(model))
     if not quantized:
         return None
     name, why = next(iter(quantized.items()))
@@ -119,7 +119,7 @@ def _experts(model: nn.Module, context: PlanContext) -> list[Any]:
     """The grouped MoE on each layer whose experts' weights can be stacked; layers with quantized experts run
     diffusers' code (said once; sharding them is refused before any collective: `_unshardable_experts`)."""
     layers = _moe_layers(model)
-    quantized = _quantized_experts(model)
+    quantized = _quantized_experts(layers)
     if quantized:
         name, why = next(iter(quantized.items()))
         warn_once(f"xstage_dit: HiDream's grouped MoE: {len(quantized)} of {len(layers)} MoE layers hold quantized "
