@@ -23,7 +23,8 @@ import triton.language as tl  # noqa: E402
 
 from xstage_dit.kernels.attention import FP8_CONFIG, TileConfig, flash_attention  # noqa: E402
 from xstage_dit.kernels.attention_args import Store  # noqa: E402
-from xstage_dit.kernels.attention_fp8 import quantize, to_e4m3  # noqa: E402
+from xstage_dit.kernels.attention_fp8 import quantize  # noqa: E402
+from xstage_dit.kernels.fp8 import to_e4m3  # noqa: E402
 from xstage_dit.sp.attention.backends import (Precision, available_backends, backends, get_choice,  # noqa: E402
                                               resolve_backend)
 
@@ -142,11 +143,11 @@ def test_quantized_operands_invert_to_the_inputs_interpreted():
 @triton.jit
 def _convert_kernel(X, Out, N: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(Out + offs, to_e4m3(tl.load(X + offs), True))
+    tl.store(Out + offs, to_e4m3(tl.load(X + offs)))
 
 
 def test_e4m3_conversion_rounds_as_torch_does_interpreted():
-    """The interpreter's conversion with its values put on the e4m3 grid first (to_e4m3's ROUND_FIRST): every
+    """The interpreter's conversion with its values put on the e4m3 grid first (fp8.to_e4m3): every
     finite e4m3 value, every midpoint between two (ties to even) and random values over the whole range convert
     to what torch's float8_e4m3fn conversion gives."""
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()

@@ -29,11 +29,13 @@ def _rows_of_every_magnitude(generator: torch.Generator) -> torch.Tensor:
     return x
 
 
-def test_payloads_round_to_nearest_on_e4m3s_grid_within_the_stated_bound_interpreted():
-    """The kernels' payload bytes are torch's own e4m3 rounding of each row scaled to amax 448 (what a GPU's
-    conversion stores); the scales are amax / 448 (a floor for rows of zeros); dequantized, every value is within
-    2^-4 of itself or 2^-10 of its row's scale (numerics.fp8_error_bound), rows of zeros exactly zero."""
-    x = _rows_of_every_magnitude(torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.smoke])])
+def test_payloads_round_to_nearest_on_e4m3s_grid_within_the_stated_bound(device: str):
+    """The kernels' payload bytes are torch's own e4m3 rounding of each row scaled to amax 448: the interpreter's
+    float32 rounding on CPU, the GPU's conversion instruction on a GPU. The scales are amax / 448 (a floor for rows
+    of zeros); dequantized, every value is within 2^-4 of itself or 2^-10 of its row's scale
+    (numerics.fp8_error_bound), rows of zeros exactly zero."""
+    x = _rows_of_every_magnitude(torch.Generator().manual_seed(0)).to(device)
     payload = torch.empty(x.shape, dtype=PAYLOAD_DTYPE)
     scales = torch.empty(x.shape[:-1], dtype=SCALE_DTYPE)
     quantize(x, payload, scales)

@@ -29,15 +29,14 @@ from ..logging_utils import warn_once
 from . import attention_hopper
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionCall, Attended, Epilogue,
                              KeyForward, Merge, QuantizedOperands, Scatter, Store, Strides)
-from .attention_fp8 import INTERPRETED, int_to_float, key_tile_scale, quantize, to_e4m3
+from .attention_fp8 import int_to_float, key_tile_scale, quantize
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
-from .fp8 import E4M3_MAX, quantize_rows
+from .fp8 import E4M3_MAX, quantize_rows, to_e4m3
 from .tables import ALIGN_ELEMENTS
 
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr, FP8: tl.constexpr,
-                 ROUND_FIRST: tl.constexpr):
+def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr, FP8: tl.constexpr):
     """One key tile of the online softmax: k is (HEAD_DIM, BLOCK_N), v is (BLOCK_N, HEAD_DIM).
 
     The scale is applied to the row maximum and folded into the exponent's argument (one fused multiply-add
@@ -59,7 +58,7 @@ def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr,
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if FP8:
-        acc = acc + tl.dot(to_e4m3(p * E4M3_MAX, ROUND_FIRST), v)
+        acc = acc + tl.dot(to_e4m3(p * E4M3_MAX), v)
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
@@ -107,7 +106,7 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SCATTER: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FORWARD: tl.constexpr, MERGE: tl.constexpr, ALIGN: tl.constexpr,
-    FP8: tl.constexpr, ROUND_FIRST: tl.constexpr, PAYLOAD: tl.constexpr,
+    FP8: tl.constexpr, PAYLOAD: tl.constexpr,
 ):
     """Strides are Strides records, `scatter` a ScatterArgs record (kernels/attention_args.py), `scales` a
     PayloadScales record where PAYLOAD (the scatter's rows travel as an FP8 payload; else None). With FORWARD, the
@@ -115,8 +114,7 @@ def _attention_kernel(
     elements further on (KeyForward), where its head is the first of its key head's group. With MERGE, Out and Lse
     hold a running float32 output and log-sum-exp that the tile's rows are merged into, in place. With FP8, the
     products read `fp8`, a QuantizedOperands record (kernels/attention_fp8.py; None without), and Q, K, V only as
-    the keys and values to forward; ROUND_FIRST: convert to e4m3 as Triton's CPU interpreter needs
-    (attention_fp8.to_e4m3)."""
+    the keys and values to forward."""
     # the schedule knob: programs start at Q tile `tile_shift` and wrap around (see Scatter.first_row)
     pid_m = (tl.program_id(0) + scatter.tile_shift) % tl.num_programs(0)
     pid_bh = tl.program_id(1)
@@ -166,7 +164,7 @@ def _attention_kernel(
             allowed = tl.load(KeyMask + batch * stride_mb + keys, mask=keys < key_mask_len, other=1)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v,
                                          key_tile_scale(scores_scale, k_scales, start_n, BLOCK_N, FP8),
-                                         (keys < kv_len) & (allowed != 0), True, FP8, ROUND_FIRST)
+                                         (keys < kv_len) & (allowed != 0), True, FP8)
     else:
         # full tiles unmasked, then the partial tail tile masked
         full_end = kv_full_end
@@ -174,14 +172,14 @@ def _attention_kernel(
             k, v = _load_keys(k_base, v_base, start_n, kx_strides.seq, vx_strides.seq, offs_n, offs_d, kv_len,
                               k_desc, v_desc, kv_row0, head_col, USE_TMA, FP8)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v,
-                                         key_tile_scale(scores_scale, k_scales, start_n, BLOCK_N, FP8), offs_n, False,
-                                         FP8, ROUND_FIRST)
+                                         key_tile_scale(scores_scale, k_scales, start_n, BLOCK_N, FP8), offs_n,
+                                         False, FP8)
         if full_end < kv_len:
             k, v = _load_keys(k_base, v_base, full_end, kx_strides.seq, vx_strides.seq, offs_n, offs_d, kv_len,
                               k_desc, v_desc, kv_row0, head_col, USE_TMA, FP8)
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v,
                                          key_tile_scale(scores_scale, k_scales, full_end, BLOCK_N, FP8),
-                                         full_end + offs_n < kv_len, True, FP8, ROUND_FIRST)
+                                         full_end + offs_n < kv_len, True, FP8)
 
     if FP8:
         # p's e4m3 range and v's channel scales out of the output, and what the smoothing took back in: the values'
@@ -390,7 +388,7 @@ def launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool, fp8: Quan
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         WRITE_LSE=lse is not None, HAS_KEY_MASK=call.key_mask is not None, SCATTER=call.scatter is not None,
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, FORWARD=call.forward is not None, MERGE=call.merge,
-        ALIGN=ALIGN_ELEMENTS, FP8=fp8 is not None, ROUND_FIRST=INTERPRETED,
+        ALIGN=ALIGN_ELEMENTS, FP8=fp8 is not None,
         PAYLOAD=call.payload_scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

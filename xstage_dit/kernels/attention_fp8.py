@@ -19,14 +19,12 @@ Quantizing in a separate pass (rather than in the attention kernel's loads) read
 per query tile, and leaves the attention kernel's loop as it was, reading 8-bit tiles and one scale per tile."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .attention_args import QuantizedOperands, Strides
-from .fp8 import E4M3_MAX, on_e4m3_grid
+from .fp8 import E4M3_MAX, to_e4m3
 
 # the kernels' constants (the host reads their `.value`)
 INT8_MAX = tl.constexpr(127.0)
@@ -35,18 +33,6 @@ INT8_MAX = tl.constexpr(127.0)
 # scores (attention.py: a large negative times that product) negligible
 SMALLEST_RANGE = tl.constexpr(1e-4)
 CHANNEL_ALIGN = 16  # channel-major v rows are padded to whole 16-byte vectors
-# Triton's CPU interpreter runs the kernels (read as triton.jit reads it, when the kernels are defined)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def to_e4m3(x, ROUND_FIRST: tl.constexpr):
-    """x (float32, |x| <= 448) as e4m3, rounded to nearest even. Triton's CPU interpreter truncates a mantissa
-    that rounds up past its top instead of carrying into the exponent: with ROUND_FIRST, x is put on the e4m3 grid
-    in float32 first (fp8.on_e4m3_grid, the FP8 payloads' rounding), which it then converts exactly."""
-    if ROUND_FIRST:
-        x = on_e4m3_grid(x)
-    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -67,7 +53,7 @@ def key_tile_scale(qk_scale, k_scales, start_n, BLOCK_N: tl.constexpr, FP8: tl.c
 @triton.jit
 def _quantize_kernel(X, Out, Scale, Mean, Shift, x_strides, o_strides, o_channel, rows, heads, kv_group,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SMOOTH: tl.constexpr, SHIFT: tl.constexpr,
-                     VALUES: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                     VALUES: tl.constexpr):
     """One tile of BLOCK rows [0, rows) of one (batch, head) of X (B, S, H, D) into Out (element strides
     o_strides, o_channel between channels): INT8 with the tile's scale stored into Scale (B, H, tiles), or with
     VALUES, e4m3 with the channels' scales Scale (B, H, D). SMOOTH: minus Mean (B, H, D) first. SHIFT: Shift
@@ -90,7 +76,7 @@ def _quantize_kernel(X, Out, Scale, Mean, Shift, x_strides, o_strides, o_channel
     at = batch * o_strides.batch + h * o_strides.head + offs[:, None] * o_strides.seq + offs_d[None, :] * o_channel
     if VALUES:
         scale = tl.load(Scale + bh.to(tl.int64) * HEAD_DIM + offs_d)[None, :]
-        tl.store(Out + at, to_e4m3(x / scale, ROUND_FIRST), mask=ok[:, None])
+        tl.store(Out + at, to_e4m3(x / scale), mask=ok[:, None])
     else:
         scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), SMALLEST_RANGE) / INT8_MAX
         tl.store(Scale + bh.to(tl.int64) * tl.num_programs(0) + tile, scale)
@@ -133,7 +119,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, blo
         args = (x, out, scale, mean, q_shift, Strides.of(x), out_strides, o_channel, rows, x_heads,
                 heads // kv_heads)
         switches = dict(HEAD_DIM=head_dim, BLOCK=block, SMOOTH=smooth, SHIFT=shift, VALUES=values,
-                        ROUND_FIRST=INTERPRETED, num_warps=4)
+                        num_warps=4)
         grid = (triton.cdiv(rows, block), batch * x_heads)
         if warmup:
             _quantize_kernel.warmup(*args, grid=grid, **switches)

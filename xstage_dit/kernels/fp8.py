@@ -6,11 +6,14 @@ A row's scale is amax / 448 (e4m3's largest finite value), with a floor for rows
 Each value is rounded to nearest even on e4m3's grid, so it is off by at most 2^-4 of itself, or by 2^-10 of the
 scale where it falls below e4m3's normal range (2^-6 of the scale): |x - dequantized| <= 2^-4 |x| + 2^-10 scale.
 
-The rounding is done in float32 arithmetic before the conversion to tl.float8e4nv, so that the conversion is
-exact and every target stores the same bytes (Triton's CPU interpreter rounds other values wrongly when their
-mantissa carries into the exponent). `quantize_rows` and `dequantize_rows` are plain Triton functions that every
-kernel storing or reading payloads calls; a Gluon kernel compiles their same source (attention_hopper.py)."""
+Every target stores the same bytes: a GPU converts with one instruction (round to nearest even, saturating at
+448); Triton's CPU interpreter, which rounds wrongly where a mantissa carries into the exponent, puts the values on
+e4m3's grid in float32 arithmetic first (`to_e4m3`). `quantize_rows` and `dequantize_rows` are plain Triton
+functions that every kernel storing or reading payloads calls; a Gluon kernel compiles their same source
+(attention_hopper.py)."""
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -27,12 +30,14 @@ _DROPPED = tl.constexpr(20)
 _BELOW_HALF = tl.constexpr(0x7FFFF)  # half of the last kept bit, less one: ties round to even
 _KEPT = tl.constexpr(-1048576)  # 0xFFF00000 as int32: sign, exponent and the 3 mantissa bits kept
 _SIGN = tl.constexpr(-2147483648)  # 0x80000000 as int32
+# Triton's CPU interpreter runs the kernels (read as triton.jit reads it, when the kernels are defined)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_ROUND_IN_FLOAT32 = tl.constexpr(INTERPRETED)
 
 
 @triton.jit
 def on_e4m3_grid(x):
-    """x (|x| <= 448, up to rounding) rounded to nearest even on e4m3's grid, in float32: exactly representable
-    (FP8 attention's conversions use it too where Triton's interpreter runs them: attention_fp8.to_e4m3)."""
+    """x (|x| <= 448, up to rounding) rounded to nearest even on e4m3's grid, in float32: exactly representable."""
     magnitude = tl.abs(x)
     bits = magnitude.to(tl.int32, bitcast=True)
     normal = ((bits + _BELOW_HALF + ((bits >> _DROPPED) & 1)) & _KEPT).to(tl.float32, bitcast=True)
@@ -43,12 +48,21 @@ def on_e4m3_grid(x):
 
 
 @triton.jit
+def to_e4m3(x):
+    """float32 x (|x| <= 448, up to rounding) as e4m3, rounded to nearest even: on a GPU the conversion itself
+    (cvt.rn.satfinite); in the interpreter x is put on the grid first (on_e4m3_grid), which it converts exactly."""
+    if _ROUND_IN_FLOAT32:
+        x = on_e4m3_grid(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
 def quantize_rows(x):
     """A (ROWS, D) tile as its e4m3 payload (ROWS, D) and each row's float32 scale (ROWS,)."""
     x = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
     inverse = E4M3_MAX / amax
-    payload = on_e4m3_grid(x * tl.expand_dims(inverse, 1)).to(tl.float8e4nv)
+    payload = to_e4m3(x * tl.expand_dims(inverse, 1))
     return payload, amax / E4M3_MAX
 
 
