@@ -160,7 +160,8 @@ def main() -> None:
         if ring:  # the Hopper kernel forwards no keys: the ring's step merges without forwarding
             fp8_call = call(q, kv, Merge(running))
         hopper_config = hopper.HopperConfig(block_n=64 if head_dim == 64 else 128)
-        hopper_operands = quantize(q, kv, kv, seq, hopper_config.block_m, hopper_config.block_n, warmup=True)
+        hopper_operands = quantize(q, kv, kv, seq, hopper_config.block_m, hopper_config.block_n, operand_order=True,
+                                   warmup=True)
         hopper.launch(fp8_call, hopper_config, hopper.TmaRows.HEADS, warmup=True, fp8=hopper_operands)
     # the kernels share the name, and an FP8 payload's scatter converts to e4m3 too: FP8 attention's are the PTX
     # with INT8 products in it, three of each kernel

@@ -22,8 +22,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from xstage_dit.kernels.attention import FP8_CONFIG, TileConfig, flash_attention  # noqa: E402
-from xstage_dit.kernels.attention_args import Store  # noqa: E402
-from xstage_dit.kernels.attention_fp8 import quantize  # noqa: E402
+from xstage_dit.kernels.attention_args import Store, ValueOrder  # noqa: E402
+from xstage_dit.kernels.attention_fp8 import OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, quantize  # noqa: E402
 from xstage_dit.kernels.fp8 import to_e4m3  # noqa: E402
 from xstage_dit.sp.attention.backends import (Precision, available_backends, backends, get_choice,  # noqa: E402
                                               resolve_backend)
@@ -114,16 +114,26 @@ def test_the_hopper_kernel_refuses_to_forward_fp8_keys_in_words():
         hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, fp8=operands)
 
 
-def test_quantized_operands_invert_to_the_inputs_interpreted():
+def _operand_key_order(keys: int) -> torch.Tensor:
+    """The key each position of the values holds in the Hopper kernel's operand order, for whole 32-key slices:
+    what the kernel's relabelling of a score tile's columns makes of their indices."""
+    slices = torch.arange(keys).reshape(-1, *OPERAND_KEY_SLICE)
+    return slices.permute(0, *(d + 1 for d in OPERAND_KEY_ORDER)).reshape(keys)
+
+
+@pytest.mark.parametrize("operand_order, block", [(False, 16), (True, 32)])
+def test_quantized_operands_invert_to_the_inputs_interpreted(operand_order: bool, block: int):
     """q and the smoothed k come back from their INT8 values and tile scales within half a step, each tile's
-    largest |x| on 127; v's e4m3 values are torch's conversion of (v - mean) / scale, value for value; each
-    query's shift is its dot product with its key head's mean key; rows past the keys attended are not read."""
-    batch, q_len, kv_rows, kv_len, heads, kv_heads, head_dim, block = 2, 37, 45, 41, 4, 2, 64, 16
+    largest |x| on 127; v's e4m3 values are torch's conversion of (v - mean) / scale, value for value, in key order
+    or in the Hopper kernel's operand order, its padding keys zeros; each query's shift is its dot product with its
+    key head's mean key; rows past the keys attended are not read."""
+    batch, q_len, kv_rows, kv_len, heads, kv_heads, head_dim = 2, 37, 45, 41, 4, 2, 64
     q = torch.randn(batch, q_len, heads, head_dim)
     k = torch.randn(batch, kv_rows, kv_heads, head_dim) + 3
     v = torch.randn(batch, kv_rows, kv_heads, head_dim) - 2
     k[:, kv_len:], v[:, kv_len:] = float("nan"), float("nan")
-    ops = quantize(q, k, v, kv_len, block, block)
+    ops = quantize(q, k, v, kv_len, block, block, operand_order=operand_order)
+    assert ops.v_order is (ValueOrder.OPERAND if operand_order else ValueOrder.KEYS)
     keys, values = k[:, :kv_len], v[:, :kv_len]
     k_mean, v_mean = keys.mean(1), values.mean(1)
     for x8, scale, x in ((ops.q, ops.q_scale, q), (ops.k, ops.k_scale, keys - k_mean[:, None])):
@@ -134,10 +144,45 @@ def test_quantized_operands_invert_to_the_inputs_interpreted():
         padded[:, :, :rows] = x8.abs().float().transpose(1, 2)
         assert (padded.flatten(-2).unflatten(-1, (-1, block * head_dim)).amax(-1) == 127).all()
     torch.testing.assert_close(ops.v_mean, v_mean)
-    expected_v = ((values - v_mean[:, None]) / ops.v_scale[:, None]).to(torch.float8_e4m3fn)
-    assert torch.equal(ops.v[..., :kv_len].permute(0, 3, 1, 2).float(), expected_v.float())  # -0 == 0
+    expected_v = torch.zeros(batch, ops.v.shape[-1], kv_heads, head_dim)
+    expected_v[:, :kv_len] = ((values - v_mean[:, None]) / ops.v_scale[:, None]).to(torch.float8_e4m3fn).float()
+    if operand_order:
+        expected_v = expected_v[:, _operand_key_order(expected_v.shape[1])]
+    assert torch.equal(ops.v.permute(0, 3, 1, 2).float(), expected_v)  # -0 == 0
     shift = torch.einsum("bqhd,bhd->bhq", q, k_mean.repeat_interleave(heads // kv_heads, 1))
     torch.testing.assert_close(ops.q_shift, shift, rtol=1e-5, atol=1e-5)
+
+
+def test_the_operand_order_pairs_each_weight_with_its_value_interpreted():
+    """The Hopper kernel's FP8 p·v relabels each score tile's keys as attention_fp8.OPERAND_KEY_ORDER says (its
+    reshape and permute, done here by torch's); the values quantized in the operand order hold the same keys in the
+    same order, so the product equals the one in key order."""
+    keys, head_dim = 128, 64
+    q, v = torch.randn(1, 16, 1, head_dim), torch.randn(1, keys, 1, head_dim)
+    natural = quantize(q, v, v, keys, 16, 32).v[0, 0].double().T
+    ordered = quantize(q, v, v, keys, 16, 32, operand_order=True).v[0, 0].double().T
+    p = torch.rand(16, keys, dtype=torch.float64)
+    relabelled = p.reshape(16, keys // 32, *OPERAND_KEY_SLICE).permute(
+        0, 1, *(d + 2 for d in OPERAND_KEY_ORDER)).reshape(16, keys)
+    torch.testing.assert_close(relabelled @ ordered, p @ natural, rtol=1e-12, atol=1e-12)
+
+
+def test_each_kernel_refuses_the_other_kernels_value_order():
+    """The Hopper kernel reads values in its operand order only, the Triton kernel in key order only, and the
+    operand order comes in whole 32-key tiles: each refused in words before any launch."""
+    from xstage_dit.kernels import attention, attention_hopper as hopper
+    from xstage_dit.kernels.attention_args import AttentionCall
+
+    q = torch.randn(1, 64, 2, 64)
+    epilogue = Store()
+    call = AttentionCall(q, q, q, 0.125, 64, None, epilogue, epilogue.result_for(q), None)
+    with pytest.raises(ValueError, match="reads values in its operand's key order"):
+        hopper.launch(call, hopper.HopperConfig(), hopper.TmaRows.TOKENS, fp8=quantize(q, q, q, 64, 64, 64))
+    with pytest.raises(ValueError, match="reads values in key order"):
+        attention.launch_triton(call, FP8_CONFIG, use_tma=False,
+                                fp8=quantize(q, q, q, 64, 64, 64, operand_order=True))
+    with pytest.raises(ValueError, match="whole 32-key slices, got 16-key tiles"):
+        quantize(q, q, q, 64, 16, 16, operand_order=True)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton.language as tl
 from ..logging_utils import warn_once
 from . import attention_hopper
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionCall, Attended, Epilogue,
-                             KeyForward, Merge, QuantizedOperands, Scatter, Store, Strides)
+                             KeyForward, Merge, QuantizedOperands, Scatter, Store, Strides, ValueOrder)
 from .attention_fp8 import int_to_float, key_tile_scale, quantize
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
 from .fp8 import E4M3_MAX, quantize_rows, to_e4m3
@@ -340,14 +340,15 @@ def flash_attention(
     hopper_runs = rows is not None and attention_hopper.is_available(q)
     cfg = config or _default_config(q, hopper_runs, fp8, forward is not None)
     if fp8:
-        operands = quantize(q, k, v, kv_len, cfg.block_m, cfg.block_n)
-        if isinstance(cfg, HopperConfig):
-            if not attention_hopper.is_available(q, fp8=True):
-                raise ValueError("HopperConfig needs an sm_90 GPU")
-            attention_hopper.launch(call, cfg, TmaRows.HEADS, fp8=operands)
-        elif cfg.tma:
+        hopper_kernel = isinstance(cfg, HopperConfig)
+        if hopper_kernel and not attention_hopper.is_available(q, fp8=True):
+            raise ValueError("HopperConfig needs an sm_90 GPU")
+        if not hopper_kernel and cfg.tma:
             raise ValueError("the Triton kernel's FP8 attention loads its operands through pointers: give a "
                              "TileConfig with tma=False")
+        operands = quantize(q, k, v, kv_len, cfg.block_m, cfg.block_n, operand_order=hopper_kernel)
+        if hopper_kernel:
+            attention_hopper.launch(call, cfg, TmaRows.HEADS, fp8=operands)
         else:
             launch_triton(call, cfg, use_tma=False, fp8=operands)
     elif isinstance(cfg, HopperConfig):
@@ -371,8 +372,11 @@ def _forward_offsets(call: AttentionCall) -> tuple[int, int]:
 def launch_triton(call: AttentionCall, cfg: TileConfig, use_tma: bool, fp8: QuantizedOperands | None = None,
                   warmup: bool = False) -> None:
     """Run the Triton kernel on a call flash_attention checked; `fp8`: its products read these operands
-    (attention_fp8.quantize, for cfg's tiles). `warmup` only compiles it for the active driver's target (the CPU
-    tests compile for sm_90a without a GPU)."""
+    (attention_fp8.quantize, for cfg's tiles, in key order). `warmup` only compiles it for the active driver's
+    target (the CPU tests compile for sm_90a without a GPU)."""
+    if fp8 is not None and fp8.v_order is not ValueOrder.KEYS:
+        raise ValueError("the Triton kernel's FP8 attention reads values in key order: attention_fp8.quantize(..., "
+                         "operand_order=False)")
     q, k = call.q, call.k
     out, lse = call.result.out, call.result.lse
     batch, q_len, heads, head_dim = q.shape

@@ -5,6 +5,7 @@ whose fields the kernel reads by name)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import NamedTuple
 
 import torch
@@ -184,12 +185,19 @@ class DeviceAddress(NamedTuple):
         return self.address
 
 
+class ValueOrder(IntEnum):
+    """The order of FP8 values' keys: each kernel reads one (an int, as the kernels take their records whole)."""
+
+    KEYS = 0  # the Triton kernel's
+    OPERAND = 1  # the Hopper kernel's: each 32-key slice as its p·v operand takes it (attention_fp8.OPERAND_KEY_ORDER)
+
+
 class QuantizedOperands(NamedTuple):
     """q, k, v as the attention kernel's products read them with fp8=True (kernels/attention_fp8.py): q and k
     INT8, v e4m3, with `*_strides` as Strides says (v's `seq` is the stride between its channels, its keys
     contiguous), and their float32 scales: q_scale (B, H, query tiles), k_scale (B, H_kv, key tiles), v_scale
     (B, H_kv, D); what the smoothing took: v_mean (B, H_kv, D), the values' mean, and q_shift (B, H, Sq), each
-    query's q · mean key."""
+    query's q · mean key; `v_order`, the order of v's keys."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -202,6 +210,7 @@ class QuantizedOperands(NamedTuple):
     v_scale: torch.Tensor
     v_mean: torch.Tensor
     q_shift: torch.Tensor
+    v_order: ValueOrder
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ Quantizing in a separate pass (rather than in the attention kernel's loads) read
 per query tile, and leaves the attention kernel's loop as it was, reading 8-bit tiles and one scale per tile."""
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from .attention_args import QuantizedOperands, Strides
+from .attention_args import QuantizedOperands, Strides, ValueOrder
 from .fp8 import E4M3_MAX, to_e4m3
 
 # the kernels' constants (the host reads their `.value`)
@@ -33,6 +35,15 @@ INT8_MAX = tl.constexpr(127.0)
 # scores (attention.py: a large negative times that product) negligible
 SMALLEST_RANGE = tl.constexpr(1e-4)
 CHANNEL_ALIGN = 16  # channel-major v rows are padded to whole 16-byte vectors
+# Hopper's FP8 p·v takes its register operand as four consecutive keys a register, where the q·kᵀ accumulator holds
+# each thread's scores as key pairs 8 apart. The Hopper kernel relabels each 32-key slice of a score tile, viewed as
+# (16s, 8s, 4s and 2s, 1s), in the order (16s, 4s and 2s, 8s, 1s): the relabelled tile's register layout is then
+# the operand's, and the weights need no shuffling. The values' keys follow that order (quantize's operand_order).
+OPERAND_KEY_SLICE = (2, 2, 4, 2)
+OPERAND_KEY_ORDER = (0, 2, 1, 3)
+SLICE_KEYS = tl.constexpr(math.prod(OPERAND_KEY_SLICE))
+_TILE_SLICE = tl.constexpr(list(OPERAND_KEY_SLICE))
+_TILE_DIMS = tl.constexpr([0] + [d + 1 for d in OPERAND_KEY_ORDER])  # of a (slices,) + slice view
 
 
 @triton.jit
@@ -51,18 +62,24 @@ def key_tile_scale(qk_scale, k_scales, start_n, BLOCK_N: tl.constexpr, FP8: tl.c
 
 
 @triton.jit
-def _quantize_kernel(X, Out, Scale, Mean, Shift, x_strides, o_strides, o_channel, rows, heads, kv_group,
+def _quantize_kernel(X, Out, Scale, Mean, Shift, x_strides, o_strides, o_channel, rows, out_rows, heads, kv_group,
                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SMOOTH: tl.constexpr, SHIFT: tl.constexpr,
-                     VALUES: tl.constexpr):
-    """One tile of BLOCK rows [0, rows) of one (batch, head) of X (B, S, H, D) into Out (element strides
-    o_strides, o_channel between channels): INT8 with the tile's scale stored into Scale (B, H, tiles), or with
-    VALUES, e4m3 with the channels' scales Scale (B, H, D). SMOOTH: minus Mean (B, H, D) first. SHIFT: Shift
-    (B, H, rows) gets each row's dot product with its key head's Mean (B, H / kv_group, D)."""
+                     VALUES: tl.constexpr, REORDER: tl.constexpr):
+    """One tile of BLOCK rows of one (batch, head) of Out (element strides o_strides, o_channel between channels)
+    from rows [0, rows) of X (B, S, H, D): INT8 with the tile's scale stored into Scale (B, H, tiles), or with
+    VALUES, e4m3 with the channels' scales Scale (B, H, D), Out's rows [0, out_rows) written whole (zeros past
+    the rows). REORDER: each 32-row slice of Out holds X's rows in the Hopper kernel's operand order. SMOOTH: minus
+    Mean (B, H, D) first. SHIFT: Shift (B, H, rows) gets each row's dot product with its key head's Mean
+    (B, H / kv_group, D)."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     batch = (bh // heads).to(tl.int64)
     h = bh % heads
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    out_offs = tile * BLOCK + tl.arange(0, BLOCK)
+    offs = out_offs
+    if REORDER:  # the rows in the operand's order: the tile's row indices, relabelled
+        slices = tl.reshape(tl.arange(0, BLOCK), [BLOCK // SLICE_KEYS] + _TILE_SLICE)
+        offs = tile * BLOCK + tl.reshape(tl.permute(slices, _TILE_DIMS.value), [BLOCK])
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs < rows
     x = tl.load(X + batch * x_strides.batch + h * x_strides.head + offs[:, None] * x_strides.seq + offs_d[None, :],
@@ -73,10 +90,11 @@ def _quantize_kernel(X, Out, Scale, Mean, Shift, x_strides, o_strides, o_channel
         key_head = batch * (heads // kv_group) + h // kv_group
         mean = tl.load(Mean + key_head * HEAD_DIM + offs_d)
         tl.store(Shift + bh.to(tl.int64) * rows + offs, tl.sum(x * mean[None, :], 1), mask=ok)
-    at = batch * o_strides.batch + h * o_strides.head + offs[:, None] * o_strides.seq + offs_d[None, :] * o_channel
+    at = (batch * o_strides.batch + h * o_strides.head + out_offs[:, None] * o_strides.seq
+          + offs_d[None, :] * o_channel)
     if VALUES:
         scale = tl.load(Scale + bh.to(tl.int64) * HEAD_DIM + offs_d)[None, :]
-        tl.store(Out + at, to_e4m3(x / scale), mask=ok[:, None])
+        tl.store(Out + at, to_e4m3(x / scale), mask=(out_offs < out_rows)[:, None])
     else:
         scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), SMALLEST_RANGE) / INT8_MAX
         tl.store(Scale + bh.to(tl.int64) * tl.num_programs(0) + tile, scale)
@@ -92,10 +110,14 @@ def _heads_major(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, block_m: int, block_n: int,
-             warmup: bool = False) -> QuantizedOperands:
+             operand_order: bool = False, warmup: bool = False) -> QuantizedOperands:
     """q (B, Sq, H, D), and keys [0, kv_len) of k and v (B, Skv, H_kv, D), as FP8 attention's operands for
-    query tiles of `block_m` rows and key tiles of `block_n`. `warmup` only compiles the kernel for the active
-    driver's target (the CPU tests compile for sm_90a without a GPU)."""
+    query tiles of `block_m` rows and key tiles of `block_n`. `operand_order`: each 32-key slice of the values in
+    the Hopper kernel's operand order (OPERAND_KEY_ORDER; block_n a multiple of 32), else in key order. `warmup`
+    only compiles the kernel for the active driver's target (the CPU tests compile for sm_90a without a GPU)."""
+    if operand_order and block_n % SLICE_KEYS.value:
+        raise ValueError(f"values in the operand's key order come in tiles of whole {SLICE_KEYS.value}-key slices, got "
+                         f"{block_n}-key tiles")
     batch, q_len, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     keys, values = k[:, :kv_len], v[:, :kv_len]
@@ -104,11 +126,12 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, blo
     v_range = torch.maximum(v_mean - low.float(), high.float() - v_mean)  # each channel's largest |v - mean|
     v_scale = v_range.clamp_min(SMALLEST_RANGE.value) / E4M3_MAX.value
     q8, k8 = _heads_major(q, q_len), _heads_major(k, kv_len)
-    channel_rows = triton.cdiv(kv_len, CHANNEL_ALIGN) * CHANNEL_ALIGN
+    # reordered, a slice's keys may land anywhere in it: whole slices
+    align = SLICE_KEYS.value if operand_order else CHANNEL_ALIGN
+    channel_rows = triton.cdiv(kv_len, align) * align
+    # the padding keys are written as zeros (the Hopper kernel loads whole tiles: uninitialised bytes could be
+    # e4m3's NaN, which a zero weight does not cancel)
     v8 = torch.empty(batch, kv_heads, head_dim, channel_rows, device=v.device, dtype=torch.float8_e4m3fn)
-    # the padding keys read as zeros (the Hopper kernel loads whole tiles: uninitialised bytes could be e4m3's NaN,
-    # which a zero weight does not cancel)
-    v8[..., kv_len:].zero_()
     q_scale = torch.empty(batch, heads, triton.cdiv(q_len, block_m), device=q.device, dtype=torch.float32)
     k_scale = torch.empty(batch, kv_heads, triton.cdiv(kv_len, block_n), device=q.device, dtype=torch.float32)
     q_shift = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
@@ -116,11 +139,12 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, blo
     def launch(x: torch.Tensor, out: torch.Tensor, rows: int, x_heads: int, scale: torch.Tensor, mean: torch.Tensor,
                block: int, out_strides: Strides, o_channel: int, smooth: bool = False, shift: bool = False,
                values: bool = False) -> None:
-        args = (x, out, scale, mean, q_shift, Strides.of(x), out_strides, o_channel, rows, x_heads,
+        out_rows = out.shape[-1] if values else rows
+        args = (x, out, scale, mean, q_shift, Strides.of(x), out_strides, o_channel, rows, out_rows, x_heads,
                 heads // kv_heads)
         switches = dict(HEAD_DIM=head_dim, BLOCK=block, SMOOTH=smooth, SHIFT=shift, VALUES=values,
-                        num_warps=4)
-        grid = (triton.cdiv(rows, block), batch * x_heads)
+                        REORDER=values and operand_order, num_warps=4)
+        grid = (triton.cdiv(out_rows, block), batch * x_heads)
         if warmup:
             _quantize_kernel.warmup(*args, grid=grid, **switches)
         else:
@@ -132,4 +156,4 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, blo
            v8.stride(2), smooth=True, values=True)
     return QuantizedOperands(q8, k8, v8, Strides.of(q8), Strides.of(k8),
                              Strides(v8.stride(0), v8.stride(2), v8.stride(1)), q_scale, k_scale, v_scale, v_mean,
-                             q_shift)
+                             q_shift, ValueOrder.OPERAND if operand_order else ValueOrder.KEYS)

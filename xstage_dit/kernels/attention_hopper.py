@@ -21,7 +21,9 @@ the X-Stage ring the producer also forwards each key and value tile, once, from 
 buffers (TMA stores, `_produce`), so that the next ring step's block drains under this one's attention.
 With FP8 (flash_attention(fp8=True)) the products read kernels/attention_fp8.py's operands: INT8 q and k tiles
 (their q·kᵀ in int32, scaled per query tile and key tile), e4m3 values stored channel-major (the layout e4m3 p·v
-takes from shared memory), p scaled onto e4m3's range; each key tile's p·v is added to the float32 accumulator
+takes from shared memory), p scaled onto e4m3's range and converted in the registers that held its scores (each
+32-key slice relabelled into the register operand's order, which the values' keys follow: no shuffles between
+threads); each key tile's p·v is added to the float32 accumulator
 (the tensor cores sum FP8 products with fewer bits), and the scales and smoothing come out before the epilogue
 (`_restore_fp8`), which then runs as in bf16. A call that forwards its keys runs the Triton kernel instead.
 Shapes, masking and the epilogue mean what they mean in kernels/attention.py, which chooses between the kernels.
@@ -46,8 +48,8 @@ from triton.language.core import _aggregate as aggregate
 
 from ..sizes import ATTENTION_TILES
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, AttentionCall, DeviceAddress, QuantizedOperands,
-                             Strides)
-from .attention_fp8 import int_to_float, key_tile_scale
+                             Strides, ValueOrder)
+from .attention_fp8 import OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, SLICE_KEYS, int_to_float, key_tile_scale
 from .fp8 import E4M3_MAX, quantize_rows
 from .tables import ALIGN_ELEMENTS
 
@@ -57,6 +59,9 @@ WARPGROUP_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)  # the same, for the kernels
 _quantize_rows = gluon.jit(quantize_rows.fn)
 _int_to_float = gluon.jit(int_to_float.fn)
 _key_tile_scale = gluon.jit(key_tile_scale.fn)
+# an FP8 score tile viewed as (rows, 32-key slices) + OPERAND_KEY_SLICE, relabelled into p·v's operand order
+_KEY_SLICE = gl.constexpr(list(OPERAND_KEY_SLICE))
+_KEY_DIMS = gl.constexpr([0, 1] + [d + 2 for d in OPERAND_KEY_ORDER])
 LOG2_E4M3_MAX = gl.constexpr(math.log2(E4M3_MAX.value))  # FP8's p is scaled onto e4m3's range in its exponent
 
 
@@ -352,26 +357,51 @@ def _scores(s, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _issue_pv(p, v_tile, acc, zero_o, FP8: gl.constexpr):
+def _operand(p, dtype: gl.constexpr, layout: gl.constexpr, FP8: gl.constexpr):
+    """A key tile's weights p (float32, in the score accumulator's registers) as p·v's register operand `layout`.
+    FP8: as e4m3 bytes packed four to an int32 register (a loop-carried 8-bit tensor would be unpacked and repacked
+    a byte at a time), the keys relabelled into the operand's order (attention_fp8.OPERAND_KEY_ORDER, which the
+    values' rows follow), where every thread's registers already hold its operand's values: only their conversion
+    remains."""
+    if FP8:
+        ROWS: gl.constexpr = p.shape[0]
+        COLUMNS: gl.constexpr = p.shape[1]
+        p = gl.permute(gl.reshape(p, [ROWS, COLUMNS // SLICE_KEYS] + _KEY_SLICE), _KEY_DIMS.value)
+        p = gl.convert_layout(gl.reshape(p, [ROWS, COLUMNS]), layout, assert_trivial=True)
+        # each register's four columns: k0 k1 k2 k3 = (even: k0, k2), (odd: k1, k3)
+        even, odd = gl.split(gl.reshape(p, [ROWS, COLUMNS // 4, 2, 2]))
+        k0, k2 = gl.split(even)
+        k1, k3 = gl.split(odd)
+        operand = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [k0, k1, k2, k3], dtype=gl.int32, is_pure=True, pack=1)
+    else:
+        operand = gl.convert_layout(p.to(dtype), layout, assert_trivial=True)
+    return operand
+
+
+@gluon.jit
+def _issue_pv(operand, v_tile, acc, zero_o, layout: gl.constexpr, FP8: gl.constexpr):
     """Issue a key tile's p·v: accumulated into acc, or with FP8 into a fresh float32 tile (the caller adds it to
     acc: FP8 products accumulate in the tensor cores with fewer bits than float32) from channel-major values."""
     if FP8:
+        # the packed words as the 8-bit tensor wgmma takes: each word at its four bytes' places (copies in
+        # registers), passed through whole, so that the operand's registers are the words' own
+        words = gl.join(gl.join(operand, operand), gl.join(operand, operand))
+        p = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [words], dtype=gl.float8e4nv, is_pure=True,
+                                      pack=4)
+        p = gl.convert_layout(gl.reshape(p, [operand.shape[0], 4 * operand.shape[1]]), layout, assert_trivial=True)
         product = warpgroup_mma(p, v_tile.permute((1, 0)), zero_o, use_acc=False, is_async=True)
     else:
-        product = warpgroup_mma(p, v_tile, acc, is_async=True)
+        product = warpgroup_mma(operand, v_tile, acc, is_async=True)
     return product
 
 
 @gluon.jit
-def _retire(product, p, FP8: gl.constexpr):
-    """Waits for the p·v _issue_pv issued last, holding p's registers until then (else the compiler could reuse
-    them for the next tile's weights while the wgmma still reads them). warpgroup_mma_wait holds only 16- and
-    32-bit operands: an FP8 p is held by a use after the wait."""
-    if FP8:
-        product = warpgroup_mma_wait(0, deps=[product])
-        gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p], dtype=p.dtype, is_pure=False, pack=4)
-    else:
-        product, p = warpgroup_mma_wait(0, deps=[product, p])
+def _retire(product, operand):
+    """Waits for the p·v _issue_pv issued last, holding its operand's registers until then (else the compiler could
+    reuse them for the next tile's weights while the wgmma still reads them)."""
+    product, operand = warpgroup_mma_wait(0, deps=[product, operand])
     return product
 
 
@@ -434,7 +464,7 @@ def _attend(ring, it, c0, t0, first_key, n_tiles, scale, k_scales, keys, KeyMask
         s = _mask_keys(s, first_key * BLOCK_N, keys, KeyMask, HAS_KEY_MASK)
     p, m_i, alpha = _softmax(s, m_i, _key_tile_scale(scale, k_scales, first_key * BLOCK_N, BLOCK_N, FP8), P_SHIFT)
     l_i = gl.sum(p, 1)
-    p = gl.convert_layout(p.to(ring.v.dtype), P_LAYOUT, assert_trivial=not FP8)
+    p = _operand(p, ring.v.dtype, P_LAYOUT, FP8)
 
     for j in range(1, n_tiles):
         c = c0 + j
@@ -447,7 +477,7 @@ def _attend(ring, it, c0, t0, first_key, n_tiles, scale, k_scales, keys, KeyMask
             # the parity before a fresh barrier's first phase
             mbarrier.wait(ring.turn.index(WG), (t0 + j - WG) & 1)
         s = warpgroup_mma(q, ring.k.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        product = _issue_pv(p, ring.v.index(before), acc, zero_o, FP8)
+        product = _issue_pv(p, ring.v.index(before), acc, zero_o, P_LAYOUT, FP8)
         if PINGPONG:
             mbarrier.arrive(ring.turn.index(1 - WG))
         s = _scores(warpgroup_mma_wait(1, deps=[s]), FP8)
@@ -456,17 +486,17 @@ def _attend(ring, it, c0, t0, first_key, n_tiles, scale, k_scales, keys, KeyMask
         p_next, m_i, alpha = _softmax(s, m_i, _key_tile_scale(scale, k_scales, (first_key + j) * BLOCK_N, BLOCK_N,
                                                               FP8), P_SHIFT)
         l_i = l_i * alpha + gl.sum(p_next, 1)
-        product = _retire(product, p, FP8)
+        product = _retire(product, p)
         mbarrier.arrive(ring.free.index(before))
         acc = _accumulate(acc, product, FP8) * gl.expand_dims(gl.convert_layout(alpha, O_ROWS, assert_trivial=True),
                                                               1)
-        p = gl.convert_layout(p_next.to(ring.v.dtype), P_LAYOUT, assert_trivial=not FP8)
+        p = _operand(p_next, ring.v.dtype, P_LAYOUT, FP8)
 
     mbarrier.arrive(ring.q_free.index(WG))  # every q·kᵀ retired: the producer may load the next item's Q
     c = c0 + n_tiles - 1
     mbarrier.wait(ring.v_ready.index(c % STAGES), (c // STAGES) & 1)
-    product = _issue_pv(p, ring.v.index(c % STAGES), acc, zero_o, FP8)
-    product = _retire(product, p, FP8)
+    product = _issue_pv(p, ring.v.index(c % STAGES), acc, zero_o, P_LAYOUT, FP8)
+    product = _retire(product, p)
     mbarrier.arrive(ring.free.index(c % STAGES))
     return m_i, l_i, _accumulate(acc, product, FP8)
 
@@ -706,12 +736,15 @@ def _channel_descriptor(v: torch.Tensor, keys: int) -> TensorDescriptor:
 def launch(call: AttentionCall, config: HopperConfig, view: TmaRows, warmup: bool = False,
            fp8: QuantizedOperands | None = None) -> None:
     """Run the kernel on a call flash_attention checked, its q, k, v seen as `view` rows; with `fp8`, its
-    products read these operands instead (attention_fp8.quantize for config's tiles; they are heads-major: `view`
-    is ignored), and the call forwards no keys. `warmup` only compiles it for the active driver's target (the CPU
-    tests compile for sm_90a without a GPU)."""
+    products read these operands instead (attention_fp8.quantize for config's tiles, in the operand's key order;
+    they are heads-major: `view` is ignored), and the call forwards no keys. `warmup` only compiles it for the
+    active driver's target (the CPU tests compile for sm_90a without a GPU)."""
     if fp8 is not None and call.forward is not None:
         raise ValueError("the Hopper kernel's FP8 attention forwards no keys (its ring reads 8-bit tiles): the "
                          "Triton kernel forwards them")
+    if fp8 is not None and fp8.v_order is not ValueOrder.OPERAND:
+        raise ValueError("the Hopper kernel's FP8 attention reads values in its operand's key order: "
+                         "attention_fp8.quantize(..., operand_order=True)")
     q, k = (fp8.q, fp8.k) if fp8 is not None else (call.q, call.k)
     view = TmaRows.HEADS if fp8 is not None else view
     batch, q_len, heads, head_dim = q.shape
