@@ -23,7 +23,8 @@ import triton.language as tl  # noqa: E402
 
 from xstage_dit.kernels.attention import FP8_CONFIG, TileConfig, flash_attention  # noqa: E402
 from xstage_dit.kernels.attention_args import Store, ValueOrder  # noqa: E402
-from xstage_dit.kernels.attention_fp8 import OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, quantize  # noqa: E402
+from xstage_dit.kernels.attention_fp8 import (OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, offset_scores,  # noqa: E402
+                                             quantize, softmax_weights)
 from xstage_dit.kernels.fp8 import to_e4m3  # noqa: E402
 from xstage_dit.sp.attention.backends import (Precision, available_backends, backends, get_choice,  # noqa: E402
                                               resolve_backend)
@@ -183,6 +184,43 @@ def test_each_kernel_refuses_the_other_kernels_value_order():
                                 fp8=quantize(q, q, q, 64, 64, 64, operand_order=True))
     with pytest.raises(ValueError, match="whole 32-key slices, got 16-key tiles"):
         quantize(q, q, q, 64, 16, 16, operand_order=True)
+
+
+@triton.jit
+def _softmax_kernel(S, M, P, Scale, ROWS: tl.constexpr, KEYS: tl.constexpr, SHIFT: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    at = rows[:, None] * KEYS + tl.arange(0, KEYS)[None, :]
+    p, m, _ = softmax_weights(offset_scores(tl.load(S + at)), tl.load(M + rows), tl.load(Scale), SHIFT, True)
+    tl.store(P + at, p)
+    tl.store(M + rows, m)
+
+
+@pytest.mark.parametrize("device, scale", [("cpu", 1e-4), ("cpu", 1e-3), *(
+    pytest.param("cuda", scale, marks=pytest.mark.gpu) for scale in (1e-6, 1e-3, 0.1))])
+def test_fp8_softmax_takes_the_score_offset_out_once_a_row(device: str, scale: float):
+    """INT8 products' scores, offset by 1.5 * 2^23 into float32, and the online softmax's step over them: the row
+    maxima returned are those of the scores times the scale, within a float32 step of the offset times the scale
+    (the maximum the exponents subtract, rounded with the offset in it) and 2^-22 of the scale; each weight is 2 to
+    the power of its score times the scale less that row maximum (plus the shift), as float64 computes it from the
+    maximum returned, so that the weights' sums and the maxima give the log-sum-exp exactly. A GPU fuses the
+    exponent's multiply-add: within 2e-6 at any scale. Triton's interpreter rounds the product first, by up to
+    half a float32 step of 1.5 * 2^23 * scale."""
+    generator = torch.Generator().manual_seed(3)
+    spread = min(2**20, int(20 / scale))  # INT8 products over 128 channels stay below 2^21
+    scores = torch.randint(-spread, spread, (16, 64), generator=generator, dtype=torch.int32)
+    scores[:, 1] = scores[:, 0] - 3  # close runners-up
+    m_before = torch.full((16,), float("-inf"))
+    m_before[8:] = scores[8:].amax(1).double() * scale + 1.5  # rows whose running maximum stays above the tile's
+    shift = 8.8073549220576  # log2(448): the Hopper kernel's
+    p, m = torch.empty(16, 64, device=device), m_before.clone().to(device)
+    _softmax_kernel[(1,)](scores.to(device), m, p, torch.tensor([scale], device=device), 16, 64, shift)
+    m, p = m.cpu().double(), p.cpu().double()
+    maxima = torch.maximum(m_before.double(), scores.amax(1).double() * scale)
+    offset = 1.5 * 2**23 * scale
+    assert ((m - maxima).abs() <= 2**-23 * (offset + maxima.abs()) + 2**-21 * maxima.abs()).all()
+    expected = torch.exp2(scores.double() * scale - m[:, None] + shift)
+    bound = 2e-6 if device == "cuda" else 2e-6 + 2**-24 * 1.5 * 2**23 * scale
+    assert ((p - expected).abs() <= bound * expected + 1e-30).all(), ((p - expected).abs() / expected).max()
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from ..logging_utils import warn_once
 from . import attention_hopper
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionCall, Attended, Epilogue,
                              KeyForward, Merge, QuantizedOperands, Scatter, Store, Strides, ValueOrder)
-from .attention_fp8 import int_to_float, key_tile_scale, quantize
+from .attention_fp8 import key_tile_scale, offset_scores, quantize, softmax_weights
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
 from .fp8 import E4M3_MAX, quantize_rows, to_e4m3
 from .tables import ALIGN_ELEMENTS
@@ -37,10 +37,9 @@ from .tables import ALIGN_ELEMENTS
 
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr, FP8: tl.constexpr):
-    """One key tile of the online softmax: k is (HEAD_DIM, BLOCK_N), v is (BLOCK_N, HEAD_DIM).
+    """One key tile of the online softmax (attention_fp8.softmax_weights): k is (HEAD_DIM, BLOCK_N), v is
+    (BLOCK_N, HEAD_DIM).
 
-    The scale is applied to the row maximum and folded into the exponent's argument (one fused multiply-add
-    per score instead of a multiply and a subtract: the softmax, not the tensor cores, bounds this loop).
     Masked scores get a large finite negative, not -inf, so a tile whose keys are all masked cannot produce
     (-inf) - (-inf); its weights vanish once a real key raises the row maximum.
     FP8: q and k are INT8 and v e4m3 (qk_scale includes q's and k's scales); p, at most 1 once its row's maximum
@@ -49,12 +48,10 @@ def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr,
     accumulator."""
     scores = tl.dot(q, k)
     if FP8:
-        scores = int_to_float(scores)
+        scores = offset_scores(scores)
     if MASKED:
         scores = tl.where(key_ok[None, :], scores, -1.0e30)
-    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    p, m_new, alpha = softmax_weights(scores, m_i, qk_scale, 0.0, FP8)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if FP8:

@@ -46,11 +46,38 @@ _TILE_SLICE = tl.constexpr(list(OPERAND_KEY_SLICE))
 _TILE_DIMS = tl.constexpr([0] + [d + 1 for d in OPERAND_KEY_ORDER])  # of a (slices,) + slice view
 
 
+SCORE_OFFSET = tl.constexpr(12582912.0)  # 1.5 * 2^23, what offset_scores adds
+
+
 @triton.jit
-def int_to_float(x):
-    """int32 x, |x| < 2^22, as float32, exactly, with an integer add and a float subtract: x's bits added to those
-    of 1.5 * 2^23 make the float 1.5 * 2^23 + x. (q·kᵀ of INT8 q and k over 128 channels stays below 2^21.)"""
-    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+def offset_scores(x):
+    """int32 x, |x| < 2^22, as the float32 SCORE_OFFSET + x, exactly, with one integer add: x's bits added to those
+    of 1.5 * 2^23 (q·kᵀ of INT8 q and k over 128 channels stays below 2^21). softmax_weights takes the offset out
+    once a row instead of once a score."""
+    return (x + 0x4B400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def softmax_weights(scores, m_i, scale, SHIFT: tl.constexpr, FP8: tl.constexpr):
+    """Online-softmax step in base 2 for a (rows, keys) score tile: the weights 2^(scores * scale - m + SHIFT),
+    the new row maxima m and the factor that rescales what was accumulated under the old ones, m_i. The scale is
+    applied to the row maxima and folded into the exponent's argument: one fused multiply-add per score.
+    FP8's scores carry SCORE_OFFSET (offset_scores), which goes into each row's subtrahend instead: the scale loses
+    its last two mantissa bits (a relative change below 2^-22), so that the offset times it is exact, and m is
+    what the rounded subtrahend stands for: the weights, their sums and m agree to float32's precision of m."""
+    if FP8:
+        scale = (scale.to(tl.int32, bitcast=True) & -4).to(tl.float32, bitcast=True)
+        m_new = tl.maximum(m_i, (tl.max(scores, 1) - SCORE_OFFSET) * scale)
+        offset = SCORE_OFFSET * scale
+        subtrahend = (m_new - SHIFT) + offset
+        m_new = (subtrahend - offset) + SHIFT
+    else:
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * scale)
+        subtrahend = m_new - SHIFT
+    scales, scores = tl.broadcast(scale, scores)
+    subtrahends, scores = tl.broadcast(tl.expand_dims(subtrahend, 1), scores)
+    p = tl.math.exp2(tl.math.fma(scores, scales, -subtrahends))
+    return p, m_new, tl.math.exp2(m_i - m_new)
 
 
 @triton.jit

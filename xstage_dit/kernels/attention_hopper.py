@@ -49,7 +49,8 @@ from triton.language.core import _aggregate as aggregate
 from ..sizes import ATTENTION_TILES
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, AttentionCall, DeviceAddress, QuantizedOperands,
                              Strides, ValueOrder)
-from .attention_fp8 import OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, SLICE_KEYS, int_to_float, key_tile_scale
+from .attention_fp8 import (OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, SLICE_KEYS, key_tile_scale, offset_scores,
+                           softmax_weights)
 from .fp8 import E4M3_MAX, quantize_rows
 from .tables import ALIGN_ELEMENTS
 
@@ -57,7 +58,8 @@ ROWS_PER_WARPGROUP = ATTENTION_TILES.rows // 2  # query rows per consumer warpgr
 WARPGROUP_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)  # the same, for the kernels
 # one implementation each: the Triton kernels' source, as Gluon
 _quantize_rows = gluon.jit(quantize_rows.fn)
-_int_to_float = gluon.jit(int_to_float.fn)
+_offset_scores = gluon.jit(offset_scores.fn)
+_softmax = gluon.jit(softmax_weights.fn)
 _key_tile_scale = gluon.jit(key_tile_scale.fn)
 # an FP8 score tile viewed as (rows, 32-key slices) + OPERAND_KEY_SLICE, relabelled into p·v's operand order
 _KEY_SLICE = gl.constexpr(list(OPERAND_KEY_SLICE))
@@ -340,19 +342,10 @@ def _mask_keys(s, start_n, keys, KeyMask, HAS_KEY_MASK: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, scale, P_SHIFT: gl.constexpr):
-    """Online-softmax step in base 2 for a score tile: the weights p (times 2^P_SHIFT), the new row maximum and
-    the factor that rescales what was accumulated under the old one."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
-    p = gl.exp2(s * scale - gl.expand_dims(m_new - P_SHIFT, 1))
-    return p, m_new, gl.exp2(m_i - m_new)
-
-
-@gluon.jit
 def _scores(s, FP8: gl.constexpr):
-    """A q·kᵀ tile as float32 (FP8: from INT8 products' int32)."""
+    """A q·kᵀ tile as float32 (FP8: from INT8 products' int32, offset: attention_fp8.offset_scores)."""
     if FP8:
-        s = _int_to_float(s)
+        s = _offset_scores(s)
     return s
 
 
@@ -462,7 +455,8 @@ def _attend(ring, it, c0, t0, first_key, n_tiles, scale, k_scales, keys, KeyMask
     s = _scores(warpgroup_mma_wait(0, deps=[s]), FP8)
     if first_key >= last_full:
         s = _mask_keys(s, first_key * BLOCK_N, keys, KeyMask, HAS_KEY_MASK)
-    p, m_i, alpha = _softmax(s, m_i, _key_tile_scale(scale, k_scales, first_key * BLOCK_N, BLOCK_N, FP8), P_SHIFT)
+    tile_scale = _key_tile_scale(scale, k_scales, first_key * BLOCK_N, BLOCK_N, FP8)
+    p, m_i, alpha = _softmax(s, m_i, tile_scale, P_SHIFT, FP8)
     l_i = gl.sum(p, 1)
     p = _operand(p, ring.v.dtype, P_LAYOUT, FP8)
 
@@ -483,8 +477,8 @@ def _attend(ring, it, c0, t0, first_key, n_tiles, scale, k_scales, keys, KeyMask
         s = _scores(warpgroup_mma_wait(1, deps=[s]), FP8)
         if first_key + j >= last_full:
             s = _mask_keys(s, (first_key + j) * BLOCK_N, keys, KeyMask, HAS_KEY_MASK)
-        p_next, m_i, alpha = _softmax(s, m_i, _key_tile_scale(scale, k_scales, (first_key + j) * BLOCK_N, BLOCK_N,
-                                                              FP8), P_SHIFT)
+        tile_scale = _key_tile_scale(scale, k_scales, (first_key + j) * BLOCK_N, BLOCK_N, FP8)
+        p_next, m_i, alpha = _softmax(s, m_i, tile_scale, P_SHIFT, FP8)
         l_i = l_i * alpha + gl.sum(p_next, 1)
         product = _retire(product, p)
         mbarrier.arrive(ring.free.index(before))
