@@ -19,25 +19,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
 
-
-class Sm90Driver:
-    """Just what JITFunction.warmup asks of a driver."""
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
+from xstage_dit.testing.sm90_target import target_sm90
 
 
 def main() -> None:
-    driver.set_active(Sm90Driver())
+    target_sm90()
     from xstage_dit.kernels import attention_hopper as hopper
     from xstage_dit.kernels.attention_args import (AttentionCall, KeyForward, Merge, PayloadScales, Running, Scatter,
                                                    Store)

@@ -306,6 +306,26 @@ def test_hopper_kernel_compiles():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_fp8_weights_reach_their_product_without_shuffles(tmp_path):
+    """Without a GPU: examples/kernel_sass.py's count of the Hopper kernel's FP8 key loop on sm_90a. Its weights
+    go from the score registers to p·v's operand with conversions alone (no byte permutes; the only shuffles are
+    the row maxima's and sums' reductions, as in bf16), and nothing in the loop spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "kernel_sass.py"
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "sass")], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    loops = {r["variant"]: r["key_loop_by_opcode"] for r in json.loads((tmp_path / "sass.json").read_text())}
+    assert loops["fp8"].get("PRMT", 0) == 0 and loops["fp8"].get("SHFL", 0) == loops["bf16"].get("SHFL", 0), loops
+    assert not any(loop.get(op, 0) for loop in loops.values() for op in ("STL", "LDL")), loops
+
+
 def _norm_rope_reference(x, weight, eps, cos, sin):
     """diffusers' order: the RMSNorm module's output (in x's dtype), rotated in float32, rounded once."""
     from diffusers.models.embeddings import apply_rotary_emb
