@@ -198,13 +198,13 @@ def _softmax_kernel(S, M, P, Scale, ROWS: tl.constexpr, KEYS: tl.constexpr, SHIF
 @pytest.mark.parametrize("device, scale", [("cpu", 1e-4), ("cpu", 1e-3), *(
     pytest.param("cuda", scale, marks=pytest.mark.gpu) for scale in (1e-6, 1e-3, 0.1))])
 def test_fp8_softmax_takes_the_score_offset_out_once_a_row(device: str, scale: float):
-    """INT8 products' scores, offset by 1.5 * 2^23 into float32, and the online softmax's step over them: the row
-    maxima returned are those of the scores times the scale, within a float32 step of the offset times the scale
-    (the maximum the exponents subtract, rounded with the offset in it) and 2^-22 of the scale; each weight is 2 to
-    the power of its score times the scale less that row maximum (plus the shift), as float64 computes it from the
-    maximum returned, so that the weights' sums and the maxima give the log-sum-exp exactly. A GPU fuses the
-    exponent's multiply-add: within 2e-6 at any scale. Triton's interpreter rounds the product first, by up to
-    half a float32 step of 1.5 * 2^23 * scale."""
+    """INT8 products' scores, offset by 1.5 * 2^23 into float32, and the online softmax's step over them, with the
+    scale it uses (its last two mantissa bits dropped): the row maxima returned are those of the scores times that
+    scale, within a float32 step of the offset times the scale (the maximum the exponents subtract, rounded with
+    the offset in it); each weight is 2 to the power of its score times the scale less that row maximum (plus the
+    shift), as float64 computes it from the maximum returned, so that the weights' sums and the maxima give the
+    log-sum-exp exactly. A GPU fuses the exponent's multiply-add: within 2e-6 at any scale. Triton's interpreter
+    rounds the product first, by up to half a float32 step of 1.5 * 2^23 * scale."""
     generator = torch.Generator().manual_seed(3)
     spread = min(2**20, int(20 / scale))  # INT8 products over 128 channels stay below 2^21
     scores = torch.randint(-spread, spread, (16, 64), generator=generator, dtype=torch.int32)
@@ -215,10 +215,11 @@ def test_fp8_softmax_takes_the_score_offset_out_once_a_row(device: str, scale: f
     p, m = torch.empty(16, 64, device=device), m_before.clone().to(device)
     _softmax_kernel[(1,)](scores.to(device), m, p, torch.tensor([scale], device=device), 16, 64, shift)
     m, p = m.cpu().double(), p.cpu().double()
-    maxima = torch.maximum(m_before.double(), scores.amax(1).double() * scale)
-    offset = 1.5 * 2**23 * scale
-    assert ((m - maxima).abs() <= 2**-23 * (offset + maxima.abs()) + 2**-21 * maxima.abs()).all()
-    expected = torch.exp2(scores.double() * scale - m[:, None] + shift)
+    used = (torch.tensor([scale]).view(torch.int32) & -4).view(torch.float32).double()
+    maxima = torch.maximum(m_before.double(), scores.amax(1).double() * used)
+    offset = 1.5 * 2**23 * used
+    assert ((m - maxima).abs() <= 2**-23 * (offset + maxima.abs())).all()
+    expected = torch.exp2(scores.double() * used - m[:, None] + shift)
     bound = 2e-6 if device == "cuda" else 2e-6 + 2**-24 * 1.5 * 2**23 * scale
     assert ((p - expected).abs() <= bound * expected + 1e-30).all(), ((p - expected).abs() / expected).max()
 

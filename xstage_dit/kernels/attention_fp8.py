@@ -11,7 +11,8 @@ with float32 scales and float32 sums across key tiles:
 - v: smoothed too (its mean over the attended keys, `v_mean`, comes back as a term of the output: the softmax's
   weights sum to one), then e4m3 with one scale per channel (it factors out of p·v: applied once to the output),
   stored channel-major (each channel's keys contiguous), the operand layout Hopper's FP8 tensor-core
-  instructions take for p·v.
+  instructions take for p·v; for the Hopper kernel, each 32-key slice in the order its p·v takes the weights
+  (OPERAND_KEY_ORDER), padding keys zeros.
 
 INT8 rather than e4m3 for q·kᵀ, at the same tensor-core rate: a tile's INT8 step is 1/127 of its largest value,
 four times finer than e4m3's relative step (1/8, its 3 mantissa bits) for a value a quarter that size.
@@ -44,8 +45,6 @@ OPERAND_KEY_ORDER = (0, 2, 1, 3)
 SLICE_KEYS = tl.constexpr(math.prod(OPERAND_KEY_SLICE))
 _TILE_SLICE = tl.constexpr(list(OPERAND_KEY_SLICE))
 _TILE_DIMS = tl.constexpr([0] + [d + 1 for d in OPERAND_KEY_ORDER])  # of a (slices,) + slice view
-
-
 SCORE_OFFSET = tl.constexpr(12582912.0)  # 1.5 * 2^23, what offset_scores adds
 
 

@@ -30,9 +30,8 @@ _DROPPED = tl.constexpr(20)
 _BELOW_HALF = tl.constexpr(0x7FFFF)  # half of the last kept bit, less one: ties round to even
 _KEPT = tl.constexpr(-1048576)  # 0xFFF00000 as int32: sign, exponent and the 3 mantissa bits kept
 _SIGN = tl.constexpr(-2147483648)  # 0x80000000 as int32
-# Triton's CPU interpreter runs the kernels (read as triton.jit reads it, when the kernels are defined)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_ROUND_IN_FLOAT32 = tl.constexpr(INTERPRETED)
+# where Triton's CPU interpreter runs the kernels (read as triton.jit reads it, when the kernels are defined)
+_ROUND_IN_FLOAT32 = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
