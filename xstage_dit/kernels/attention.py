@@ -29,7 +29,7 @@ from ..logging_utils import warn_once
 from . import attention_hopper
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionCall, Attended, Epilogue,
                              KeyForward, Merge, QuantizedOperands, Scatter, Store, Strides, ValueOrder)
-from .attention_fp8 import key_tile_scale, offset_scores, quantize, softmax_weights
+from .attention_fp8 import LOG2_E4M3_MAX, key_tile_scale, offset_scores, quantize, softmax_weights
 from .attention_hopper import HopperConfig, TmaRows, tma_rows
 from .fp8 import E4M3_MAX, quantize_rows, to_e4m3
 from .tables import ALIGN_ELEMENTS
@@ -43,19 +43,20 @@ def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED: tl.constexpr,
     Masked scores get a large finite negative, not -inf, so a tile whose keys are all masked cannot produce
     (-inf) - (-inf); its weights vanish once a real key raises the row maximum.
     FP8: q and k are INT8 and v e4m3 (qk_scale includes q's and k's scales); p, at most 1 once its row's maximum
-    is subtracted, is scaled onto e4m3's range (the caller divides that out with v's scales), and the tile's p·v
-    is added to the float32 accumulator here rather than summed across tiles in the tensor cores' narrower FP8
-    accumulator."""
+    is subtracted, is scaled onto e4m3's range in its exponent (its row sums and the accumulator carry that
+    factor, which the caller divides out), and the tile's p·v is added to the float32 accumulator here rather than
+    summed across tiles in the tensor cores' narrower FP8 accumulator."""
     scores = tl.dot(q, k)
     if FP8:
         scores = offset_scores(scores)
     if MASKED:
         scores = tl.where(key_ok[None, :], scores, -1.0e30)
-    p, m_new, alpha = softmax_weights(scores, m_i, qk_scale, 0.0, FP8)
+    SHIFT: tl.constexpr = LOG2_E4M3_MAX if FP8 else 0.0
+    p, m_new, alpha = softmax_weights(scores, m_i, qk_scale, SHIFT, FP8)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if FP8:
-        acc = acc + tl.dot(to_e4m3(p * E4M3_MAX), v)
+        acc = acc + tl.dot(to_e4m3(p), v)
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
@@ -182,6 +183,7 @@ def _attention_kernel(
         # p's e4m3 range and v's channel scales out of the output, and what the smoothing took back in: the values'
         # mean (acc / l_i gains it) and each query's q · mean key (its log-sum-exp's, in base 2)
         at_channels = kv_bh * HEAD_DIM + offs_d
+        l_i = l_i / E4M3_MAX
         acc = (acc * (tl.load(fp8.v_scale + at_channels) / E4M3_MAX)[None, :]
                + l_i[:, None] * tl.load(fp8.v_mean + at_channels)[None, :])
         m_i += tl.load(fp8.q_shift + pid_bh.to(tl.int64) * q_len + offs_m, mask=row_ok, other=0.0) * qk_scale

@@ -46,6 +46,7 @@ SLICE_KEYS = tl.constexpr(math.prod(OPERAND_KEY_SLICE))
 _TILE_SLICE = tl.constexpr(list(OPERAND_KEY_SLICE))
 _TILE_DIMS = tl.constexpr([0] + [d + 1 for d in OPERAND_KEY_ORDER])  # of a (slices,) + slice view
 SCORE_OFFSET = tl.constexpr(12582912.0)  # 1.5 * 2^23, what offset_scores adds
+LOG2_E4M3_MAX = tl.constexpr(math.log2(E4M3_MAX.value))  # FP8's p is scaled onto e4m3's range in its exponent
 
 
 @triton.jit

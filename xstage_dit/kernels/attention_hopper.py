@@ -32,7 +32,6 @@ travel between the partitions as one Ring.
 
 (No `from __future__ import annotations` here: Triton checks an aggregate's fields against its annotations.)"""
 import functools
-import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -49,8 +48,8 @@ from triton.language.core import _aggregate as aggregate
 from ..sizes import ATTENTION_TILES
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, AttentionCall, DeviceAddress, QuantizedOperands,
                              Strides, ValueOrder)
-from .attention_fp8 import (OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, SLICE_KEYS, key_tile_scale, offset_scores,
-                           softmax_weights)
+from .attention_fp8 import (LOG2_E4M3_MAX, OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, SLICE_KEYS, key_tile_scale,
+                           offset_scores, softmax_weights)
 from .fp8 import E4M3_MAX, quantize_rows
 from .tables import ALIGN_ELEMENTS
 
@@ -64,7 +63,6 @@ _key_tile_scale = gluon.jit(key_tile_scale.fn)
 # an FP8 score tile viewed as (rows, 32-key slices) + OPERAND_KEY_SLICE, relabelled into p·v's operand order
 _KEY_SLICE = gl.constexpr(list(OPERAND_KEY_SLICE))
 _KEY_DIMS = gl.constexpr([0, 1] + [d + 2 for d in OPERAND_KEY_ORDER])
-LOG2_E4M3_MAX = gl.constexpr(math.log2(E4M3_MAX.value))  # FP8's p is scaled onto e4m3's range in its exponent
 
 
 @dataclass(frozen=True)
