@@ -27,7 +27,6 @@ from xstage_dit.testing.sm90_target import target_sm90  # noqa: E402
 
 # a SASS line: /*address*/ [predicate] OPCODE.modifiers operands ;
 _LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_BACKWARD_BRANCH = re.compile(r"BRA\s+(?:`?\(?\.?L?_?x?_?\d*\)?)?\s*0x([0-9a-f]+)")
 
 
 def _sass(cubin: Path) -> list[tuple[int, str]]:
@@ -45,9 +44,10 @@ def key_loop(sass: list[tuple[int, str]]) -> list[str]:
     index = {address: i for i, (address, _) in enumerate(sass)}
     loops = []
     for i, (address, instruction) in enumerate(sass):
-        target = _BACKWARD_BRANCH.search(instruction) if "BRA" in instruction else None
-        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in index:
-            body = [text for _, text in sass[index[int(target.group(1), 16)]:i + 1]]
+        target = re.search(r"0x([0-9a-f]+)", instruction.split("BRA", 1)[1]) if "BRA" in instruction else None
+        start = int(target.group(1), 16) if target else address
+        if start < address and start in index:
+            body = [text for _, text in sass[index[start]:i + 1]]
             if sum("GMMA" in text for text in body) >= 2:
                 loops.append(body)
     return min(loops, key=len)
