@@ -7,6 +7,12 @@ within its bounds (numerics.FP8_ATTENTION_ERROR; its own tests: test_fp8_attenti
 On CPU they run in Triton's interpreter (float32, small shapes); on a GPU (marked) in bf16 at real sizes."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -292,35 +298,25 @@ def test_tail_split_fills_the_last_round():
                                               else split.split_from == work_tiles)
 
 
-def test_hopper_kernel_compiles():
-    """Without a GPU: the Gluon kernel still compiles to sm_90a machine code (ptxas included), in a subprocess
-    that points Triton at a stand-in sm_90 driver."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).with_name("compile_hopper_kernel.py")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compile, not interpret
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+def _compile_without_gpu(script: Path, *args: str) -> None:
+    """Run `script` (it points Triton at a stand-in sm_90 driver) in a subprocess that compiles our kernels rather
+    than interpreting them."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_hopper_kernel_compiles():
+    """Without a GPU: the Gluon kernel still compiles to sm_90a machine code (ptxas included)."""
+    _compile_without_gpu(Path(__file__).with_name("compile_hopper_kernel.py"))
 
 
 def test_fp8_weights_reach_their_product_without_shuffles(tmp_path):
     """Without a GPU: examples/kernel_sass.py's count of the Hopper kernel's FP8 key loop on sm_90a. Its weights
     go from the score registers to p·v's operand with conversions alone (no byte permutes; the only shuffles are
     the row maxima's and sums' reductions, as in bf16), and nothing in the loop spills."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "examples" / "kernel_sass.py"
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "sass")], capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    _compile_without_gpu(Path(__file__).resolve().parents[1] / "examples" / "kernel_sass.py", "--out",
+                         str(tmp_path / "sass"))
     loops = {r["variant"]: r["key_loop_by_opcode"] for r in json.loads((tmp_path / "sass.json").read_text())}
     assert loops["fp8"].get("PRMT", 0) == 0 and loops["fp8"].get("SHFL", 0) == loops["bf16"].get("SHFL", 0), loops
     assert not any(loop.get(op, 0) for loop in loops.values() for op in ("STL", "LDL")), loops
