@@ -24,7 +24,7 @@ import triton.language as tl  # noqa: E402
 from xstage_dit.kernels.attention import FP8_CONFIG, TileConfig, flash_attention  # noqa: E402
 from xstage_dit.kernels.attention_args import Store, ValueOrder  # noqa: E402
 from xstage_dit.kernels.attention_fp8 import (OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, offset_scores,  # noqa: E402
-                                             quantize, softmax_weights)
+                                             quantize, softmax_weights, to_operand_order)
 from xstage_dit.kernels.fp8 import to_e4m3  # noqa: E402
 from xstage_dit.sp.attention.backends import (Precision, available_backends, backends, get_choice,  # noqa: E402
                                               resolve_backend)
@@ -154,18 +154,24 @@ def test_quantized_operands_invert_to_the_inputs_interpreted(operand_order: bool
     torch.testing.assert_close(ops.q_shift, shift, rtol=1e-5, atol=1e-5)
 
 
+@triton.jit
+def _relabel_kernel(X, Out, ROWS: tl.constexpr, KEYS: tl.constexpr):
+    at = tl.arange(0, ROWS)[:, None] * KEYS + tl.arange(0, KEYS)[None, :]
+    tl.store(Out + at, to_operand_order(tl.load(X + at)))
+
+
 def test_the_operand_order_pairs_each_weight_with_its_value_interpreted():
-    """The Hopper kernel's FP8 p·v relabels each score tile's keys as attention_fp8.OPERAND_KEY_ORDER says (its
-    reshape and permute, done here by torch's); the values quantized in the operand order hold the same keys in the
-    same order, so the product equals the one in key order."""
+    """The Hopper kernel's FP8 p·v takes its weights relabelled by attention_fp8.to_operand_order (run here as
+    it is); the values quantized in the operand order hold the same keys in the same order, so the product equals
+    the one in key order."""
     keys, head_dim = 128, 64
     q, v = torch.randn(1, 16, 1, head_dim), torch.randn(1, keys, 1, head_dim)
     natural = quantize(q, v, v, keys, 16, 32).v[0, 0].double().T
     ordered = quantize(q, v, v, keys, 16, 32, operand_order=True).v[0, 0].double().T
-    p = torch.rand(16, keys, dtype=torch.float64)
-    relabelled = p.reshape(16, keys // 32, *OPERAND_KEY_SLICE).permute(
-        0, 1, *(d + 2 for d in OPERAND_KEY_ORDER)).reshape(16, keys)
-    torch.testing.assert_close(relabelled @ ordered, p @ natural, rtol=1e-12, atol=1e-12)
+    p = torch.rand(16, keys)
+    relabelled = torch.empty_like(p)
+    _relabel_kernel[(1,)](p, relabelled, 16, keys)
+    torch.testing.assert_close(relabelled.double() @ ordered, p.double() @ natural, rtol=1e-12, atol=1e-12)
 
 
 def test_each_kernel_refuses_the_other_kernels_value_order():

@@ -44,9 +44,19 @@ OPERAND_KEY_SLICE = (2, 2, 4, 2)
 OPERAND_KEY_ORDER = (0, 2, 1, 3)
 SLICE_KEYS = tl.constexpr(math.prod(OPERAND_KEY_SLICE))
 _TILE_SLICE = tl.constexpr(list(OPERAND_KEY_SLICE))
-_TILE_DIMS = tl.constexpr([0] + [d + 1 for d in OPERAND_KEY_ORDER])  # of a (slices,) + slice view
+_TILE_DIMS = tl.constexpr([0, 1] + [d + 2 for d in OPERAND_KEY_ORDER])  # of a (rows, slices) + slice view
 SCORE_OFFSET = tl.constexpr(12582912.0)  # 1.5 * 2^23, what offset_scores adds
 LOG2_E4M3_MAX = tl.constexpr(math.log2(E4M3_MAX.value))  # FP8's p is scaled onto e4m3's range in its exponent
+
+
+@triton.jit
+def to_operand_order(x):
+    """A (rows, keys) tile, keys a multiple of 32, with each 32-key slice's keys relabelled into OPERAND_KEY_ORDER:
+    the Hopper kernel's scores before its p·v, the quantization pass's value rows."""
+    ROWS: tl.constexpr = x.shape[0]
+    KEYS: tl.constexpr = x.shape[1]
+    x = tl.permute(tl.reshape(x, [ROWS, KEYS // SLICE_KEYS] + _TILE_SLICE), _TILE_DIMS.value)
+    return tl.reshape(x, [ROWS, KEYS])
 
 
 @triton.jit
@@ -105,8 +115,7 @@ def _quantize_kernel(X, Out, Scale, Mean, Shift, x_strides, o_strides, o_channel
     out_offs = tile * BLOCK + tl.arange(0, BLOCK)
     offs = out_offs
     if REORDER:  # the rows in the operand's order: the tile's row indices, relabelled
-        slices = tl.reshape(tl.arange(0, BLOCK), [BLOCK // SLICE_KEYS] + _TILE_SLICE)
-        offs = tile * BLOCK + tl.reshape(tl.permute(slices, _TILE_DIMS.value), [BLOCK])
+        offs = tile * BLOCK + tl.reshape(to_operand_order(tl.reshape(tl.arange(0, BLOCK), [1, BLOCK])), [BLOCK])
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs < rows
     x = tl.load(X + batch * x_strides.batch + h * x_strides.head + offs[:, None] * x_strides.seq + offs_d[None, :],

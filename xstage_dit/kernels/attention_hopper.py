@@ -48,8 +48,7 @@ from triton.language.core import _aggregate as aggregate
 from ..sizes import ATTENTION_TILES
 from .attention_args import (FP8_DTYPES, SUPPORTED_DTYPES, AttentionCall, DeviceAddress, QuantizedOperands,
                              Strides, ValueOrder)
-from .attention_fp8 import (LOG2_E4M3_MAX, OPERAND_KEY_ORDER, OPERAND_KEY_SLICE, SLICE_KEYS, key_tile_scale,
-                           offset_scores, softmax_weights)
+from .attention_fp8 import LOG2_E4M3_MAX, key_tile_scale, offset_scores, softmax_weights, to_operand_order
 from .fp8 import E4M3_MAX, quantize_rows
 from .tables import ALIGN_ELEMENTS
 
@@ -59,10 +58,8 @@ WARPGROUP_ROWS = gl.constexpr(ROWS_PER_WARPGROUP)  # the same, for the kernels
 _quantize_rows = gluon.jit(quantize_rows.fn)
 _offset_scores = gluon.jit(offset_scores.fn)
 _softmax = gluon.jit(softmax_weights.fn)
+_to_operand_order = gluon.jit(to_operand_order.fn)
 _key_tile_scale = gluon.jit(key_tile_scale.fn)
-# an FP8 score tile viewed as (rows, 32-key slices) + OPERAND_KEY_SLICE, relabelled into p·v's operand order
-_KEY_SLICE = gl.constexpr(list(OPERAND_KEY_SLICE))
-_KEY_DIMS = gl.constexpr([0, 1] + [d + 2 for d in OPERAND_KEY_ORDER])
 
 
 @dataclass(frozen=True)
@@ -357,8 +354,7 @@ def _operand(p, dtype: gl.constexpr, layout: gl.constexpr, FP8: gl.constexpr):
     if FP8:
         ROWS: gl.constexpr = p.shape[0]
         COLUMNS: gl.constexpr = p.shape[1]
-        p = gl.permute(gl.reshape(p, [ROWS, COLUMNS // SLICE_KEYS] + _KEY_SLICE), _KEY_DIMS.value)
-        p = gl.convert_layout(gl.reshape(p, [ROWS, COLUMNS]), layout, assert_trivial=True)
+        p = gl.convert_layout(_to_operand_order(p), layout, assert_trivial=True)
         # each register's four columns: k0 k1 k2 k3 = (even: k0, k2), (odd: k1, k3)
         even, odd = gl.split(gl.reshape(p, [ROWS, COLUMNS // 4, 2, 2]))
         k0, k2 = gl.split(even)
